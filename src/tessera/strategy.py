@@ -1,0 +1,400 @@
+"""The `Strategy` type: how one training job is laid out over its devices.
+
+Every part of tessera speaks this one language. The planner produces a Strategy, the runtime
+executes it, the simulator prices it, the scheduler resizes it and checkpoints record it.
+
+A Strategy checks itself when built (each field's own rule and the rules between fields), and
+checks itself against a world size and a model with :meth:`Strategy.validate_for`. A bad value
+is refused with :class:`StrategyError`, whose message names the field and the rule.
+
+Text form (for the command line and logs)::
+
+    dp=2,tp=1,pp=1,mbs=2,gbs=16
+    dp=4,tp=4,tp_mode=2d,pp=2,mbs=1,gbs=64,schedule=scp,recompute=1/0.5,memory=zero1
+
+``dp``, ``tp`` and ``pp`` always appear, ``sp`` when it is not 1, then ``mbs`` and ``gbs``, then
+every other field that differs from its default, so ``format(parse(text)) == text`` for text
+written in that canonical order.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from dataclasses import dataclass, field
+from typing import Any, Mapping, Protocol
+
+TP_MODES = ("1d", "2d")
+SP_MODES = ("ring", "rsa", "ulysses")
+SCHEDULES = ("gpipe", "1f1b", "interleaved", "scp")
+MEMORY_MODES = ("ddp", "zero1", "zero2", "zero3", "chunk")
+OFFLOAD_TIERS = ("cpu", "disk")
+PRECISIONS = ("fp32", "bf16", "fp16")
+
+# Short names used by the text form, and the dataclass field each one stands for.
+TEXT_ALIASES = {"mbs": "micro_batch_size", "gbs": "global_batch_size"}
+_FIELD_TO_TEXT = {v: k for k, v in TEXT_ALIASES.items()}
+
+
+class StrategyError(ValueError):
+    """A Strategy value (or its text form) breaks a rule; the message names field and rule."""
+
+
+class NotAvailableError(StrategyError):
+    """A valid Strategy asks for a feature that this build of tessera does not run yet."""
+
+
+class ModelShape(Protocol):
+    """What :meth:`Strategy.validate_for` needs to know about a model."""
+
+    n_layers: int
+    n_heads: int
+    n_kv_heads: int
+    max_seq_len: int
+
+
+@dataclass(frozen=True)
+class Strategy:
+    """How one training job runs: parallel degrees, batch sizes, schedule and memory.
+
+    Attributes:
+        dp: data-parallel degree.
+        tp: tensor-parallel degree (for ``tp_mode="2d"`` a square q*q grid).
+        tp_mode: "1d" (Megatron column/row) or "2d" (Optimus SUMMA on a q x q grid).
+        pp: pipeline-parallel degree (number of stages).
+        sp: sequence-parallel degree.
+        sp_mode: "ring" (online softmax), "rsa" (paper-faithful) or "ulysses" (all-to-all).
+        micro_batch_size: samples per micro-batch on one data-parallel rank (``mbs``).
+        global_batch_size: samples per optimizer step over all ranks (``gbs``).
+        schedule: pipeline schedule: "gpipe", "1f1b", "interleaved" or "scp" (shifted
+            critical path).
+        recompute: activation recomputation ratio per pipeline stage, each in [0, 1]; one value
+            applies to every stage. Text form: ``none``, ``full``, ``0.5`` or ``1/0.5/0``.
+        memory: "ddp" (replicated), "zero1", "zero2", "zero3" or "chunk" (PatrickStar).
+        offload: tiers model data may be offloaded to: any of "cpu", "disk".
+        precision: "fp32", "bf16" or "fp16" (the latter two as mixed precision).
+    """
+
+    dp: int = 1
+    tp: int = 1
+    tp_mode: str = "1d"
+    pp: int = 1
+    sp: int = 1
+    sp_mode: str = "ring"
+    micro_batch_size: int = 1
+    global_batch_size: int = 1
+    schedule: str = "1f1b"
+    recompute: tuple[float, ...] = (0.0,)
+    memory: str = "ddp"
+    offload: tuple[str, ...] = ()
+    precision: str = "fp32"
+
+    def __post_init__(self) -> None:
+        # Normalise list-like inputs so that equal strategies compare and hash equal.
+        object.__setattr__(self, "recompute", _as_ratios(self.recompute))
+        object.__setattr__(self, "offload", _as_tiers(self.offload))
+        self._check_fields()
+        self._check_relations()
+
+    # ----------------------------------------------------------------------------- checks
+    def _check_fields(self) -> None:
+        for name in ("dp", "tp", "pp", "sp", "micro_batch_size", "global_batch_size"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int):
+                raise StrategyError(f"{_label(name)} must be an integer, got {value!r}")
+            if value < 1:
+                raise StrategyError(f"{_label(name)} must be >= 1, got {value}")
+        _check_choice("tp_mode", self.tp_mode, TP_MODES)
+        _check_choice("sp_mode", self.sp_mode, SP_MODES)
+        _check_choice("schedule", self.schedule, SCHEDULES)
+        _check_choice("memory", self.memory, MEMORY_MODES)
+        _check_choice("precision", self.precision, PRECISIONS)
+
+    def _check_relations(self) -> None:
+        if self.tp_mode == "2d" and math.isqrt(self.tp) ** 2 != self.tp:
+            raise StrategyError(
+                f"tp={self.tp} with tp_mode=2d: tp must be a square (q*q grid), e.g. 4, 9, 16"
+            )
+        per_step = self.micro_batch_size * self.dp
+        if self.global_batch_size % per_step:
+            raise StrategyError(
+                f"gbs={self.global_batch_size} must be a multiple of mbs*dp="
+                f"{self.micro_batch_size}*{self.dp}={per_step}"
+            )
+        if len(self.recompute) not in (1, self.pp):
+            raise StrategyError(
+                f"recompute has {len(self.recompute)} ratios: give one for all stages or one "
+                f"per pipeline stage (pp={self.pp})"
+            )
+        if self.schedule == "interleaved" and self.pp < 2:
+            raise StrategyError("schedule=interleaved needs pp >= 2")
+        if self.offload and self.memory not in ("zero3", "chunk"):
+            raise StrategyError(
+                f"offload={'+'.join(self.offload)} needs memory=zero3 or memory=chunk, "
+                f"got memory={self.memory}"
+            )
+        if self.memory != "ddp" and self.dp == 1 and self.memory != "chunk":
+            raise StrategyError(f"memory={self.memory} shards over data parallelism: needs dp > 1")
+
+    # ---------------------------------------------------------------------- derived values
+    @property
+    def world_size(self) -> int:
+        """Number of devices this strategy occupies: dp * tp * pp * sp."""
+        return self.dp * self.tp * self.pp * self.sp
+
+    @property
+    def grad_accum_steps(self) -> int:
+        """Micro-batches each data-parallel rank runs per optimizer step."""
+        return self.global_batch_size // (self.micro_batch_size * self.dp)
+
+    @property
+    def tp_grid(self) -> tuple[int, int]:
+        """(rows, cols) of the tensor-parallel grid: (q, q) for 2d, (1, tp) for 1d."""
+        if self.tp_mode == "2d":
+            q = math.isqrt(self.tp)
+            return (q, q)
+        return (1, self.tp)
+
+    def stage_recompute(self, stage: int) -> float:
+        """Recomputation ratio of pipeline stage ``stage``."""
+        if not 0 <= stage < self.pp:
+            raise StrategyError(f"stage {stage} is outside 0..{self.pp - 1} (pp={self.pp})")
+        return self.recompute[0] if len(self.recompute) == 1 else self.recompute[stage]
+
+    def replace(self, **changes: Any) -> "Strategy":
+        """A copy with some fields changed (validated again)."""
+        return dataclasses.replace(self, **changes)
+
+    # ------------------------------------------------------------------ validate in context
+    def validate_for(self, world_size: int | None = None, model: ModelShape | None = None,
+                     seq_len: int | None = None) -> "Strategy":
+        """Check this strategy against a world size and a model; returns self.
+
+        Raises:
+            StrategyError: naming the field and the rule that does not hold.
+        """
+        if world_size is not None and self.world_size != world_size:
+            raise StrategyError(
+                f"dp*tp*pp*sp = {self.dp}*{self.tp}*{self.pp}*{self.sp} = {self.world_size} "
+                f"must equal the world size {world_size}"
+            )
+        if model is not None:
+            self._check_model(model, seq_len or model.max_seq_len)
+        return self
+
+    def _check_model(self, model: ModelShape, seq_len: int) -> None:
+        heads_split = math.isqrt(self.tp) if self.tp_mode == "2d" else self.tp
+        if model.n_heads % heads_split:
+            raise StrategyError(
+                f"tp={self.tp} (tp_mode={self.tp_mode}) splits heads {heads_split} ways: "
+                f"n_heads={model.n_heads} is not divisible by {heads_split}"
+            )
+        if self.tp_mode == "1d" and model.n_kv_heads % self.tp and self.tp % model.n_kv_heads:
+            raise StrategyError(
+                f"tp={self.tp}: n_kv_heads={model.n_kv_heads} must divide or be divisible by tp"
+            )
+        if model.n_layers < self.pp:
+            raise StrategyError(f"pp={self.pp} stages need n_layers >= pp, got {model.n_layers}")
+        if seq_len % self.sp:
+            raise StrategyError(f"sp={self.sp}: sequence length {seq_len} is not divisible by sp")
+        if self.sp > 1 and self.sp_mode == "ulysses" and model.n_heads % (self.sp * self.tp):
+            raise StrategyError(
+                f"sp_mode=ulysses: n_heads={model.n_heads} must be divisible by sp*tp="
+                f"{self.sp * self.tp}"
+            )
+
+    # -------------------------------------------------------------------------- text form
+    def to_text(self) -> str:
+        """The canonical short text form, e.g. ``dp=2,tp=1,pp=1,mbs=2,gbs=16``."""
+        parts = [f"dp={self.dp}", f"tp={self.tp}", f"pp={self.pp}"]
+        if self.sp != 1:
+            parts.append(f"sp={self.sp}")
+        parts += [f"mbs={self.micro_batch_size}", f"gbs={self.global_batch_size}"]
+        default = _DEFAULT
+        for name in ("tp_mode", "sp_mode", "schedule", "recompute", "memory", "offload",
+                     "precision"):
+            value = getattr(self, name)
+            if value != getattr(default, name):
+                parts.append(f"{name}={_format_value(name, value)}")
+        return ",".join(parts)
+
+    def __str__(self) -> str:
+        return self.to_text()
+
+    @classmethod
+    def parse(cls, text: str) -> "Strategy":
+        """Parse the text form; unknown keys, repeated keys and bad values are refused."""
+        return cls.from_mapping(_split_text(text))
+
+    @classmethod
+    def from_mapping(cls, values: Mapping[str, Any]) -> "Strategy":
+        """Build from a mapping of field names (or ``mbs``/``gbs``) to values or strings."""
+        kwargs: dict[str, Any] = {}
+        for key, raw in values.items():
+            name = TEXT_ALIASES.get(key, key)
+            if name not in _FIELD_NAMES:
+                raise StrategyError(
+                    f"unknown strategy field {key!r}; known: {', '.join(sorted(_TEXT_KEYS))}"
+                )
+            if name in kwargs:
+                raise StrategyError(f"strategy field {key!r} given twice")
+            kwargs[name] = _parse_value(name, raw)
+        return cls(**kwargs)
+
+    def to_dict(self) -> dict[str, Any]:
+        """Plain JSON-ready dict (lists for tuples)."""
+        out = dataclasses.asdict(self)
+        out["recompute"] = list(self.recompute)
+        out["offload"] = list(self.offload)
+        return out
+
+    def require_available(self, features: "Mapping[str, bool] | None" = None) -> None:
+        """Refuse fields whose runtime is not built yet, with a clear error.
+
+        Args:
+            features: which optional runtimes exist (defaults to :data:`AVAILABLE`).
+
+        Raises:
+            NotAvailableError: naming the field, its value and the issue that builds it.
+        """
+        features = AVAILABLE if features is None else features
+        for feature, (test, issue) in _FEATURE_GATES.items():
+            if test(self) and not features.get(feature, False):
+                raise NotAvailableError(
+                    f"{feature} ({_describe_gate(feature, self)}) is not available yet in this "
+                    f"build of tessera (tracked in issue #{issue}); use "
+                    f"{_FALLBACK[feature]}"
+                )
+
+
+# Runtimes built so far. Each later parallelism flips its entry when it lands.
+AVAILABLE: dict[str, bool] = {
+    "tensor parallelism": False,
+    "sequence parallelism": False,
+    "pipeline parallelism": False,
+    "sharded or chunked memory": False,
+    "offload": False,
+}
+
+_FEATURE_GATES = {
+    "tensor parallelism": (lambda s: s.tp > 1, 4),
+    "sequence parallelism": (lambda s: s.sp > 1, 5),
+    "pipeline parallelism": (lambda s: s.pp > 1, 6),
+    "sharded or chunked memory": (lambda s: s.memory != "ddp", 3),
+    "offload": (lambda s: bool(s.offload), 3),
+}
+_FALLBACK = {
+    "tensor parallelism": "tp=1",
+    "sequence parallelism": "sp=1",
+    "pipeline parallelism": "pp=1",
+    "sharded or chunked memory": "memory=ddp",
+    "offload": "no offload",
+}
+
+
+def _describe_gate(feature: str, s: Strategy) -> str:
+    return {
+        "tensor parallelism": f"tp={s.tp}, tp_mode={s.tp_mode}",
+        "sequence parallelism": f"sp={s.sp}, sp_mode={s.sp_mode}",
+        "pipeline parallelism": f"pp={s.pp}, schedule={s.schedule}",
+        "sharded or chunked memory": f"memory={s.memory}",
+        "offload": f"offload={'+'.join(s.offload)}",
+    }[feature]
+
+
+# ---------------------------------------------------------------------------- text helpers
+_FIELD_NAMES = {f.name for f in dataclasses.fields(Strategy)}
+_TEXT_KEYS = {_FIELD_TO_TEXT.get(n, n) for n in _FIELD_NAMES}
+_INT_FIELDS = {"dp", "tp", "pp", "sp", "micro_batch_size", "global_batch_size"}
+
+
+def _label(name: str) -> str:
+    short = _FIELD_TO_TEXT.get(name)
+    return f"{short} ({name})" if short else name
+
+
+def _check_choice(name: str, value: Any, choices: tuple[str, ...]) -> None:
+    if value not in choices:
+        raise StrategyError(f"{name} must be one of {', '.join(choices)}; got {value!r}")
+
+
+def _split_text(text: str) -> dict[str, str]:
+    if not isinstance(text, str) or not text.strip():
+        raise StrategyError("strategy text is empty; expected e.g. 'dp=2,tp=1,pp=1,mbs=2,gbs=16'")
+    pairs: dict[str, str] = {}
+    for item in text.split(","):
+        item = item.strip()
+        if "=" not in item:
+            raise StrategyError(f"strategy item {item!r} is not key=value (in {text!r})")
+        key, value = (part.strip() for part in item.split("=", 1))
+        if key in pairs:
+            raise StrategyError(f"strategy field {key!r} given twice in {text!r}")
+        pairs[key] = value
+    return pairs
+
+
+def _parse_value(name: str, raw: Any) -> Any:
+    if not isinstance(raw, str):
+        return raw
+    if name in _INT_FIELDS:
+        try:
+            return int(raw)
+        except ValueError:
+            raise StrategyError(f"{_label(name)} must be an integer, got {raw!r}") from None
+    if name == "recompute":
+        return _parse_recompute(raw)
+    if name == "offload":
+        return () if raw in ("", "none") else tuple(raw.split("+"))
+    return raw
+
+
+def _parse_recompute(raw: str) -> tuple[float, ...]:
+    named = {"none": (0.0,), "full": (1.0,)}
+    if raw in named:
+        return named[raw]
+    try:
+        return tuple(float(part) for part in raw.split("/"))
+    except ValueError:
+        raise StrategyError(
+            f"recompute must be none, full, a ratio or per-stage ratios like 1/0.5; got {raw!r}"
+        ) from None
+
+
+def _as_ratios(value: Any) -> tuple[float, ...]:
+    if isinstance(value, str):
+        value = _parse_recompute(value)
+    if isinstance(value, (int, float)) and not isinstance(value, bool):
+        value = (value,)
+    try:
+        ratios = tuple(float(v) for v in value)
+    except (TypeError, ValueError):
+        raise StrategyError(f"recompute must be ratios in [0, 1], got {value!r}") from None
+    if not ratios or any(not 0.0 <= r <= 1.0 for r in ratios):
+        raise StrategyError(f"recompute ratios must each lie in [0, 1], got {value!r}")
+    return ratios
+
+
+def _as_tiers(value: Any) -> tuple[str, ...]:
+    if isinstance(value, str):
+        value = () if value in ("", "none") else tuple(value.split("+"))
+    tiers = tuple(value)
+    for tier in tiers:
+        _check_choice("offload", tier, OFFLOAD_TIERS)
+    if len(set(tiers)) != len(tiers):
+        raise StrategyError(f"offload lists a tier twice: {'+'.join(tiers)}")
+    return tiers
+
+
+def _format_value(name: str, value: Any) -> str:
+    if name == "recompute":
+        if value == (0.0,):
+            return "none"
+        if value == (1.0,):
+            return "full"
+        return "/".join(f"{r:g}" for r in value)
+    if name == "offload":
+        return "+".join(value) if value else "none"
+    return str(value)
+
+
+_DEFAULT = Strategy()
