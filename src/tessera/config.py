@@ -1,0 +1,237 @@
+"""Run configuration: YAML file + ``key=value`` overrides, validated before any work starts.
+
+A config has four sections::
+
+    model:    {preset: small, n_layers: 6, hf: null}   # any ModelConfig field overrides
+    strategy: "dp=2,tp=1,pp=1,mbs=4,gbs=32"            # or a mapping of Strategy fields
+    data:     {corpus: stdlib, seq_len: 128, tokenizer: byte}
+    train:    {max_steps: 300, learning_rate: 3e-3, output_dir: runs/demo}
+
+Unknown keys and wrong types are refused with :class:`ConfigError`, naming the dotted key.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any, Literal, Mapping
+
+import yaml
+from pydantic import BaseModel, ConfigDict, ValidationError, field_validator, model_validator
+
+from tessera.models.config import ModelConfig, ModelConfigError, preset
+from tessera.strategy import Strategy, StrategyError
+
+
+class ConfigError(ValueError):
+    """The run configuration is invalid; the message names the key and the rule."""
+
+
+class _Section(BaseModel):
+    model_config = ConfigDict(extra="forbid", validate_assignment=True)
+
+
+class ModelSection(BaseModel):
+    """Which model: a reference preset, its field overrides, optionally as a HF architecture."""
+
+    model_config = ConfigDict(extra="allow")
+
+    preset: str = "tiny"
+    hf: Literal[None, "gpt2", "llama"] = None
+
+    @model_validator(mode="after")
+    def _build(self) -> "ModelSection":
+        self.build_config()  # raises on a bad preset or field, before work starts
+        return self
+
+    @property
+    def overrides(self) -> dict[str, Any]:
+        return dict(self.model_extra or {})
+
+    def build_config(self) -> ModelConfig:
+        """The reference ModelConfig (also the shape of a HF model built from it)."""
+        unknown = sorted(set(self.overrides) - set(ModelConfig.__dataclass_fields__))
+        if unknown:
+            known = ", ".join(sorted(ModelConfig.__dataclass_fields__))
+            raise ValueError(f"unknown key(s) model.{', model.'.join(unknown)}; known: preset, "
+                             f"hf, {known}")
+        try:
+            return preset(self.preset, **self.overrides)
+        except ModelConfigError as err:
+            raise ValueError(str(err)) from None
+
+
+class DataSection(_Section):
+    """Where the text comes from and how it becomes samples."""
+
+    corpus: str = "stdlib"
+    extensions: tuple[str, ...] = (".py", ".txt", ".md", ".rst")
+    max_bytes: int | None = 8_000_000
+    seq_len: int = 64
+    tokenizer: Literal["byte", "bpe"] = "byte"
+    bpe_vocab_size: int = 4096
+    val_fraction: float = 0.01
+
+    @field_validator("seq_len", "bpe_vocab_size")
+    @classmethod
+    def _positive(cls, value: int) -> int:
+        if value < 1:
+            raise ValueError("must be >= 1")
+        return value
+
+    @field_validator("val_fraction")
+    @classmethod
+    def _fraction(cls, value: float) -> float:
+        if not 0.0 <= value < 0.5:
+            raise ValueError("must lie in [0, 0.5)")
+        return value
+
+
+class TrainingArguments(_Section):
+    """Optimisation, logging and checkpointing (names follow Hugging Face where they overlap)."""
+
+    output_dir: str = "runs/default"
+    max_steps: int = 100
+    learning_rate: float = 1e-3
+    min_lr_ratio: float = 0.1
+    warmup_steps: int = 10
+    weight_decay: float = 0.1
+    adam_beta1: float = 0.9
+    adam_beta2: float = 0.95
+    adam_epsilon: float = 1e-8
+    max_grad_norm: float = 1.0
+    logging_steps: int = 10
+    eval_steps: int = 0
+    eval_batches: int = 4
+    save_steps: int = 0
+    seed: int = 1234
+    resume: bool = False
+    device: Literal["auto", "cpu", "cuda"] = "auto"
+    progress: Literal["auto", "bar", "lines", "off"] = "auto"
+
+    @field_validator("max_steps", "logging_steps")
+    @classmethod
+    def _at_least_one(cls, value: int) -> int:
+        if value < 1:
+            raise ValueError("must be >= 1")
+        return value
+
+    @field_validator("warmup_steps", "eval_steps", "eval_batches", "save_steps")
+    @classmethod
+    def _non_negative(cls, value: int) -> int:
+        if value < 0:
+            raise ValueError("must be >= 0")
+        return value
+
+    @field_validator("learning_rate", "adam_epsilon")
+    @classmethod
+    def _positive_float(cls, value: float) -> float:
+        if value <= 0:
+            raise ValueError("must be > 0")
+        return value
+
+
+class RunConfig(_Section):
+    """A whole training run: model, strategy, data and training arguments."""
+
+    model_config = ConfigDict(extra="forbid", arbitrary_types_allowed=True)
+
+    model: ModelSection = ModelSection()
+    strategy: Strategy = Strategy()
+    data: DataSection = DataSection()
+    train: TrainingArguments = TrainingArguments()
+
+    @field_validator("strategy", mode="before")
+    @classmethod
+    def _parse_strategy(cls, value: Any) -> Strategy:
+        try:
+            if isinstance(value, str):
+                return Strategy.parse(value)
+            if isinstance(value, Mapping):
+                return Strategy.from_mapping(value)
+        except StrategyError as err:
+            raise ValueError(str(err)) from None
+        if isinstance(value, Strategy):
+            return value
+        raise ValueError("must be text like 'dp=2,mbs=2,gbs=16' or a mapping of fields")
+
+    @model_validator(mode="after")
+    def _cross_checks(self) -> "RunConfig":
+        model = self.model.build_config()
+        if self.data.seq_len > model.max_seq_len:
+            raise ValueError(f"data.seq_len={self.data.seq_len} exceeds model.max_seq_len="
+                             f"{model.max_seq_len}")
+        if self.data.tokenizer == "byte" and model.vocab_size < 256:
+            raise ValueError(f"tokenizer=byte needs model.vocab_size >= 256, got "
+                             f"{model.vocab_size}")
+        try:
+            self.strategy.validate_for(model=model, seq_len=self.data.seq_len)
+        except StrategyError as err:
+            raise ValueError(f"strategy: {err}") from None
+        return self
+
+    def to_dict(self) -> dict[str, Any]:
+        """Plain data, with the strategy in its text form (round-trips through load)."""
+        out = self.model_dump(mode="python", exclude={"strategy"})
+        out["strategy"] = self.strategy.to_text()
+        out["data"]["extensions"] = list(self.data.extensions)
+        return out
+
+
+
+
+def load_config(path: str | Path | None = None, overrides: list[str] | tuple[str, ...] = ()
+                ) -> RunConfig:
+    """Read a YAML config (or the defaults), apply ``key=value`` overrides, validate.
+
+    Raises:
+        ConfigError: for a missing file, bad YAML, an unknown key, a wrong type or a rule
+            broken; the message names the key.
+    """
+    raw: dict[str, Any] = {}
+    if path is not None:
+        path = Path(path)
+        if not path.is_file():
+            raise ConfigError(f"config file {path} does not exist")
+        try:
+            raw = yaml.safe_load(path.read_text()) or {}
+        except yaml.YAMLError as err:
+            raise ConfigError(f"config file {path} is not valid YAML: {err}") from None
+        if not isinstance(raw, dict):
+            raise ConfigError(f"config file {path} must hold a mapping of sections")
+    for item in overrides:
+        _apply_override(raw, item)
+    return config_from_dict(raw)
+
+
+def config_from_dict(raw: Mapping[str, Any]) -> RunConfig:
+    """Validate a config mapping, turning pydantic's errors into one named ConfigError."""
+    try:
+        return RunConfig.model_validate(dict(raw))
+    except ValidationError as err:
+        raise ConfigError(_describe(err)) from None
+
+
+def _apply_override(raw: dict[str, Any], item: str) -> None:
+    if "=" not in item:
+        raise ConfigError(f"override {item!r} is not key=value (e.g. train.max_steps=50)")
+    key, text = item.split("=", 1)
+    parts = key.strip().split(".")
+    node = raw
+    for part in parts[:-1]:
+        child = node.setdefault(part, {})
+        if not isinstance(child, dict):
+            raise ConfigError(f"override {key!r}: {part!r} is not a section")
+        node = child
+    # The strategy keeps its own text form; everything else is read as a YAML scalar.
+    node[parts[-1]] = text if parts == ["strategy"] else yaml.safe_load(text)
+
+
+def _describe(err: ValidationError) -> str:
+    lines = []
+    for e in err.errors():
+        loc = ".".join(str(p) for p in e["loc"] if not str(p).startswith("function-"))
+        msg = e["msg"].removeprefix("Value error, ")
+        if e["type"] == "extra_forbidden":
+            msg = "unknown key"
+        lines.append(f"{loc}: {msg}" if loc else msg)
+    return "; ".join(lines)

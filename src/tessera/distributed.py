@@ -1,0 +1,60 @@
+"""Process-group set-up for one worker: from torchrun's environment, or a world of one."""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+
+from tessera.mesh import backend_for
+
+
+@dataclass(frozen=True)
+class WorkerContext:
+    """Where this worker stands: global rank, world size, local rank and its device."""
+
+    rank: int
+    world_size: int
+    local_rank: int
+    device: torch.device
+
+    @property
+    def is_main(self) -> bool:
+        return self.rank == 0
+
+
+def resolve_device_type(requested: str = "auto") -> str:
+    """"cuda" or "cpu"; asking for CUDA without a GPU is refused."""
+    if requested == "auto":
+        return "cuda" if torch.cuda.is_available() else "cpu"
+    if requested == "cuda" and not torch.cuda.is_available():
+        raise RuntimeError("train.device=cuda but torch.cuda.is_available() is False")
+    return requested
+
+
+def init_distributed(device_type: str = "auto") -> WorkerContext:
+    """Initialise torch.distributed (gloo on CPU, NCCL on CUDA) unless already initialised.
+
+    Under torchrun the rendezvous comes from its environment (RANK, WORLD_SIZE, MASTER_*).
+    Without it, a single-process group is created so that one code path serves both cases.
+    """
+    device_type = resolve_device_type(device_type)
+    local_rank = int(os.environ.get("LOCAL_RANK", "0"))
+    if device_type == "cuda":
+        torch.cuda.set_device(local_rank)
+        device = torch.device("cuda", local_rank)
+    else:
+        device = torch.device("cpu")
+    if not dist.is_initialized():
+        if "RANK" not in os.environ:
+            from tessera.testing import free_port
+
+            os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
+            os.environ.setdefault("MASTER_PORT", str(free_port()))
+            dist.init_process_group(backend_for(device_type), rank=0, world_size=1)
+        else:
+            dist.init_process_group(backend_for(device_type),
+                                    device_id=device if device_type == "cuda" else None)
+    return WorkerContext(dist.get_rank(), dist.get_world_size(), local_rank, device)

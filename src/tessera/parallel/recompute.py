@@ -1,0 +1,50 @@
+"""Activation recomputation for a share of the transformer blocks.
+
+A ratio r checkpoints the first round(r * n) blocks: their activations are dropped after the
+forward pass and recomputed during backward. The earliest blocks are chosen because in a
+pipeline they hold activations longest. The block's parameter names do not change (the
+forward is wrapped in place), so checkpoints load whatever the ratio.
+"""
+
+from __future__ import annotations
+
+import functools
+
+from torch import nn
+from torch.utils.checkpoint import checkpoint
+
+
+def find_blocks(model: nn.Module) -> nn.ModuleList:
+    """The repeated transformer blocks of a reference or Hugging Face causal LM.
+
+    Raises:
+        ValueError: naming the model class when no block list is found.
+    """
+    for path in ("blocks", "transformer.h", "model.layers"):
+        module = model
+        for part in path.split("."):
+            module = getattr(module, part, None)
+            if module is None:
+                break
+        if isinstance(module, nn.ModuleList):
+            return module
+    raise ValueError(f"cannot find the transformer blocks of {type(model).__name__}: "
+                     "expected an nn.ModuleList at .blocks, .transformer.h or .model.layers")
+
+
+def apply_recompute(model: nn.Module, ratio: float) -> int:
+    """Checkpoint the first ``round(ratio * n_blocks)`` blocks; returns how many."""
+    if ratio <= 0:
+        return 0
+    blocks = find_blocks(model)
+    count = round(ratio * len(blocks))
+    for block in list(blocks)[:count]:
+        if getattr(block, "_tessera_recompute", False):
+            continue
+        block.forward = functools.partial(_checkpointed, block.forward)
+        block._tessera_recompute = True
+    return count
+
+
+def _checkpointed(forward, *args, **kwargs):
+    return checkpoint(forward, *args, use_reentrant=False, **kwargs)

@@ -1,0 +1,204 @@
+"""Cluster description: a device class, how many per node, how many nodes, and measurements.
+
+Three ways in: a preset shorthand (``a100-80gb:8x128`` is 8 devices per node, 128 nodes, with
+the preset's interconnect), a YAML file (anything else, including what ``tessera profile``
+writes), or a :class:`Cluster` built in Python.
+
+A profiled cluster carries measured tables: matmul throughput by shape and collective latency
+and bandwidth by operation and group size. The cost model prefers a measurement to a preset
+formula whenever one covers the case.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import re
+from dataclasses import dataclass, field
+from typing import Any, Mapping
+
+import yaml
+
+from tessera.planner.hardware import DeviceSpec, HardwareError, get_device
+
+COLLECTIVES = ("all_reduce", "all_gather", "reduce_scatter", "all_to_all", "p2p")
+
+
+class ClusterError(ValueError):
+    """A cluster description is malformed; the message names the field or token."""
+
+
+@dataclass(frozen=True)
+class CollectiveFit:
+    """Measured alpha-beta fit of one collective at one group size: t = latency + bytes/bw."""
+
+    latency: float
+    bandwidth: float
+
+    def time(self, nbytes: float) -> float:
+        return self.latency + nbytes / self.bandwidth
+
+
+@dataclass(frozen=True)
+class Cluster:
+    """Devices of one class arranged in nodes.
+
+    Attributes:
+        device: the device class.
+        devices_per_node: devices sharing the intra-node link.
+        nodes: number of nodes.
+        name: label for reports.
+        matmul_table: measured ((m, n, k), FLOP/s) pairs; empty means use the device preset.
+        collectives: measured fits, ``{op: {group_size: CollectiveFit}}`` for groups inside a
+            node; empty means alpha-beta from the device's links.
+        compute_slots: cores that a node's workers share (CPU); None when each device computes
+            on its own. More workers than slots slows each one down proportionally.
+    """
+
+    device: DeviceSpec
+    devices_per_node: int
+    nodes: int = 1
+    name: str = ""
+    matmul_table: tuple[tuple[tuple[int, int, int], float], ...] = ()
+    collectives: Mapping[str, Mapping[int, CollectiveFit]] = field(default_factory=dict)
+    compute_slots: int | None = None
+
+    def __post_init__(self) -> None:
+        for key in ("devices_per_node", "nodes"):
+            value = getattr(self, key)
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise ClusterError(f"cluster.{key} must be a positive integer, got {value!r}")
+        if not self.name:
+            object.__setattr__(self, "name",
+                               f"{self.device.name}:{self.devices_per_node}x{self.nodes}")
+        unknown = sorted(set(self.collectives) - set(COLLECTIVES))
+        if unknown:
+            raise ClusterError(f"cluster.collectives: unknown operation(s) {', '.join(unknown)}; "
+                               f"known: {', '.join(COLLECTIVES)}")
+
+    @property
+    def num_devices(self) -> int:
+        return self.devices_per_node * self.nodes
+
+    def with_devices(self, devices_per_node: int, nodes: int = 1) -> "Cluster":
+        """The same devices and measurements in another arrangement."""
+        return dataclasses.replace(self, devices_per_node=devices_per_node, nodes=nodes, name="")
+
+    def compute_share(self, workers_per_node: int | None = None) -> float:
+        """Fraction of one device's compute each worker gets when workers share cores."""
+        workers = workers_per_node or self.devices_per_node
+        if self.compute_slots is None or workers <= self.compute_slots:
+            return 1.0
+        return self.compute_slots / workers
+
+    # --------------------------------------------------------------------------- serialise
+    def to_dict(self) -> dict[str, Any]:
+        """Plain dict for YAML (the format :func:`load_cluster` reads)."""
+        out: dict[str, Any] = {"name": self.name, "devices_per_node": self.devices_per_node,
+                               "nodes": self.nodes, "device": self.device.to_dict()}
+        if self.compute_slots is not None:
+            out["compute_slots"] = self.compute_slots
+        if self.matmul_table:
+            out["matmul"] = [{"m": m, "n": n, "k": k, "flops_per_s": float(v)}
+                             for (m, n, k), v in self.matmul_table]
+        if self.collectives:
+            out["collectives"] = {op: {int(g): {"latency": f.latency, "bandwidth": f.bandwidth}
+                                       for g, f in fits.items()}
+                                  for op, fits in self.collectives.items()}
+        return out
+
+    @classmethod
+    def from_mapping(cls, values: Mapping[str, Any]) -> "Cluster":
+        """Build from a YAML mapping. ``device`` is a preset name or a full device mapping,
+        optionally with ``device_overrides`` applied on top of a preset."""
+        known = {"name", "devices_per_node", "nodes", "device", "device_overrides", "matmul",
+                 "collectives", "compute_slots"}
+        unknown = sorted(set(values) - known)
+        if unknown:
+            raise ClusterError(f"unknown cluster field(s) {', '.join(unknown)}; "
+                               f"known: {', '.join(sorted(known))}")
+        if "device" not in values:
+            raise ClusterError("cluster.device is required (a preset name or a mapping)")
+        device = _device(values["device"], values.get("device_overrides") or {})
+        try:
+            matmul = tuple(((int(r["m"]), int(r["n"]), int(r["k"])), float(r["flops_per_s"]))
+                           for r in values.get("matmul") or ())
+            collectives = {op: {int(g): CollectiveFit(float(f["latency"]), float(f["bandwidth"]))
+                                for g, f in fits.items()}
+                           for op, fits in (values.get("collectives") or {}).items()}
+        except (KeyError, TypeError, ValueError) as err:
+            raise ClusterError(f"cluster measurement table malformed: {err!r}") from None
+        return cls(device=device,
+                   devices_per_node=values.get("devices_per_node", device.devices_per_node),
+                   nodes=values.get("nodes", 1), name=values.get("name", ""),
+                   matmul_table=matmul, collectives=collectives,
+                   compute_slots=values.get("compute_slots"))
+
+
+def _device(spec: Any, overrides: Mapping[str, Any]) -> DeviceSpec:
+    try:
+        if isinstance(spec, str):
+            device = get_device(spec)
+            if overrides:
+                merged = {**device.to_dict(), **overrides}
+                for key in ("intra", "inter"):
+                    if isinstance(overrides.get(key), Mapping):
+                        merged[key] = {**device.to_dict()[key], **overrides[key]}
+                device = DeviceSpec.from_mapping(merged)
+            return device
+        if isinstance(spec, Mapping):
+            return DeviceSpec.from_mapping(spec)
+    except HardwareError as err:
+        raise ClusterError(f"cluster.device: {err}") from None
+    raise ClusterError(f"cluster.device must be a preset name or a mapping, got {spec!r}")
+
+
+_SHORTHAND = re.compile(r"^(?P<dev>[A-Za-z0-9_.-]+)(?::(?P<per>\d+)(?:x(?P<nodes>\d+))?)?$")
+
+
+def parse_cluster(text: str) -> Cluster:
+    """A cluster from ``device[:per_node[xnodes]]`` shorthand or a YAML file path.
+
+    Examples: ``a100-80gb:8x128``, ``h100-80gb:8`` (one node of 8), ``cpu:4x1``,
+    ``my_cluster.yaml``.
+
+    Raises:
+        ClusterError: naming the bad token or the unknown preset.
+    """
+    if not isinstance(text, str) or not text.strip():
+        raise ClusterError("cluster is empty; expected e.g. 'a100-80gb:8x128' or a YAML file")
+    text = text.strip()
+    if text.endswith((".yaml", ".yml", ".json")) or os.path.sep in text:
+        return load_cluster(text)
+    match = _SHORTHAND.match(text)
+    if not match:
+        raise ClusterError(f"cluster shorthand {text!r} is malformed; expected "
+                           "DEVICE:PER_NODExNODES, e.g. 'a100-80gb:8x128'")
+    try:
+        device = get_device(match["dev"])
+    except HardwareError as err:
+        raise ClusterError(str(err)) from None
+    per = int(match["per"]) if match["per"] else device.devices_per_node
+    nodes = int(match["nodes"]) if match["nodes"] else 1
+    if per < 1 or nodes < 1:
+        raise ClusterError(f"cluster {text!r}: devices per node and nodes must be >= 1")
+    slots = (os.cpu_count() or 1) if device.name == "cpu" else None
+    return Cluster(device=device, devices_per_node=per, nodes=nodes, compute_slots=slots)
+
+
+def load_cluster(path: str) -> Cluster:
+    """Read a cluster YAML file (as written by ``tessera profile`` or by hand)."""
+    try:
+        with open(path, encoding="utf-8") as handle:
+            values = yaml.safe_load(handle)
+    except OSError as err:
+        raise ClusterError(f"cannot read cluster file {path!r}: {err.strerror}") from None
+    if not isinstance(values, Mapping):
+        raise ClusterError(f"cluster file {path!r} must hold a mapping")
+    return Cluster.from_mapping(values)
+
+
+def save_cluster(cluster: Cluster, path: str) -> None:
+    """Write a cluster YAML file that :func:`load_cluster` reads back."""
+    with open(path, "w", encoding="utf-8") as handle:
+        yaml.safe_dump(cluster.to_dict(), handle, sort_keys=False)

@@ -1,0 +1,144 @@
+"""Model description for the planner: a :class:`ModelConfig` from whatever the user has.
+
+Accepted: a ModelConfig, a preset name (``gpt3-175b``), the command-line shorthand
+``layers=96,hidden=12288,heads=96,seq=2048,vocab=51200[,ffn=..,kv_heads=..,style=gpt2|llama]``,
+a Hugging Face ``GPT2Config``/``LlamaConfig`` object, or a dict of either kind of fields. The
+planner trains at ``max_seq_len``, so ``seq`` sets the sequence length it prices.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Mapping
+
+from tessera.models.config import PRESETS, ModelConfig, ModelConfigError, preset
+
+STYLES = ("gpt2", "llama")
+_SHORT_KEYS = {"layers": "n_layers", "hidden": "d_model", "heads": "n_heads",
+               "seq": "max_seq_len", "vocab": "vocab_size", "ffn": "d_ff",
+               "kv_heads": "n_kv_heads"}
+_REQUIRED = ("layers", "hidden", "heads")
+_STYLE_FIELDS = {
+    "gpt2": dict(norm="layernorm", activation="gelu", position="learned", tie_embeddings=True,
+                 bias=True),
+    "llama": dict(norm="rmsnorm", activation="swiglu", position="rope", tie_embeddings=False,
+                  bias=False),
+}
+
+
+class ModelSpecError(ModelConfigError):
+    """A model description cannot be understood; the message names the key."""
+
+
+def describe_model(source: Any, seq_len: int | None = None) -> ModelConfig:
+    """Turn any supported model description into a validated ModelConfig.
+
+    Args:
+        source: ModelConfig, preset name, shorthand text, HF config object, or mapping.
+        seq_len: training sequence length; overrides the description's ``max_seq_len``.
+
+    Raises:
+        ModelSpecError: for an unknown preset, a malformed shorthand or a bad field, naming it.
+    """
+    config = _describe(source)
+    if seq_len is not None:
+        config = config.replace(max_seq_len=int(seq_len))
+    return config
+
+
+def _describe(source: Any) -> ModelConfig:
+    if isinstance(source, ModelConfig):
+        return source
+    if isinstance(source, str):
+        text = source.strip()
+        if "=" in text:
+            return parse_model_shorthand(text)
+        if text in PRESETS:
+            return preset(text)
+        raise ModelSpecError(f"unknown model {text!r}: not a preset ({', '.join(PRESETS)}) "
+                             "and not shorthand like 'layers=24,hidden=2048,heads=16'")
+    if isinstance(source, Mapping):
+        return from_hf_dict(source) if _looks_hf(source) else _from_config_mapping(source)
+    if hasattr(source, "to_dict") and hasattr(source, "model_type"):
+        return from_hf_dict(source.to_dict())
+    raise ModelSpecError(f"cannot describe a model from {type(source).__name__}")
+
+
+def _from_config_mapping(values: Mapping[str, Any]) -> ModelConfig:
+    try:
+        return ModelConfig.from_mapping(values)
+    except (ModelConfigError, TypeError) as err:
+        raise ModelSpecError(str(err)) from None
+
+
+def parse_model_shorthand(text: str) -> ModelConfig:
+    """Parse ``layers=..,hidden=..,heads=..[,seq=..,vocab=..,ffn=..,kv_heads=..,style=..]``.
+
+    Raises:
+        ModelSpecError: naming the unknown, repeated, missing or non-integer key.
+    """
+    values: dict[str, str] = {}
+    for item in text.split(","):
+        if "=" not in item:
+            raise ModelSpecError(f"model shorthand item {item.strip()!r} is not key=value")
+        key, raw = (part.strip() for part in item.split("=", 1))
+        if key not in _SHORT_KEYS and key != "style":
+            raise ModelSpecError(f"unknown model key {key!r}; known: "
+                                 f"{', '.join([*_SHORT_KEYS, 'style'])}")
+        if key in values:
+            raise ModelSpecError(f"model key {key!r} given twice")
+        values[key] = raw
+    missing = [k for k in _REQUIRED if k not in values]
+    if missing:
+        raise ModelSpecError(f"model shorthand needs {', '.join(missing)}")
+    style = values.pop("style", "gpt2")
+    if style not in STYLES:
+        raise ModelSpecError(f"model key 'style' must be one of {', '.join(STYLES)}, got {style!r}")
+    fields: dict[str, Any] = dict(_STYLE_FIELDS[style])
+    fields.update(vocab_size=51200 if style == "gpt2" else 32000, max_seq_len=2048)
+    for key, raw in values.items():
+        try:
+            fields[_SHORT_KEYS[key]] = int(raw)
+        except ValueError:
+            raise ModelSpecError(f"model key {key!r} must be an integer, got {raw!r}") from None
+    try:
+        return ModelConfig(**fields)
+    except ModelConfigError as err:
+        raise ModelSpecError(f"model shorthand {text!r}: {err}") from None
+
+
+def _looks_hf(values: Mapping[str, Any]) -> bool:
+    return "model_type" in values or "n_embd" in values or "hidden_size" in values
+
+
+def from_hf_dict(values: Mapping[str, Any]) -> ModelConfig:
+    """A ModelConfig with the shape of a Hugging Face GPT-2 or Llama config (as a dict).
+
+    Raises:
+        ModelSpecError: for an unsupported ``model_type`` or a missing field, naming it.
+    """
+    kind = values.get("model_type") or ("gpt2" if "n_embd" in values else "llama")
+    get = _getter(values, kind)
+    if kind == "gpt2":
+        return _from_config_mapping(dict(
+            **_STYLE_FIELDS["gpt2"], vocab_size=get("vocab_size"), n_layers=get("n_layer"),
+            d_model=get("n_embd"), n_heads=get("n_head"), d_ff=values.get("n_inner") or 0,
+            max_seq_len=get("n_positions"),
+            tie_embeddings=bool(values.get("tie_word_embeddings", True))))
+    if kind in ("llama", "mistral", "qwen2"):
+        return _from_config_mapping(dict(
+            **{**_STYLE_FIELDS["llama"],
+               "tie_embeddings": bool(values.get("tie_word_embeddings", False))},
+            vocab_size=get("vocab_size"), n_layers=get("num_hidden_layers"),
+            d_model=get("hidden_size"), n_heads=get("num_attention_heads"),
+            n_kv_heads=values.get("num_key_value_heads") or 0,
+            d_ff=get("intermediate_size"), max_seq_len=get("max_position_embeddings")))
+    raise ModelSpecError(f"Hugging Face model_type {kind!r} is not supported; "
+                         "supported: gpt2, llama (and llama-shaped mistral, qwen2)")
+
+
+def _getter(values: Mapping[str, Any], kind: str):
+    def get(key: str) -> Any:
+        if values.get(key) is None:
+            raise ModelSpecError(f"Hugging Face {kind} config lacks {key!r}")
+        return values[key]
+    return get

@@ -1,0 +1,76 @@
+"""Build a run from its config: model, tokenizer, datasets, trainer; then train.
+
+This is what each worker does under ``tessera train``, and what the Python API calls.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+from torch import nn
+
+from tessera.config import RunConfig
+from tessera.data import (BPETokenizer, ByteTokenizer, TokenDataset, list_text_files,
+                          read_corpus_bytes, resolve_corpus)
+from tessera.data.corpus import DataError, tokenize_corpus
+from tessera.data.dataset import Subset
+from tessera.models import Transformer
+from tessera.models.hf import build_hf_model, hf_config_from_reference
+from tessera.train.trainer import Trainer, TrainResult
+
+
+def build_model(config: RunConfig, vocab_size: int | None = None) -> nn.Module:
+    """The model the config names, seeded by ``train.seed`` so every rank builds the same one."""
+    model_config = config.model.build_config()
+    if vocab_size is not None and vocab_size != model_config.vocab_size:
+        model_config = model_config.replace(vocab_size=vocab_size)
+    torch.manual_seed(config.train.seed)
+    if config.model.hf is None:
+        return Transformer(model_config)
+    return build_hf_model(config.model.hf, **hf_config_from_reference(config.model.hf,
+                                                                       model_config))
+
+
+def tokenizer_path(config: RunConfig) -> Path:
+    return Path(config.train.output_dir) / "tokenizer.json"
+
+
+def build_tokenizer(config: RunConfig, files: list[Path] | None = None):
+    """Bytes, or the run's BPE tokenizer (trained on the corpus once, then reused)."""
+    if config.data.tokenizer == "byte":
+        return ByteTokenizer()
+    path = tokenizer_path(config)
+    if path.is_file():
+        return BPETokenizer.load(path)
+    files = files or list_text_files(resolve_corpus(config.data.corpus), config.data.extensions)
+    return BPETokenizer.train(files, config.data.bpe_vocab_size, save_to=path)
+
+
+def build_datasets(config: RunConfig, tokenizer) -> tuple[Subset, Subset | None]:
+    """(train, eval) datasets over the configured corpus.
+
+    Raises:
+        DataError: naming the corpus when it is missing, empty or too small for one batch.
+    """
+    folder = resolve_corpus(config.data.corpus)
+    texts = read_corpus_bytes(list_text_files(folder, config.data.extensions),
+                              config.data.max_bytes)
+    dataset = TokenDataset(tokenize_corpus(texts, tokenizer), config.data.seq_len)
+    train, val = dataset.split(config.data.val_fraction)
+    if len(train) < config.strategy.global_batch_size:
+        raise DataError(f"data.corpus {folder} gives {len(train)} training samples of "
+                        f"seq_len={config.data.seq_len}: fewer than one global batch "
+                        f"(gbs={config.strategy.global_batch_size})")
+    return train, (val if len(val) else None)
+
+
+def run_training(config: RunConfig) -> TrainResult:
+    """Train as the config says (call in every worker)."""
+    tokenizer = build_tokenizer(config)
+    train, val = build_datasets(config, tokenizer)
+    model = build_model(config, vocab_size=max(tokenizer.vocab_size,
+                                               config.model.build_config().vocab_size))
+    trainer = Trainer(model, config.train, train, val, strategy=config.strategy,
+                      run_info={"config": config.to_dict()})
+    return trainer.train()

@@ -1,0 +1,114 @@
+"""Test helpers: run a function in N gloo processes, and a marker for GPU-only tests.
+
+Example::
+
+    def _check(rank, world_size, x):
+        ...
+        return value
+
+    results = run_distributed(_check, world_size=4, args=(3,))  # one result per rank
+
+The function must be importable by name (defined at module level), because workers are
+started with the "spawn" method: a fresh interpreter per rank, as torchrun does.
+"""
+
+from __future__ import annotations
+
+import multiprocessing as mp
+import os
+import queue
+import socket
+import traceback
+from typing import Any, Callable
+
+import torch
+
+try:  # pytest is a test dependency, not a runtime one
+    import pytest
+
+    gpu = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+except ImportError:  # pragma: no cover
+    gpu = None
+
+
+class DistributedTestError(AssertionError):
+    """A rank failed or timed out; the message holds its rank and traceback."""
+
+
+def free_port() -> int:
+    """A TCP port on localhost that is free right now."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def run_distributed(fn: Callable[..., Any], world_size: int, args: tuple = (),
+                    timeout: float = 180.0, backend: str = "gloo",
+                    env: dict[str, str] | None = None) -> list[Any]:
+    """Run ``fn(rank, world_size, *args)`` in ``world_size`` processes; return their results.
+
+    Each worker gets torchrun's environment variables (RANK, WORLD_SIZE, LOCAL_RANK,
+    MASTER_ADDR, MASTER_PORT), one intra-op thread, and an initialised process group.
+
+    Raises:
+        DistributedTestError: with the first failing rank's traceback, or the ranks that had
+            not finished when ``timeout`` seconds passed.
+    """
+    ctx = mp.get_context("spawn")
+    results: mp.Queue = ctx.Queue()
+    base_env = {"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(free_port()),
+                "WORLD_SIZE": str(world_size), "OMP_NUM_THREADS": "1", **(env or {})}
+    procs = [ctx.Process(target=_worker, args=(fn, rank, world_size, args, backend, base_env,
+                                               results), daemon=True)
+             for rank in range(world_size)]
+    for proc in procs:
+        proc.start()
+    try:
+        return _collect(procs, results, world_size, timeout)
+    finally:
+        for proc in procs:
+            if proc.is_alive():
+                proc.kill()
+            proc.join(timeout=5)
+
+
+def _collect(procs: list, results: mp.Queue, world_size: int, timeout: float) -> list[Any]:
+    import time
+
+    deadline = time.monotonic() + timeout
+    outputs: dict[int, Any] = {}
+    while len(outputs) < world_size:
+        try:
+            rank, status, payload = results.get(timeout=max(0.1, min(1.0, deadline - time.monotonic())))
+        except queue.Empty:
+            dead = [r for r, p in enumerate(procs)
+                    if not p.is_alive() and p.exitcode not in (0, None) and r not in outputs]
+            if dead:
+                raise DistributedTestError(
+                    f"rank {dead[0]} died with exit code {procs[dead[0]].exitcode} "
+                    f"(no Python traceback: killed or crashed)") from None
+            if time.monotonic() > deadline:
+                missing = sorted(set(range(world_size)) - set(outputs))
+                raise DistributedTestError(
+                    f"timed out after {timeout:.0f}s waiting for ranks {missing}") from None
+            continue
+        if status == "error":
+            raise DistributedTestError(f"rank {rank} failed:\n{payload}")
+        outputs[rank] = payload
+    return [outputs[r] for r in range(world_size)]
+
+
+def _worker(fn, rank, world_size, args, backend, env, results) -> None:
+    import torch.distributed as dist
+
+    os.environ.update(env)
+    os.environ.update({"RANK": str(rank), "LOCAL_RANK": str(rank)})
+    torch.set_num_threads(1)
+    try:
+        dist.init_process_group(backend, rank=rank, world_size=world_size)
+        results.put((rank, "ok", fn(rank, world_size, *args)))
+    except BaseException:  # report everything, including assertion failures
+        results.put((rank, "error", traceback.format_exc()))
+    finally:
+        if dist.is_initialized():
+            dist.destroy_process_group()

@@ -1,0 +1,107 @@
+"""The engine runs one optimizer step's micro-batches: forward, loss, backward.
+
+This is the single-stage engine (pp == 1): micro-batches run one after another, each forward
+then backward, gradients accumulating; data-parallel gradient synchronisation happens only on
+the last one. On one stage every pipeline schedule (gpipe, 1f1b, scp) computes exactly these
+gradients; the pipeline engine takes over when pp > 1.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from tessera.strategy import Strategy
+
+_AUTOCAST_DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}
+
+
+def causal_lm_logits(model: nn.Module, input_ids: torch.Tensor) -> torch.Tensor:
+    """Logits (B, T, V) of a reference model (returns a tensor) or a HF model (``.logits``)."""
+    out = model(input_ids)
+    return out if isinstance(out, torch.Tensor) else out.logits
+
+
+def lm_loss(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+    """Mean next-token cross-entropy in fp32; labels equal to -100 are ignored."""
+    return F.cross_entropy(logits.float().flatten(0, 1), labels.flatten(), ignore_index=-100)
+
+
+@dataclass
+class StepResult:
+    """What one optimizer step's forward/backward produced on this rank."""
+
+    loss: torch.Tensor  # mean loss over this rank's micro-batches (detached, fp32)
+    tokens: int  # tokens this rank processed
+
+
+class Engine:
+    """Forward/backward over micro-batches with autocast, loss scaling and no_sync.
+
+    Args:
+        model: the module returned by :func:`tessera.parallel.parallelize`.
+        strategy: gives the precision.
+        device: where batches go.
+    """
+
+    def __init__(self, model: nn.Module, strategy: Strategy, device: torch.device) -> None:
+        self.model, self.device = model, device
+        self.dtype = _AUTOCAST_DTYPES.get(strategy.precision)
+        if self.dtype is not None and not _autocast_supported(device.type, self.dtype):
+            raise RuntimeError(f"precision={strategy.precision} is not supported on "
+                               f"{device.type} by this torch build")
+        # fp16 has a narrow range: scale the loss so small gradients do not underflow.
+        self.scaler = (torch.amp.GradScaler(device.type) if strategy.precision == "fp16"
+                       else None)
+
+    def autocast(self):
+        if self.dtype is None:
+            return contextlib.nullcontext()
+        return torch.autocast(self.device.type, dtype=self.dtype)
+
+    def forward_backward(self, micro_batches: list[dict[str, torch.Tensor]]) -> StepResult:
+        """Accumulate gradients of the mean loss over ``micro_batches``."""
+        total = torch.zeros((), device=self.device)
+        tokens = 0
+        n = len(micro_batches)
+        for i, batch in enumerate(micro_batches):
+            input_ids = batch["input_ids"].to(self.device, non_blocking=True)
+            labels = batch["labels"].to(self.device, non_blocking=True)
+            # DDP reads its sync flag during forward: both passes go inside no_sync.
+            with self._maybe_no_sync(sync=i == n - 1):
+                with self.autocast():
+                    loss = lm_loss(causal_lm_logits(self.model, input_ids), labels)
+                scaled = loss / n
+                if self.scaler is not None:
+                    scaled = self.scaler.scale(scaled)
+                scaled.backward()
+            total += loss.detach()
+            tokens += input_ids.numel()
+        return StepResult(loss=total / n, tokens=tokens)
+
+    @torch.no_grad()
+    def evaluate(self, batch: dict[str, torch.Tensor]) -> torch.Tensor:
+        """Mean loss of one batch without gradients."""
+        input_ids = batch["input_ids"].to(self.device)
+        labels = batch["labels"].to(self.device)
+        with self.autocast():
+            return lm_loss(causal_lm_logits(self.model, input_ids), labels)
+
+    def _maybe_no_sync(self, sync: bool):
+        no_sync = getattr(self.model, "no_sync", None)
+        if sync or no_sync is None:
+            return contextlib.nullcontext()
+        return no_sync()
+
+
+def _autocast_supported(device_type: str, dtype: torch.dtype) -> bool:
+    try:
+        with torch.autocast(device_type, dtype=dtype):
+            torch.ones(2, 2, device=device_type) @ torch.ones(2, 2, device=device_type)
+        return True
+    except (RuntimeError, AssertionError):
+        return False

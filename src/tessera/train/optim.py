@@ -1,0 +1,38 @@
+"""AdamW with decoupled weight decay on matrices only, and the warm-up + cosine schedule."""
+
+from __future__ import annotations
+
+import math
+
+import torch
+from torch import nn
+
+
+def build_optimizer(model: nn.Module, lr: float, weight_decay: float,
+                    betas: tuple[float, float], eps: float, device: torch.device
+                    ) -> torch.optim.AdamW:
+    """AdamW; weight decay applies to parameters with 2+ dimensions (not norms or biases)."""
+    params = [p for p in model.parameters() if p.requires_grad]
+    decay = [p for p in params if p.dim() >= 2]
+    no_decay = [p for p in params if p.dim() < 2]
+    groups = [{"params": decay, "weight_decay": weight_decay},
+              {"params": no_decay, "weight_decay": 0.0}]
+    # The fused kernel exists for CUDA; on CPU the foreach path is the fast one.
+    fused = device.type == "cuda"
+    return torch.optim.AdamW(groups, lr=lr, betas=betas, eps=eps, fused=fused)
+
+
+def warmup_cosine(step: int, warmup_steps: int, total_steps: int, min_ratio: float) -> float:
+    """LR multiplier: linear warm-up to 1, then cosine decay to ``min_ratio`` at total_steps."""
+    if warmup_steps and step < warmup_steps:
+        return (step + 1) / warmup_steps
+    span = max(1, total_steps - warmup_steps)
+    progress = min(1.0, (step - warmup_steps) / span)
+    return min_ratio + (1 - min_ratio) * 0.5 * (1 + math.cos(math.pi * progress))
+
+
+def build_scheduler(optimizer: torch.optim.Optimizer, warmup_steps: int, total_steps: int,
+                    min_ratio: float) -> torch.optim.lr_scheduler.LambdaLR:
+    """A LambdaLR over :func:`warmup_cosine`; its state dict resumes the position."""
+    return torch.optim.lr_scheduler.LambdaLR(
+        optimizer, lambda step: warmup_cosine(step, warmup_steps, total_steps, min_ratio))
