@@ -8,8 +8,15 @@ most) gets neighbouring ranks, i.e. the same node.
 Process groups are handed out by name and passed explicitly to the code that communicates: no
 module-level globals.
 
+A group "along" an axis links the ranks whose coordinates differ only on that axis.
+
 Worked example: ``pp=2, dp=2, tp=2`` on 8 ranks gives the rank grid ``arange(8).view(2, 2, 1, 2)``;
 rank 5 sits at (pp=1, dp=0, sp=0, tp=1), its tp group is {4, 5} and its dp group is {5, 7}.
+
+With ``dp=2, tp=4, tp_mode=2d`` the grid is ``arange(8).view(1, 2, 1, 2, 2)``: ranks 4..7 form
+the 2 x 2 tensor grid [[4, 5], [6, 7]]. Rank 5 is at row 0, column 1; its ``tp_row`` group
+(row index varies) is the grid column {5, 7}, its ``tp_col`` group (column index varies) is
+the grid row {4, 5}, and its ``tp`` group is all four.
 """
 
 from __future__ import annotations
@@ -60,13 +67,16 @@ class Mesh:
         self.device_mesh: DeviceMesh = init_device_mesh(
             self.device_type, shape, mesh_dim_names=names)
         self.axis_names = names
+        self._flat_tp: DeviceMesh | None = None
         if strategy.tp_mode == "2d":
             # The whole grid as one group, for collectives over all tp ranks (e.g. loss).
-            self.device_mesh["tp_row", "tp_col"]._flatten("tp")
+            self._flat_tp = self.device_mesh["tp_row", "tp_col"]._flatten("tp")
 
     def submesh(self, *axes: str) -> DeviceMesh:
         """The DeviceMesh over the named axes (for DTensor / FSDP2)."""
         self._check_axes(axes)
+        if axes == ("tp",) and self._flat_tp is not None:
+            return self._flat_tp
         return self.device_mesh[axes[0]] if len(axes) == 1 else self.device_mesh[axes]
 
     def group(self, axis: str) -> dist.ProcessGroup:

@@ -16,7 +16,6 @@ def wrap_data_parallel(model: nn.Module, mesh: Mesh) -> nn.Module:
     param = next(model.parameters())
     if param.device.type == "cuda":
         device_ids = [param.device.index]
-    # static_graph: every step runs the same graph, which lets DDP skip unused-parameter
-    # search and works with activation checkpointing.
-    return DistributedDataParallel(model, device_ids=device_ids,
-                                   process_group=mesh.group("dp"), static_graph=True)
+    # Not static_graph: it conflicts with no_sync during gradient accumulation. Non-reentrant
+    # activation checkpointing works with plain DDP.
+    return DistributedDataParallel(model, device_ids=device_ids, process_group=mesh.group("dp"))

@@ -21,7 +21,7 @@ from __future__ import annotations
 
 import dataclasses
 import os
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any, Mapping
 
 GB = 1e9
@@ -75,6 +75,9 @@ class DeviceSpec:
         overlap_efficiency: fraction of concurrent compute that communication can hide under.
         reserved_bytes: memory not available to the model (runtime, allocator, comm buffers).
         flash_attention: fused attention that keeps no (s x s) scores.
+        optimizer_bytes_per_param: memory traffic of one Adam update per parameter; a fused
+            fp32 AdamW reads p, g, m, v and writes p, m, v (28 bytes); unfused kernels and
+            mixed-precision copies make it larger, so the default is 48 and profile measures it.
     """
 
     name: str
@@ -93,6 +96,7 @@ class DeviceSpec:
     overlap_efficiency: float = 0.9
     reserved_bytes: float = 2 * GIB
     flash_attention: bool = True
+    optimizer_bytes_per_param: float = 48.0
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "peak_flops", dict(self.peak_flops))

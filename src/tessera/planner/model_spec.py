@@ -124,7 +124,7 @@ def from_hf_dict(values: Mapping[str, Any]) -> ModelConfig:
             d_model=get("n_embd"), n_heads=get("n_head"), d_ff=values.get("n_inner") or 0,
             max_seq_len=get("n_positions"),
             tie_embeddings=bool(values.get("tie_word_embeddings", True))))
-    if kind in ("llama", "mistral", "qwen2"):
+    if kind in ("llama", "mistral"):
         return _from_config_mapping(dict(
             **{**_STYLE_FIELDS["llama"],
                "tie_embeddings": bool(values.get("tie_word_embeddings", False))},
@@ -133,7 +133,7 @@ def from_hf_dict(values: Mapping[str, Any]) -> ModelConfig:
             n_kv_heads=values.get("num_key_value_heads") or 0,
             d_ff=get("intermediate_size"), max_seq_len=get("max_position_embeddings")))
     raise ModelSpecError(f"Hugging Face model_type {kind!r} is not supported; "
-                         "supported: gpt2, llama (and llama-shaped mistral, qwen2)")
+                         "supported: gpt2, llama (and the llama-shaped mistral)")
 
 
 def _getter(values: Mapping[str, Any], kind: str):

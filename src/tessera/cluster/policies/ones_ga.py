@@ -1,0 +1,125 @@
+"""Vectorised genetic operators for ONES over a population of cluster schedules.
+
+A candidate schedule is an array with one slot per GPU holding a *local* job index (0..J-1 over
+the active jobs) or -1 for an idle GPU; a population is a (C, G) array of them. All operators
+work on the whole population at once.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+
+def counts(pop: np.ndarray, n_jobs: int) -> np.ndarray:
+    """(C, J) GPUs each candidate gives each job."""
+    c = pop.shape[0]
+    held = pop >= 0
+    key = (np.arange(c)[:, None] * n_jobs + pop)[held]
+    return np.bincount(key, minlength=c * n_jobs).reshape(c, n_jobs)
+
+
+def nodes_spanned(pop: np.ndarray, n_jobs: int, gpus_per_node: int) -> np.ndarray:
+    """(C, J) distinct nodes each candidate spreads each job over."""
+    c, g = pop.shape
+    x = pop.reshape(c, g // gpus_per_node, gpus_per_node)
+    first = x >= 0
+    for k in range(1, gpus_per_node):  # a slot counts if no earlier slot of its node has its job
+        first[:, :, k] &= (x[:, :, :k] != x[:, :, k:k + 1]).all(axis=2)
+    key = (np.arange(c)[:, None, None] * n_jobs + x)[first]
+    return np.bincount(key, minlength=c * n_jobs).reshape(c, n_jobs)
+
+
+def crossover(parents: np.ndarray, rng: np.random.Generator) -> np.ndarray:
+    """Uniform per-slot crossover of K/2 random pairs; returns K children."""
+    k = parents.shape[0]
+    perm = rng.permutation(k)
+    a, b = parents[perm[0::2]], parents[perm[1::2][: len(perm[0::2])]]
+    if len(b) < len(a):
+        b = np.concatenate([b, parents[perm[:1]]])
+    mask = rng.random(a.shape) < 0.5
+    return np.concatenate([np.where(mask, a, b), np.where(mask, b, a)])
+
+
+def remove_random_job(pop: np.ndarray, mutable: np.ndarray, rate: float,
+                      rng: np.random.Generator) -> np.ndarray:
+    """With probability ``rate`` per candidate, drop one random mutable job it runs.
+
+    Args:
+        pop: (C, G) candidates (modified copy returned).
+        mutable: (J,) bool, jobs that may be preempted.
+        rate: per-candidate mutation probability.
+        rng: generator.
+    """
+    out = pop.copy()
+    for c in np.flatnonzero(rng.random(pop.shape[0]) < rate):
+        present = np.unique(out[c][out[c] >= 0])
+        present = present[mutable[present]]
+        if present.size:
+            out[c][out[c] == present[rng.integers(present.size)]] = -1
+    return out
+
+
+def _rank_in_group(key: np.ndarray) -> np.ndarray:
+    """0-based rank of each element among equal keys, in original order."""
+    order = np.argsort(key, kind="stable")
+    sk = key[order]
+    start = np.r_[0, np.flatnonzero(sk[1:] != sk[:-1]) + 1]
+    rank_sorted = np.arange(len(key)) - np.repeat(start, np.diff(np.r_[start, len(key)]))
+    rank = np.empty_like(rank_sorted)
+    rank[order] = rank_sorted
+    return rank
+
+
+def repair(pop: np.ndarray, current: np.ndarray, frozen: np.ndarray, cap: np.ndarray,
+           new_jobs: np.ndarray, fill_order: np.ndarray) -> np.ndarray:
+    """Make every candidate feasible and work-conserving.
+
+    1. Frozen jobs (resized too recently) hold exactly their current GPUs.
+    2. No job holds more than its cap (surplus slots, last ones first, become idle).
+    3. Idle GPUs go first to new jobs not yet placed, one each (in the given order), then to
+       the jobs in ``fill_order`` (shortest predicted remaining time first), up to their caps.
+
+    Args:
+        pop: (C, G) candidates (a repaired copy is returned).
+        current: (G,) the schedule running now, same encoding.
+        frozen: (J,) bool.
+        cap: (J,) maximum GPUs per job.
+        new_jobs: local ids of never-started jobs, in arrival order.
+        fill_order: local ids of non-frozen jobs, in fill priority order.
+    """
+    pop = pop.copy()
+    c, g = pop.shape
+    j = cap.size
+    pinned = (current >= 0) & frozen[np.maximum(current, 0)]
+    held = pop >= 0
+    pop[held & frozen[np.maximum(pop, 0)]] = -1
+    pop[:, pinned] = current[pinned]
+    held = pop >= 0
+    key = (np.arange(c)[:, None] * j + pop)[held]
+    rank = _rank_in_group(key)
+    over = rank >= cap[pop[held]]
+    rows, cols = np.nonzero(held)
+    pop[rows[over], cols[over]] = -1
+    n = counts(pop, j)
+    idle = g - n.sum(axis=1)
+    g1 = np.zeros((c, new_jobs.size), dtype=np.int64)
+    if new_jobs.size:
+        d1 = (n[:, new_jobs] == 0).astype(np.int64)
+        g1 = _grant(d1, idle)
+        idle = idle - g1.sum(axis=1)
+        n[:, new_jobs] += g1
+    d2 = np.maximum(cap[fill_order][None, :] - n[:, fill_order], 0)
+    g2 = _grant(d2, idle)
+    jobs_seq = np.concatenate([new_jobs, fill_order])
+    grants = np.concatenate([g1, g2], axis=1)
+    fill = np.repeat(np.tile(jobs_seq, c), grants.ravel())
+    free = pop < 0
+    take = free & (np.cumsum(free, axis=1) <= grants.sum(axis=1)[:, None])
+    pop[take] = fill  # row-major order matches the candidate-major order of ``fill``
+    return pop
+
+
+def _grant(demand: np.ndarray, supply: np.ndarray) -> np.ndarray:
+    """Serve ``demand`` (C, M) left to right from ``supply`` (C,)."""
+    before = np.cumsum(demand, axis=1) - demand
+    return np.clip(supply[:, None] - before, 0, demand)

@@ -1,0 +1,161 @@
+"""Computation cost: the matmuls, fused attention and element-wise traffic of one layer.
+
+One transformer layer on one device, for a micro-batch of ``b`` sequences of which the device
+holds ``s_loc = seq / sp`` positions, with tensor parallelism of degree ``t``:
+
+- Linear layers, forward: QKV ``(n, h) x (h, (h + 2 kv)/t)``, output ``(n, h/t) x (h/t, h)``,
+  MLP ``(n, h) x (h, f/t)`` (twice for swiglu) and ``(n, f/t) x (f/t, h)``, with n = b * s_loc.
+  Backward is two matmuls of the same size each (data and weight gradients), so 2x forward.
+  For 2d (SUMMA on a q x q grid, Optimus) each product becomes q block products of size
+  ``(n/q, k/q, m/q)``: the same FLOPs / t in smaller pieces.
+- Attention core: ``4 * b * s_loc * seq * h / t`` forward FLOPs counted the way
+  ``ModelConfig.flops_per_token`` counts them (PaLM appendix B, no causal saving); a causal fused
+  kernel does half of that work, at ``attention_efficiency`` of peak; backward is 2.5x forward
+  (flash attention recomputes the scores).
+- Element-wise kernels (norms, residual adds, activation, rope): memory traffic of about
+  ``n * (14 h + c f)`` elements forward (c = 2 for gelu, 5 for swiglu's silu-and-multiply) and
+  twice that backward, at ``memory_efficiency`` of memory bandwidth.
+- A fixed ``kernel_overhead`` per kernel: about 16 kernels per layer forward, 32 backward.
+
+Recomputing a layer costs its forward again.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+from tessera.models.config import ModelConfig
+from tessera.planner.cluster import Cluster
+
+KERNELS_FWD = 16
+KERNELS_BWD = 32
+BWD_MATMUL_FACTOR = 2.0
+BWD_ATTENTION_FACTOR = 2.5
+BWD_ELEMENTWISE_FACTOR = 2.0
+
+
+def bytes_per_element(precision: str) -> int:
+    """Bytes of one activation / weight element: 2 for bf16/fp16 mixed precision, else 4."""
+    return 2 if precision in ("bf16", "fp16") else 4
+
+
+@dataclass(frozen=True)
+class LayerTime:
+    """Seconds one device spends on one layer for one micro-batch."""
+
+    forward: float
+    backward: float
+
+    @property
+    def total(self) -> float:
+        return self.forward + self.backward
+
+
+def matmul_rate(cluster: Cluster, m: float, n: float, k: float, precision: str) -> float:
+    """Achieved FLOP/s of one ``(m, k) x (k, n)`` product.
+
+    With a profiled table: log-linear interpolation of measured FLOP/s in the product's FLOPs,
+    scaled by the precision's peak relative to the table's (fp32). Without one: the device's
+    ``matmul_efficiency`` of peak. The per-kernel overhead is added by the caller.
+    """
+    device = cluster.device
+    peak = device.peak(precision)
+    if not cluster.matmul_table:
+        return peak * device.matmul_efficiency
+    scale = peak / device.peak("fp32") if "fp32" in device.peak_flops else 1.0
+    flops = 2.0 * m * n * k
+    points = sorted((2.0 * a * b * c, rate) for (a, b, c), rate in cluster.matmul_table)
+    if flops <= points[0][0]:
+        return points[0][1] * scale
+    if flops >= points[-1][0]:
+        return points[-1][1] * scale
+    for (f0, r0), (f1, r1) in zip(points, points[1:]):
+        if f0 <= flops <= f1:
+            w = (math.log(flops) - math.log(f0)) / max(math.log(f1) - math.log(f0), 1e-12)
+            return (r0 + w * (r1 - r0)) * scale
+    return points[-1][1] * scale
+
+
+def layer_matmuls(model: ModelConfig, n: int, tp: int, tp_mode: str
+                  ) -> list[tuple[float, float, float, int]]:
+    """Forward matmuls of one layer on one device as ``(m, n_out, k, count)``.
+
+    ``n`` is the tokens of the micro-batch on this device (b * s_loc).
+    """
+    h, f = model.d_model, model.d_ff
+    qkv_out = h + 2 * model.n_kv_heads * model.head_dim
+    mlp_in = 2 if model.activation == "swiglu" else 1
+    shapes = [(n, qkv_out, h, 1), (n, h, h, 1), (n, f, h, mlp_in), (n, h, f, 1)]
+    if tp_mode == "2d" and tp > 1:
+        q = math.isqrt(tp)
+        return [(m / q, o / q, k / q, c * q) for m, o, k, c in shapes]
+    # 1d: column-parallel splits the output features, row-parallel the input features.
+    return [(n, qkv_out / tp, h, 1), (n, h, h / tp, 1), (n, f / tp, h, mlp_in), (n, h, f / tp, 1)]
+
+
+def layer_time(cluster: Cluster, model: ModelConfig, b: int, seq: int, tp: int, tp_mode: str,
+               sp: int, precision: str) -> LayerTime:
+    """Forward and backward seconds of one transformer layer for one micro-batch."""
+    device = cluster.device
+    share = cluster.compute_share()
+    s_loc = seq // sp
+    n = b * s_loc
+    fwd = bwd = 0.0
+    for m, o, k, count in layer_matmuls(model, n, tp, tp_mode):
+        rate = matmul_rate(cluster, m, o, k, precision)
+        t = count * 2.0 * m * o * k / rate
+        fwd += t
+        bwd += BWD_MATMUL_FACTOR * t
+    attn_flops = 4.0 * b * s_loc * seq * model.d_model / tp * 0.5
+    t_attn = attn_flops / (device.peak(precision) * device.attention_efficiency)
+    fwd += t_attn
+    bwd += BWD_ATTENTION_FACTOR * t_attn
+    c_f = 5 if model.activation == "swiglu" else 2
+    elem_bytes = n * (14 * model.d_model + c_f * model.d_ff) / tp * bytes_per_element(precision)
+    t_elem = elem_bytes / (device.memory_bandwidth * device.memory_efficiency)
+    fwd += t_elem + KERNELS_FWD * device.kernel_overhead
+    bwd += BWD_ELEMENTWISE_FACTOR * t_elem + KERNELS_BWD * device.kernel_overhead
+    return LayerTime(fwd / share, bwd / share)
+
+
+def head_time(cluster: Cluster, model: ModelConfig, b: int, seq: int, tp: int, sp: int,
+              precision: str) -> LayerTime:
+    """Final norm, output projection and cross-entropy (last pipeline stage)."""
+    device = cluster.device
+    n = b * seq // sp
+    vocab = model.vocab_size / tp
+    t_mm = 2.0 * n * vocab * model.d_model / matmul_rate(cluster, n, vocab, model.d_model,
+                                                          precision)
+    # Logits are handled in fp32 by the loss: ~3 passes forward (max, exp-sum, gather) and
+    # 2 backward (softmax minus one-hot, cast).
+    t_loss = n * vocab * 4 * 3 / (device.memory_bandwidth * device.memory_efficiency)
+    share = cluster.compute_share()
+    fwd = t_mm + t_loss + 6 * device.kernel_overhead
+    bwd = 2 * t_mm + t_loss * 2 / 3 + 10 * device.kernel_overhead
+    return LayerTime(fwd / share, bwd / share)
+
+
+def embedding_time(cluster: Cluster, model: ModelConfig, b: int, seq: int, tp: int, sp: int,
+                   precision: str) -> LayerTime:
+    """Token (and position) embedding lookup and its dense gradient (first pipeline stage)."""
+    device = cluster.device
+    bw = device.memory_bandwidth * device.memory_efficiency
+    n = b * seq // sp
+    el = bytes_per_element(precision)
+    fwd = 3 * n * model.d_model * el / bw + 4 * device.kernel_overhead
+    # The embedding gradient is a dense (V, h) tensor: zeroed, then scattered into.
+    bwd = (2 * model.vocab_size * model.d_model / tp * 4 + 2 * n * model.d_model * el) / bw
+    bwd += 6 * device.kernel_overhead
+    share = cluster.compute_share()
+    return LayerTime(fwd / share, bwd / share)
+
+
+def optimizer_time(cluster: Cluster, params: float, n_tensors: int) -> float:
+    """One Adam(W) update of ``params`` parameters held in ``n_tensors`` tensors."""
+    device = cluster.device
+    traffic = params * device.optimizer_bytes_per_param
+    # foreach kernels still pay a small per-tensor cost for each of their ~12 passes.
+    per_tensor = 12 * n_tensors * device.kernel_overhead * 0.1
+    return (traffic / (device.memory_bandwidth * device.memory_efficiency) + per_tensor
+            ) / cluster.compute_share()

@@ -1,0 +1,240 @@
+"""Per-device memory: model states under each memory setting, activations, buffers.
+
+Model states (ZeRO paper, Rajbhandari et al. 2020, section 3): mixed-precision Adam holds
+2 bytes of half weights, 2 of half gradients and 12 of fp32 master weights, momentum and
+variance per parameter (16 in all); fp32 training holds 4 + 4 + 8 (also 16).
+
+========  ==================  ==================  =========================
+memory    weights             gradients           optimizer states
+========  ==================  ==================  =========================
+ddp       W                   G (+ G of buckets)  O
+zero1     W                   G                   O / dp
+zero2     W                   G / dp              O / dp
+zero3     W / dp (+ 2 layers) G / dp              O / dp
+chunk     as zero3, gathered in chunks of one layer
+========  ==================  ==================  =========================
+
+``offload=cpu`` keeps optimizer states (with the fp32 master) in host memory; ``disk`` on NVMe.
+torch DDP copies gradients into its own buckets, hence the extra G under ``ddp`` with dp > 1.
+
+Activations of one layer for one micro-batch, in elements of the training precision (counted
+like Korthikanti et al. 2022, "Reducing activation recomputation", section 4.1, which gives
+34 s b h bytes in 16-bit for a GPT layer with f = 4h, without the s^2 attention term that a
+fused attention kernel does not keep): norm inputs 2 n h, the QKV input n h, Q, K and V
+n (h + 2 kv), the attention output n h, the MLP input n h, the MLP hidden and activation
+2 n f (4 n f for swiglu's gate, up, silu and product), plus 1-byte dropout masks when dropout
+is on. Tensor parallelism divides it by t (with 1d, the norm inputs and residual stay whole:
+Korthikanti's 10 + 24/t), sequence parallelism by sp. A recomputed layer keeps only its input
+(n h), and the layer being recomputed needs its full activations once.
+
+Stage i of a 1F1B pipeline holds min(pp - i, m) micro-batches in flight (GPipe: all m).
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+from tessera.models.config import ModelConfig
+from tessera.planner.compute import bytes_per_element
+from tessera.strategy import Strategy
+
+INTERLEAVE_CHUNKS = 2
+
+
+@dataclass(frozen=True)
+class StageParams:
+    """Parameter counts held by one pipeline stage (before tensor parallel splitting)."""
+
+    layers: int
+    block_params: int
+    embed_params: int
+    head_params: int
+    final_norm_params: int
+
+    @property
+    def total(self) -> int:
+        return (self.layers * self.block_params + self.embed_params + self.head_params
+                + self.final_norm_params)
+
+
+def block_params(model: ModelConfig) -> int:
+    """Parameters of one transformer block (exact, from ModelConfig.num_params)."""
+    final_norm = model.d_model * (2 if model.norm == "layernorm" and model.bias else 1)
+    return (model.num_params(include_embedding=False) - final_norm) // model.n_layers
+
+
+def stage_layers(n_layers: int, pp: int) -> list[int]:
+    """Layers per stage: as even as possible, the extra ones on the earliest stages."""
+    base, extra = divmod(n_layers, pp)
+    return [base + (1 if i < extra else 0) for i in range(pp)]
+
+
+def stage_params(model: ModelConfig, pp: int) -> list[StageParams]:
+    """Parameters of each stage; with tied embeddings and pp > 1 the last stage keeps a copy
+    of the embedding for the output head (as Megatron-LM does)."""
+    final_norm = model.d_model * (2 if model.norm == "layernorm" and model.bias else 1)
+    embed = model.vocab_size * model.d_model
+    pos = model.max_seq_len * model.d_model if model.position == "learned" else 0
+    head = 0 if model.tie_embeddings else embed
+    out = []
+    for i, layers in enumerate(stage_layers(model.n_layers, pp)):
+        first, last = i == 0, i == pp - 1
+        head_here = (head if last else 0) + (embed if last and not first and model.tie_embeddings
+                                             else 0)
+        out.append(StageParams(layers, block_params(model), embed + pos if first else 0,
+                               head_here, final_norm if last else 0))
+    return out
+
+
+@dataclass(frozen=True)
+class MemoryBreakdown:
+    """Bytes on the most loaded device, by kind."""
+
+    weights: float
+    gradients: float
+    optimizer: float
+    activations: float
+    buffers: float
+    host: float = 0.0
+
+    @property
+    def total(self) -> float:
+        """Device bytes (host memory is reported apart)."""
+        return self.weights + self.gradients + self.optimizer + self.activations + self.buffers
+
+    def to_dict(self) -> dict[str, float]:
+        return {"weights": self.weights, "gradients": self.gradients,
+                "optimizer": self.optimizer, "activations": self.activations,
+                "buffers": self.buffers, "host": self.host, "total": self.total}
+
+
+def state_bytes(precision: str) -> tuple[int, int, int]:
+    """(weight, gradient, optimizer) bytes per parameter."""
+    return (2, 2, 12) if precision in ("bf16", "fp16") else (4, 4, 8)
+
+
+def layer_activation_elements(model: ModelConfig, n: int) -> float:
+    """Elements one layer keeps for backward for ``n`` tokens, without parallel splitting."""
+    h, kv, f = model.d_model, model.n_kv_heads * model.head_dim, model.d_ff
+    mlp = 4 * f if model.activation == "swiglu" else 2 * f
+    elements = n * (2 * h + h + (h + 2 * kv) + h + h + mlp)
+    return elements
+
+
+def layer_activation(model: ModelConfig, s: Strategy, seq: int, flash: bool
+                     ) -> tuple[float, float]:
+    """(full, checkpointed) activation bytes of one layer for one micro-batch on one device."""
+    el = bytes_per_element(s.precision)
+    n = s.micro_batch_size * seq / s.sp
+    full = layer_activation_elements(model, n) * el
+    if not flash:
+        full += 2.5 * s.micro_batch_size * model.n_heads * (seq / s.sp) * seq * el
+    if model.dropout > 0:
+        full += 2 * n * model.d_model  # 1-byte masks after attention and MLP
+    if s.tp_mode == "2d":
+        full /= s.tp
+    elif s.tp > 1:
+        whole = 4 * n * model.d_model * el  # norm inputs and residual are not split (1d)
+        full = whole + (full - whole) / s.tp
+    ckpt = n * model.d_model * el / (s.tp if s.tp_mode == "2d" else 1)
+    return full, ckpt
+
+
+def recomputed_layers(ratio: float, layers: int) -> int:
+    """Layers of a stage that recompute, for a recomputation ratio."""
+    return math.floor(ratio * layers + 1e-9)
+
+
+def activation_bytes(model: ModelConfig, s: Strategy, seq: int, layers: int, in_flight: float,
+                     ratio: float, flash: bool) -> float:
+    """Activation bytes of one stage: ``in_flight`` micro-batches of ``layers`` layers."""
+    full, ckpt = layer_activation(model, s, seq, flash)
+    recomputed = recomputed_layers(ratio, layers)
+    kept = recomputed * ckpt + (layers - recomputed) * full
+    working = full if recomputed else 0.0
+    return in_flight * kept + working
+
+
+def in_flight(s: Strategy, stage: int, micro_batches: int) -> float:
+    """Micro-batches whose activations stage ``stage`` holds at its peak."""
+    if s.pp == 1:
+        return 1
+    if s.schedule == "gpipe":
+        return micro_batches
+    held = min(s.pp - stage, micro_batches)
+    if s.schedule == "interleaved":
+        held *= 1 + (s.pp - 1) / (s.pp * INTERLEAVE_CHUNKS)
+    return held
+
+
+def logits_bytes(model: ModelConfig, s: Strategy, seq: int) -> float:
+    """Logits of one micro-batch and their fp32 copy for the loss (last stage)."""
+    n = s.micro_batch_size * seq / s.sp
+    return n * model.vocab_size / s.tp * (bytes_per_element(s.precision) + 8)
+
+
+def local_params(model: ModelConfig, stage: StageParams, tp: int) -> float:
+    """Parameters one device of a stage holds: matrices split tp ways, norms replicated."""
+    norm = model.d_model * (2 if model.norm == "layernorm" and model.bias else 1)
+    replicated = stage.layers * 2 * norm + stage.final_norm_params
+    return (stage.total - replicated) / tp + replicated
+
+
+def stage_memory(model: ModelConfig, s: Strategy, seq: int, reserved: float = 0.0,
+                 flash: bool = True) -> list[MemoryBreakdown]:
+    """Memory of one device of each pipeline stage.
+
+    Args:
+        model: the model.
+        s: the strategy (every memory-relevant field is read).
+        seq: training sequence length.
+        reserved: bytes the runtime keeps for itself (device preset).
+        flash: whether attention keeps no (s x s) scores.
+    """
+    w_b, g_b, o_b = state_bytes(s.precision)
+    shard_dp = s.dp * s.sp if s.memory != "ddp" else 1  # sp ranks replicate parameters too
+    m = s.grad_accum_steps
+    out = []
+    for i, stage in enumerate(stage_params(model, s.pp)):
+        p = local_params(model, stage, s.tp)
+        sharded_w = s.memory in ("zero3", "chunk")
+        weights = p * w_b / (shard_dp if sharded_w else 1)
+        grads = p * g_b / (shard_dp if s.memory in ("zero2", "zero3", "chunk") else 1)
+        optim = p * o_b / shard_dp
+        host = 0.0
+        if s.offload:
+            host, optim = optim, 0.0
+        ratio = s.stage_recompute(i)
+        held = in_flight(s, i, m)
+        acts = activation_bytes(model, s, seq, stage.layers, held, ratio, flash)
+        if s.schedule == "scp" and s.pp > 1 and i < s.pp - 1:
+            # SCP keeps the activations of the last in-flight micro-batches (no recompute).
+            keep = min(s.pp - i - 1, m)
+            full, ckpt = layer_activation(model, s, seq, flash)
+            acts += keep * recomputed_layers(ratio, stage.layers) * (full - ckpt)
+        if i == s.pp - 1:
+            acts += logits_bytes(model, s, seq)
+        buffers = reserved + _buffers(model, s, seq, p, stage, w_b, g_b)
+        out.append(MemoryBreakdown(weights, grads, optim, acts, buffers, host))
+    return out
+
+
+def _buffers(model: ModelConfig, s: Strategy, seq: int, p: float, stage: StageParams,
+             w_b: int, g_b: int) -> float:
+    extra = 0.0
+    if s.memory == "ddp" and s.dp * s.sp > 1:
+        extra += p * g_b  # torch DDP's gradient buckets are copies
+    if s.memory in ("zero3", "chunk"):
+        # The layer being computed and the one being prefetched, gathered in full.
+        extra += 2 * stage.block_params / s.tp * w_b
+    if s.pp > 1:
+        n = s.micro_batch_size * seq / s.sp
+        extra += 2 * n * model.d_model * bytes_per_element(s.precision)  # send/recv buffers
+    return extra
+
+
+def device_memory(model: ModelConfig, s: Strategy, seq: int, reserved: float = 0.0,
+                  flash: bool = True) -> MemoryBreakdown:
+    """The most loaded device's memory (the stage that decides whether a strategy fits)."""
+    return max(stage_memory(model, s, seq, reserved, flash), key=lambda m: m.total)

@@ -1,0 +1,260 @@
+"""``tessera profile``: measure this machine and describe it as a cluster the planner reads.
+
+What is measured, each with one thread per worker (as training workers run, OMP_NUM_THREADS=1):
+
+- matmul throughput by shape (the table compute.py interpolates in);
+- fused causal attention (scaled_dot_product_attention) forward + backward, as a fraction of
+  the best matmul rate;
+- element-wise memory bandwidth (an out-of-place add), one AdamW update's traffic per parameter,
+  and the fixed cost of one small autograd kernel;
+- collectives (all_reduce, all_gather, reduce_scatter, all_to_all, p2p) over gloo for each
+  group size 2..workers, fitted as latency + bytes / bandwidth by least squares;
+- how much of an all_reduce hides under a concurrent matmul (the overlap efficiency).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import socket
+import tempfile
+import time
+from typing import Callable
+
+import torch
+import torch.nn.functional as F
+
+from tessera.planner.cluster import COLLECTIVES, Cluster, CollectiveFit
+from tessera.planner.hardware import local_cpu
+
+QUICK_SHAPES = [(64, 64, 64), (256, 256, 256), (512, 512, 256), (1024, 512, 512),
+                (512, 1536, 512), (2048, 1024, 1024)]
+FULL_SHAPES = QUICK_SHAPES + [(128, 128, 128), (128, 512, 128), (256, 1024, 256),
+                              (512, 2048, 512), (1024, 1024, 1024), (4096, 1024, 1024),
+                              (2048, 4096, 1024)]
+
+
+def _timeit(fn: Callable[[], object], min_time: float = 0.05, repeat: int = 3) -> float:
+    """Best-of-``repeat`` seconds per call, each run at least ``min_time`` long."""
+    fn()
+    best = float("inf")
+    for _ in range(repeat):
+        calls, start = 0, time.perf_counter()
+        while True:
+            fn()
+            calls += 1
+            elapsed = time.perf_counter() - start
+            if elapsed >= min_time:
+                break
+        best = min(best, elapsed / calls)
+    return best
+
+
+def measure_matmul(shapes: list[tuple[int, int, int]]) -> list[tuple[tuple[int, int, int], float]]:
+    """FLOP/s of ``(m, k) x (k, n)`` for each ``(m, n, k)``."""
+    out = []
+    for m, n, k in shapes:
+        a, b = torch.randn(m, k), torch.randn(k, n)
+        t = _timeit(lambda: a @ b)
+        out.append(((m, n, k), 2.0 * m * n * k / t))
+    return out
+
+
+def measure_attention(peak: float, seq: int = 256, heads: int = 4, head_dim: int = 64) -> float:
+    """Fraction of ``peak`` that causal SDPA forward + backward reaches (causal FLOPs)."""
+    q, k, v = (torch.randn(1, heads, seq, head_dim, requires_grad=True) for _ in range(3))
+
+    def step():
+        y = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+        y.sum().backward()
+
+    t = _timeit(step)
+    flops = 4.0 * seq * seq * heads * head_dim * 0.5 * (1 + 2.5)
+    return min(1.0, flops / t / peak)
+
+
+def measure_memory(n: int = 1 << 22) -> tuple[float, float, float]:
+    """(element-wise bytes/s, AdamW bytes per parameter, seconds per small autograd kernel)."""
+    x, y, z = torch.randn(n), torch.randn(n), torch.empty(n)
+    bandwidth = 3 * 4 * n / _timeit(lambda: torch.add(x, y, out=z))
+    params = [torch.nn.Parameter(torch.randn(n // 8)) for _ in range(8)]
+    for p in params:
+        p.grad = torch.randn_like(p)
+    opt = torch.optim.AdamW(params, lr=1e-3)
+    adam_bytes = _timeit(opt.step) * bandwidth / n
+    w = torch.randn(8, 8, requires_grad=True)
+    inp = torch.randn(2, 8)
+
+    def tiny():
+        h = F.gelu(F.linear(inp, w))
+        (h + inp).sum().backward()
+
+    # about 4 kernels forward and 8 backward
+    overhead = _timeit(tiny) / 12
+    return bandwidth, adam_bytes, overhead
+
+
+def _free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def _sizes(quick: bool) -> list[int]:
+    return [2**p for p in (range(12, 25, 3) if quick else range(10, 26, 2))]
+
+
+def _worker(rank: int, world: int, port: int, quick: bool, out_dir: str) -> None:
+    import torch.distributed as dist
+
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank,
+                            world_size=world)
+    results: dict[str, dict[int, list[tuple[int, float]]]] = {op: {} for op in COLLECTIVES}
+    sizes = [g for g in range(2, world + 1)]
+    groups = {g: dist.new_group(list(range(g))) for g in sizes}
+    for g in sizes:
+        group = groups[g]
+        member = rank < g
+        for nbytes in _sizes(quick):
+            n = nbytes // 4
+            if member:
+                for op in COLLECTIVES:
+                    t = _collective(dist, op, n, g, rank, group)
+                    results[op].setdefault(g, []).append((nbytes, t))
+            dist.barrier()
+    overlap = _overlap(dist, quick) if world >= 2 else 0.5
+    if rank == 0:
+        torch.save({"results": results, "overlap": overlap}, os.path.join(out_dir, "coll.pt"))
+    dist.destroy_process_group()
+
+
+def _collective(dist, op: str, n: int, g: int, rank: int, group) -> float:
+    x = torch.randn(n - n % g or g)
+    if op == "all_reduce":
+        fn = lambda: dist.all_reduce(x, group=group)  # noqa: E731
+    elif op == "all_gather":  # the gathered output is n elements, as comm.py counts it
+        part = x[: x.numel() // g]
+        fn = lambda: dist.all_gather_into_tensor(x, part, group=group)  # noqa: E731
+    elif op == "reduce_scatter":
+        out = torch.empty(x.numel() // g)
+        fn = lambda: dist.reduce_scatter_tensor(out, x, group=group)  # noqa: E731
+    elif op == "all_to_all":
+        out = torch.empty_like(x)
+        fn = lambda: dist.all_to_all_single(out, x, group=group)  # noqa: E731
+    else:  # p2p between ranks 0 and 1 of the group; one message each way, halved
+        peer = 1 - rank if rank < 2 else None
+
+        def fn():
+            if peer is None:
+                return
+            if rank == 0:
+                dist.send(x, peer)
+                dist.recv(x, peer)
+            else:
+                dist.recv(x, peer)
+                dist.send(x, peer)
+    dist.barrier(group=group)
+    fn()
+    times = []
+    for _ in range(3):
+        dist.barrier(group=group)
+        start = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - start)
+    t = min(times)
+    return t / 2 if op == "p2p" else t
+
+
+def _overlap(dist, quick: bool) -> float:
+    """Fraction of an all_reduce hidden when a matmul runs at the same time."""
+    x = torch.randn(1 << (20 if quick else 22))
+    a = torch.randn(512, 512)
+
+    def matmuls():
+        for _ in range(8):
+            a @ a
+
+    def comm():
+        dist.all_reduce(x)
+
+    t_mm = _timeit(matmuls, 0.02, 2)
+    dist.barrier()
+    t_ar = _timeit(comm, 0.02, 2)
+    reps = max(1, int(round(t_ar / t_mm)))
+    dist.barrier()
+    start = time.perf_counter()
+    work = dist.all_reduce(x, async_op=True)
+    for _ in range(reps):
+        matmuls()
+    work.wait()
+    both = time.perf_counter() - start
+    t_mm_total = reps * t_mm
+    hidden = t_mm_total + t_ar - both
+    return float(max(0.0, min(1.0, hidden / min(t_ar, t_mm_total))))
+
+
+def _fit(points: list[tuple[int, float]]) -> CollectiveFit:
+    """Least-squares latency + bytes / bandwidth, with both kept positive."""
+    n = len(points)
+    xs = [p[0] for p in points]
+    ys = [p[1] for p in points]
+    mx, my = sum(xs) / n, sum(ys) / n
+    var = sum((x - mx) ** 2 for x in xs) or 1.0
+    slope = max(sum((x - mx) * (y - my) for x, y in zip(xs, ys)) / var, 1e-15)
+    latency = max(my - slope * mx, min(ys) * 0.5, 1e-7)
+    return CollectiveFit(latency=latency, bandwidth=1.0 / slope)
+
+
+def measure_collectives(workers: int, quick: bool) -> tuple[dict, float]:
+    """Spawn ``workers`` gloo processes; return fits by op and group size, and the overlap."""
+    import torch.multiprocessing as mp
+
+    with tempfile.TemporaryDirectory() as tmp:
+        mp.spawn(_worker, args=(workers, _free_port(), quick, tmp), nprocs=workers, join=True)
+        data = torch.load(os.path.join(tmp, "coll.pt"))
+    fits = {op: {g: _fit(points) for g, points in by_size.items()}
+            for op, by_size in data["results"].items()}
+    return fits, data["overlap"]
+
+
+def profile_cluster(workers: int | None = None, quick: bool = False,
+                    log: Callable[[str], None] = lambda msg: None) -> Cluster:
+    """Measure this machine and return a one-node CPU cluster of ``workers`` workers.
+
+    Args:
+        workers: worker processes (default: CPU count, at least 2).
+        quick: fewer shapes and message sizes.
+        log: receives one line per measurement stage.
+    """
+    workers = workers or max(2, os.cpu_count() or 1)
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        log("matmul throughput by shape ...")
+        table = measure_matmul(QUICK_SHAPES if quick else FULL_SHAPES)
+        peak = max(rate for _, rate in table)
+        log("attention, memory bandwidth, optimizer, kernel overhead ...")
+        attention = measure_attention(peak)
+        bandwidth, adam_bytes, overhead = measure_memory()
+    finally:
+        torch.set_num_threads(threads)
+    log(f"collectives over gloo with {workers} workers ...")
+    fits, overlap = measure_collectives(workers, quick)
+    base = local_cpu(workers)
+    device = dataclasses.replace(
+        base, peak_flops={"fp32": peak, "bf16": peak}, memory_bandwidth=bandwidth,
+        attention_efficiency=attention, kernel_overhead=overhead,
+        optimizer_bytes_per_param=adam_bytes, overlap_efficiency=overlap,
+        memory_bytes=base.memory_bytes * base.devices_per_node / workers if False else
+        _memory_per_worker(workers))
+    return Cluster(device=device, devices_per_node=workers, nodes=1, name=f"local-cpu:{workers}x1",
+                   matmul_table=tuple(table), collectives=fits, compute_slots=os.cpu_count() or 1)
+
+
+def _memory_per_worker(workers: int) -> float:
+    try:
+        total = os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+    except (ValueError, OSError, AttributeError):
+        total = 8 * 2**30
+    return total / workers

@@ -1,0 +1,319 @@
+"""Step-time simulator: computation + communication - overlap, under the schedule's bubble.
+
+For each pipeline stage i, one micro-batch costs ``t_i = f_i + b_i + r_i + c_i``: forward,
+backward and recomputation compute (compute.py) plus the tensor- and sequence-parallel
+communication that compute cannot hide (comm.py). With m micro-batches:
+
+- 1F1B and GPipe: ``T = m * max_i t_i + (sum_i t_i - max_i t_i)``; for equal stages this is the
+  familiar ``(m + p - 1) t`` with bubble fraction ``(p - 1)/m`` (Narayanan et al. 2021), and
+  for unequal stages Alpa's ``sum t_i + (m - 1) max t_i``.
+- Interleaved 1F1B with v = 2 model chunks per device: the fill/drain term divides by v, and
+  pipeline send/recv traffic multiplies by v (Narayanan et al. 2021, section 2.2).
+- SCP (Merak's shifted critical path): the last stage never recomputes, stage i skips
+  recomputation for its last ``p - 1 - i`` micro-batches, and recomputation runs while the
+  gradient is being received, so up to one p2p time of it per micro-batch is hidden.
+
+Then the step adds what the pipeline does not contain: pipeline p2p on the critical path,
+data-parallel gradient synchronisation not hidden under the last backward, the optimizer update,
+and offload transfers. The :class:`Estimate` breakdown sums to the step time.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from dataclasses import dataclass, field
+from typing import Any
+
+from tessera.models.config import ModelConfig
+from tessera.planner import comm
+from tessera.planner.cluster import Cluster
+from tessera.planner.compute import (LayerTime, bytes_per_element, embedding_time, head_time,
+                                     layer_matmuls, layer_time, optimizer_time)
+from tessera.planner.memory import (INTERLEAVE_CHUNKS, MemoryBreakdown, device_memory,
+                                    local_params, recomputed_layers, stage_params, state_bytes)
+from tessera.strategy import Strategy, StrategyError
+
+DDP_BUCKET_BYTES = 25 * 2**20
+HOST_ADAM_BANDWIDTH = 20e9  # bytes/s per device of a CPU Adam (ZeRO-Offload's is memory-bound)
+
+
+@dataclass(frozen=True)
+class SimOptions:
+    """Knobs of the runtime that are not Strategy fields.
+
+    Attributes:
+        tp_overlap: fraction of tensor-parallel communication that sub-pipelined tensor
+            parallelism (Merak) or async TP hides under compute; 0 = none.
+        dp_overlap: overlap gradient synchronisation with the last backward (DDP buckets).
+    """
+
+    tp_overlap: float = 0.0
+    dp_overlap: bool = True
+
+
+@dataclass(frozen=True)
+class Estimate:
+    """Predicted performance of one strategy on one cluster."""
+
+    strategy: Strategy
+    step_time: float
+    tokens_per_s: float
+    tflops_per_device: float
+    mfu: float
+    memory: MemoryBreakdown
+    capacity: float
+    breakdown: dict[str, float] = field(default_factory=dict)
+
+    @property
+    def fits(self) -> bool:
+        return self.memory.total <= self.capacity
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"strategy": self.strategy.to_text(), "step_time_s": self.step_time,
+                "tokens_per_s": self.tokens_per_s, "tflops_per_device": self.tflops_per_device,
+                "mfu": self.mfu, "memory_per_device_bytes": self.memory.total,
+                "memory_capacity_bytes": self.capacity, "fits": self.fits,
+                "memory": self.memory.to_dict(), "breakdown": dict(self.breakdown)}
+
+
+def placed(cluster: Cluster, world: int) -> Cluster:
+    """The cluster a job of ``world`` devices occupies (packed into as few nodes as possible)."""
+    if world > cluster.num_devices:
+        raise StrategyError(f"strategy needs {world} devices; the cluster {cluster.name} has "
+                            f"{cluster.num_devices}")
+    if world == cluster.num_devices:
+        return cluster
+    per = min(world, cluster.devices_per_node)
+    return cluster.with_devices(per, math.ceil(world / per))
+
+
+def estimate(model: ModelConfig, cluster: Cluster, strategy: Strategy,
+             options: SimOptions | None = None, cache: dict | None = None) -> Estimate:
+    """Predict step time, throughput and memory of ``strategy``.
+
+    Args:
+        model: the model (see :func:`tessera.planner.describe_model`).
+        cluster: the cluster; the job is packed onto its first ``strategy.world_size`` devices.
+        strategy: the strategy to price.
+        options: runtime knobs that are not Strategy fields.
+        cache: a dict the caller keeps across calls to reuse per-layer costs (the search does).
+
+    Raises:
+        StrategyError: when the strategy does not fit the model or the cluster's device count.
+        HardwareError: when the device has no rate for the strategy's precision.
+    """
+    opt = options or SimOptions()
+    s = strategy.validate_for(model=model)
+    cl = placed(cluster, s.world_size)
+    seq = model.max_seq_len
+    groups = comm.mesh_groups(s.tp, s.sp, s.dp, s.pp)
+    m = s.grad_accum_steps
+    stages = _stage_costs(model, cl, s, groups, opt, cache)
+    pipe, parts = _pipeline(s, stages, m, cl, model, groups)
+    dp_parts = _data_parallel(model, cl, s, groups, stages, opt)
+    step = pipe + sum(dp_parts.values())
+    breakdown = {**parts, **dp_parts}
+    tokens = s.global_batch_size * seq
+    model_flops = model.flops_per_token(seq) * tokens
+    peak = cl.device.peak(s.precision)
+    memory = device_memory(model, s, seq, cl.device.reserved_bytes, cl.device.flash_attention)
+    return Estimate(strategy=s, step_time=step, tokens_per_s=tokens / step,
+                    tflops_per_device=model_flops / step / s.world_size / 1e12,
+                    mfu=model_flops / step / s.world_size / peak, memory=memory,
+                    capacity=cl.device.memory_bytes, breakdown=breakdown)
+
+
+@dataclass(frozen=True)
+class _Stage:
+    fwd: float  # compute seconds per micro-batch
+    bwd: float
+    rec: float
+    comm: float  # exposed tp + sp communication per micro-batch (forward, backward, recompute)
+    tp_comm: float
+    sp_comm: float
+
+    @property
+    def total(self) -> float:
+        return self.fwd + self.bwd + self.rec + self.comm
+
+
+def lower_bound(model: ModelConfig, cluster: Cluster, strategy: Strategy,
+                options: SimOptions | None = None, cache: dict | None = None) -> float:
+    """Step time of ``strategy``'s layout without recomputation, gradient synchronisation,
+    optimizer or offload: no recomputation or memory setting can make the step faster."""
+    s = strategy.replace(recompute=(0.0,), memory="ddp", offload=())
+    cl = placed(cluster, s.world_size)
+    groups = comm.mesh_groups(s.tp, s.sp, s.dp, s.pp)
+    stages = _stage_costs(model, cl, s, groups, options or SimOptions(), cache)
+    return _pipeline(s, stages, s.grad_accum_steps, cl, model, groups)[0]
+
+
+def _stage_costs(model: ModelConfig, cl: Cluster, s: Strategy, groups, opt: SimOptions,
+                 cache: dict | None = None) -> list[_Stage]:
+    seq, b = model.max_seq_len, s.micro_batch_size
+    key = (id(cl.device), cl.devices_per_node, cl.nodes, b, s.tp, s.tp_mode, s.sp, s.precision)
+    lt = cache.get(key) if cache is not None else None
+    if lt is None:
+        lt = layer_time(cl, model, b, seq, s.tp, s.tp_mode, s.sp, s.precision)
+        if cache is not None:
+            cache[key] = lt
+    tp_f, tp_b = _tp_comm(model, cl, s, groups)
+    sp_f, sp_b = _sp_comm(model, cl, s, groups, lt)
+    out = []
+    for i, sp_params in enumerate(stage_params(model, s.pp)):
+        layers = sp_params.layers
+        fwd, bwd = layers * lt.forward, layers * lt.backward
+        extra_tp = 0.0
+        if i == 0:
+            e = embedding_time(cl, model, b, seq, s.tp, s.sp, s.precision)
+            fwd, bwd = fwd + e.forward, bwd + e.backward
+            extra_tp += _tp_allreduce(model, cl, s, groups)  # vocab-parallel embedding
+        if i == s.pp - 1:
+            h = head_time(cl, model, b, seq, s.tp, s.sp, s.precision)
+            fwd, bwd = fwd + h.forward, bwd + h.backward
+        n_rec = recomputed_layers(s.stage_recompute(i), layers)
+        rec = n_rec * lt.forward
+        tp = layers * (tp_f + tp_b) + n_rec * tp_f + extra_tp
+        sp = layers * (sp_f + sp_b) + n_rec * sp_f
+        hidden = min(opt.tp_overlap * tp, cl.device.overlap_efficiency * (fwd + bwd))
+        out.append(_Stage(fwd, bwd, rec, tp - hidden + sp, tp - hidden, sp))
+    return out
+
+
+def _tp_allreduce(model: ModelConfig, cl: Cluster, s: Strategy, groups) -> float:
+    if s.tp == 1:
+        return 0.0
+    n = s.micro_batch_size * model.max_seq_len / s.sp
+    nbytes = n * model.d_model * bytes_per_element(s.precision)
+    return comm.collective_time(cl, "all_reduce", nbytes, groups["tp"])
+
+
+def _tp_comm(model: ModelConfig, cl: Cluster, s: Strategy, groups) -> tuple[float, float]:
+    """Tensor-parallel communication of one layer and micro-batch: (forward, backward)."""
+    if s.tp == 1:
+        return 0.0, 0.0
+    if s.tp_mode == "1d":
+        # Megatron: one all-reduce after attention and one after the MLP, and their
+        # conjugates in backward.
+        ar = _tp_allreduce(model, cl, s, groups)
+        return 2 * ar, 2 * ar
+    q = math.isqrt(s.tp)
+    el = bytes_per_element(s.precision)
+    n = s.micro_batch_size * model.max_seq_len / s.sp
+    fwd = 0.0
+    for mm, o, k, count in layer_matmuls(model, n, 1, "1d"):
+        fwd += comm.summa_time(cl, mm, o, k, count, q, el, groups["tp"])
+    # Norm statistics are reduced along grid rows: two small all-reduces per layer.
+    stats = comm.collective_time(cl, "all_reduce", n / q * 2 * 4, comm.Group(q, 1))
+    return fwd + 2 * stats, 2 * fwd + 2 * stats
+
+
+def _sp_comm(model: ModelConfig, cl: Cluster, s: Strategy, groups, lt: LayerTime
+             ) -> tuple[float, float]:
+    """Exposed sequence-parallel communication of one layer and micro-batch."""
+    if s.sp == 1:
+        return 0.0, 0.0
+    el = bytes_per_element(s.precision)
+    heads_split = math.isqrt(s.tp) if s.tp_mode == "2d" else s.tp
+    n_loc = s.micro_batch_size * model.max_seq_len / s.sp
+    kv = model.n_kv_heads * model.head_dim
+    group = groups["sp"]
+    if s.sp_mode == "ulysses":
+        # Four all-to-alls forward (q, k, v in; output back) and four backward.
+        nbytes = n_loc * (2 * model.d_model + 2 * kv) / heads_split * el
+        t = comm.collective_time(cl, "all_to_all", nbytes, group)
+        return t, t
+    # Ring: sp - 1 steps passing this rank's K and V blocks; backward also passes dK, dV.
+    step = comm.collective_time(cl, "p2p", n_loc * 2 * kv / heads_split * el, group)
+    ring_f, ring_b = (s.sp - 1) * step, 2 * (s.sp - 1) * step
+    if s.sp_mode == "rsa":
+        return ring_f, ring_b  # paper-faithful RSA: keys then values, not overlapped
+    # Ring attention overlaps each step with the attention block it feeds.
+    attn_f = lt.forward * 0.3
+    ovl = cl.device.overlap_efficiency
+    return (max(step, ring_f - ovl * attn_f), max(step, ring_b - ovl * 2.5 * attn_f))
+
+
+def _pipeline(s: Strategy, stages: list[_Stage], m: int, cl: Cluster, model: ModelConfig,
+              groups) -> tuple[float, dict[str, float]]:
+    p2p = 0.0
+    if s.pp > 1:
+        n = s.micro_batch_size * model.max_seq_len / s.sp
+        nbytes = n * model.d_model * bytes_per_element(s.precision)
+        nbytes /= s.tp if s.tp_mode == "2d" else 1
+        p2p = comm.collective_time(cl, "p2p", nbytes, comm.Group(2, groups["pp"].stride))
+    times = []
+    for i, st in enumerate(stages):
+        rec = st.rec
+        if s.schedule == "scp" and s.pp > 1:
+            recomputing = 0 if i == s.pp - 1 else max(0, m - (s.pp - 1 - i)) / m
+            rec = max(0.0, rec * recomputing - p2p)
+        times.append(st.fwd + st.bwd + rec + st.comm)
+    crit = max(range(len(times)), key=times.__getitem__)
+    v = INTERLEAVE_CHUNKS if s.schedule == "interleaved" else 1
+    fill = (sum(times) - times[crit]) / v
+    pipe = m * times[crit] + fill
+    st = stages[crit]
+    rec_share = times[crit] - st.fwd - st.bwd - st.comm
+    pp_comm = (m + s.pp - 1) * 2 * p2p * v if s.pp > 1 else 0.0
+    parts = {"compute": m * (st.fwd + st.bwd), "recompute": m * rec_share,
+             "tp_comm": m * st.tp_comm, "sp_comm": m * st.sp_comm, "bubble": fill,
+             "pp_comm": pp_comm}
+    return pipe + pp_comm, parts
+
+
+def _data_parallel(model: ModelConfig, cl: Cluster, s: Strategy, groups, stages: list[_Stage],
+                   opt: SimOptions) -> dict[str, float]:
+    """Exposed gradient sync, optimizer and offload seconds of the critical stage."""
+    w_b, g_b, o_b = state_bytes(s.precision)
+    params = [local_params(model, p, s.tp) for p in stage_params(model, s.pp)]
+    worst = max(range(s.pp), key=params.__getitem__)
+    p = params[worst]
+    st = stages[worst]
+    m = s.grad_accum_steps
+    group = groups["dp_sp"]
+    ovl = cl.device.overlap_efficiency if opt.dp_overlap else 0.0
+    bw = cl.device.memory_bandwidth * cl.device.memory_efficiency
+    sync = 0.0
+    if group.size > 1:
+        if s.memory == "ddp":
+            ar = comm.collective_time(cl, "all_reduce", p * g_b, group)
+            last = comm.collective_time(cl, "all_reduce", min(p * g_b, DDP_BUCKET_BYTES), group)
+            sync = max(last, ar - ovl * st.bwd) + 2 * p * g_b / bw  # bucket copies
+        elif s.memory in ("zero1", "zero2"):
+            rs = comm.collective_time(cl, "reduce_scatter", p * g_b, group)
+            ag = comm.collective_time(cl, "all_gather", p * w_b, group)
+            sync = max(0.0, rs - ovl * st.bwd) + max(0.0, ag - ovl * st.fwd)
+        else:  # zero3 / chunk: gather weights for forward and backward of every micro-batch
+            ag = comm.collective_time(cl, "all_gather", p * w_b, group)
+            rs = comm.collective_time(cl, "reduce_scatter", p * g_b, group)
+            sync = m * max(0.0, 2 * ag - ovl * (st.fwd + st.bwd)) + max(0.0, rs - ovl * st.bwd)
+    if s.pp > 1 and model.tie_embeddings:
+        tied = model.vocab_size * model.d_model / s.tp * g_b
+        sync += comm.collective_time(cl, "all_reduce", tied, comm.Group(2, groups["pp"].stride))
+    shard = group.size if s.memory != "ddp" else 1
+    n_tensors = 12 * max(1, model.n_layers // s.pp)
+    offload = 0.0
+    if s.offload:
+        offload = _offload_time(cl, s, p / shard, st.bwd)
+        optim = (p / shard) * cl.device.optimizer_bytes_per_param / HOST_ADAM_BANDWIDTH
+    else:
+        optim = optimizer_time(cl, p / shard, n_tensors)
+    return {"dp_comm": sync, "optimizer": optim, "offload": offload}
+
+
+def _offload_time(cl: Cluster, s: Strategy, p_shard: float, bwd: float) -> float:
+    """Host transfers of an offloaded step (ZeRO-Offload style): gradients down during the
+    last backward, updated weights back up; with disk, optimizer states in and out of NVMe."""
+    w_b, g_b, o_b = state_bytes(s.precision)
+    host = cl.device.host_bandwidth
+    down = max(0.0, p_shard * g_b / host - cl.device.overlap_efficiency * bwd)
+    up = p_shard * w_b / host
+    disk = 2 * p_shard * o_b / cl.device.disk_bandwidth if "disk" in s.offload else 0.0
+    return down + up + disk
+
+
+def with_precision(strategy: Strategy, precision: str) -> Strategy:
+    """A copy of ``strategy`` at another precision."""
+    return dataclasses.replace(strategy, precision=precision)

@@ -1,0 +1,50 @@
+import pytest
+
+from tessera.config import ConfigError, load_config
+
+
+def test_defaults_and_overrides(tmp_path):
+    path = tmp_path / "run.yaml"
+    path.write_text("model: {preset: tiny}\nstrategy: 'dp=2,mbs=2,gbs=8'\n"
+                    "train: {max_steps: 7}\n")
+    config = load_config(path, ["train.learning_rate=1e-4", "model.n_layers=3",
+                                "strategy=dp=4,tp=1,pp=1,mbs=1,gbs=8"])
+    assert config.train.max_steps == 7 and config.train.learning_rate == 1e-4
+    assert config.model.build_config().n_layers == 3
+    assert config.strategy.dp == 4
+    # The resolved config round-trips through its plain form.
+    again = load_config(None, [f"{k}={v}" for k, v in
+                               [("strategy", config.strategy.to_text())]])
+    assert again.strategy == config.strategy
+
+
+@pytest.mark.parametrize("overrides, fragment", [
+    (["train.lerning_rate=1"], "train.lerning_rate: unknown key"),
+    (["optim.lr=1"], "optim: unknown key"),
+    (["model.n_layrs=3"], "unknown key(s) model.n_layrs"),
+    (["train.max_steps=many"], "train.max_steps: Input should be a valid integer"),
+    (["train.max_steps=0"], "train.max_steps: must be >= 1"),
+    (["data.val_fraction=0.9"], "data.val_fraction: must lie in [0, 0.5)"),
+    (["strategy=dp=2,mbs=3,gbs=16"], "strategy: gbs=16 must be a multiple of mbs*dp"),
+    (["strategy=dp=1,tp=3"], "n_heads=4 is not divisible by 3"),
+    (["data.seq_len=100"], "data.seq_len=100 exceeds model.max_seq_len=64"),
+    (["model.preset=gpt5"], "unknown model preset 'gpt5'"),
+    (["model.hf=bert"], "model.hf: Input should be None, 'gpt2' or 'llama'"),
+    (["train.max_steps"], "not key=value"),
+])
+def test_bad_config_is_refused_naming_the_key(overrides, fragment):
+    with pytest.raises(ConfigError) as err:
+        load_config(None, ["model.preset=tiny", "data.seq_len=32", *overrides])
+    assert fragment in str(err.value)
+
+
+def test_bad_files(tmp_path):
+    with pytest.raises(ConfigError, match="does not exist"):
+        load_config(tmp_path / "missing.yaml")
+    bad = tmp_path / "bad.yaml"
+    bad.write_text("model: [unclosed\n")
+    with pytest.raises(ConfigError, match="is not valid YAML"):
+        load_config(bad)
+    bad.write_text("- a list\n")
+    with pytest.raises(ConfigError, match="must hold a mapping"):
+        load_config(bad)
