@@ -19,6 +19,12 @@ from tessera.train.checkpoint import CheckpointError
 USER_ERRORS = (ConfigError, DataError, StrategyError, ModelConfigError, CheckpointError)
 
 
+class InputError(click.ClickException):
+    """Bad input, refused before any work starts."""
+
+    exit_code = 2
+
+
 @click.group(context_settings={"help_option_names": ["-h", "--help"]})
 @click.version_option(package_name="tessera")
 def main() -> None:
@@ -59,7 +65,7 @@ def train(args: tuple[str, ...], nproc: int | None, nnodes: int, node_rank: int,
                                 max_restarts)
         resolved = prepare_run(config, options)
     except (*USER_ERRORS, ValueError) as err:
-        raise click.ClickException(str(err)) from None
+        raise InputError(str(err)) from None
     click.echo(f"tessera: {config.strategy} on {options.world_size} worker(s); "
                f"output in {config.train.output_dir}")
     code = run_workers(resolved, options)
@@ -94,7 +100,7 @@ def strategy_check(text: str, world_size: int | None, model_name: str | None,
         model = preset(model_name) if model_name else None
         parsed.validate_for(world_size=world_size, model=model, seq_len=seq_len)
     except USER_ERRORS as err:
-        raise click.ClickException(str(err)) from None
+        raise InputError(str(err)) from None
     info = {**parsed.to_dict(), "text": parsed.to_text(), "world_size": parsed.world_size,
             "grad_accum_steps": parsed.grad_accum_steps}
     try:

@@ -8,6 +8,7 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
+from tessera.config import ConfigError
 from tessera.mesh import backend_for
 
 
@@ -30,7 +31,8 @@ def resolve_device_type(requested: str = "auto") -> str:
     if requested == "auto":
         return "cuda" if torch.cuda.is_available() else "cpu"
     if requested == "cuda" and not torch.cuda.is_available():
-        raise RuntimeError("train.device=cuda but torch.cuda.is_available() is False")
+        raise ConfigError("train.device=cuda but this machine has no CUDA device "
+                          "(torch.cuda.is_available() is False)")
     return requested
 
 

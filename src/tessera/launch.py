@@ -16,9 +16,15 @@ import sys
 from dataclasses import dataclass
 from pathlib import Path
 
+import torch
 import yaml
 
 from tessera.config import RunConfig
+from tessera.data import list_text_files, resolve_corpus
+from tessera.distributed import resolve_device_type
+from tessera.run import build_model, build_tokenizer
+from tessera.train import checkpoint as ckpt
+from tessera.train.trainer import describe_model
 
 
 @dataclass(frozen=True)
@@ -110,15 +116,9 @@ def prepare_run(config: RunConfig, options: LaunchOptions) -> Path:
     Raises:
         StrategyError, DataError, CheckpointError: naming the field, path or rule.
     """
-    import torch
-
-    from tessera.data import list_text_files, resolve_corpus
-    from tessera.run import build_model, build_tokenizer
-    from tessera.train import checkpoint as ckpt
-    from tessera.train.trainer import describe_model
-
     config.strategy.require_available()
     config.strategy.validate_for(world_size=options.world_size)
+    resolve_device_type(config.train.device)
     files = list_text_files(resolve_corpus(config.data.corpus), config.data.extensions)
     tokenizer = build_tokenizer(config, files)  # trains the BPE once, here, not per worker
     if config.train.resume:

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import multiprocessing as mp
 import os
+import pickle
 import queue
 import socket
 import traceback
@@ -94,7 +95,7 @@ def _collect(procs: list, results: mp.Queue, world_size: int, timeout: float) ->
             continue
         if status == "error":
             raise DistributedTestError(f"rank {rank} failed:\n{payload}")
-        outputs[rank] = payload
+        outputs[rank] = pickle.loads(payload)
     return [outputs[r] for r in range(world_size)]
 
 
@@ -106,7 +107,9 @@ def _worker(fn, rank, world_size, args, backend, env, results) -> None:
     torch.set_num_threads(1)
     try:
         dist.init_process_group(backend, rank=rank, world_size=world_size)
-        results.put((rank, "ok", fn(rank, world_size, *args)))
+        # Plain pickle: torch's multiprocessing pickler would pass tensors through shared
+        # memory that disappears when this process exits.
+        results.put((rank, "ok", pickle.dumps(fn(rank, world_size, *args))))
     except BaseException:  # report everything, including assertion failures
         results.put((rank, "error", traceback.format_exc()))
     finally:

@@ -63,7 +63,7 @@ class SimResult:
         timeline_t, timeline_used: GPUs allocated from each round start on.
         gpus: cluster size.
         wall_s: wall-clock seconds the simulation took.
-        schedules: the applied owner arrays per round (if recorded).
+        schedules: the owner array of every round, aligned with ``timeline_t`` (if recorded).
     """
 
     policy: str
@@ -128,8 +128,8 @@ class Simulator:
                 view = ClusterView(t, self.cluster, self.models, jobs, active, owner,
                                    cfg.restart_s, changed, noise)
                 owner = self._apply(jobs, owner, policy.schedule(view), active, t)
-                if cfg.record_schedules:
-                    schedules.append(owner.copy())
+            if cfg.record_schedules:
+                schedules.append(owner.copy())
             times.append(t)
             used.append(int((owner >= 0).sum()))
             finished = self._advance(jobs, owner, t, t + cfg.round_s)
@@ -148,22 +148,30 @@ class Simulator:
     def _check(self, schedule: Schedule, jobs: JobTable, active: np.ndarray) -> np.ndarray:
         total = self.cluster.gpus
         new_owner = np.full(total, -1, dtype=np.int64)
+        if not schedule:
+            return new_owner
+        ids = np.fromiter(schedule.keys(), dtype=np.int64, count=len(schedule))
         is_active = np.zeros(len(jobs), dtype=bool)
         is_active[active] = True
-        for job, (gpus, batch) in schedule.items():
-            if not (0 <= job < len(jobs)) or not is_active[job]:
-                raise SchedulingError(f"schedule names job {job}, which is not active")
-            gpus = np.asarray(gpus, dtype=np.int64)
-            if gpus.size and (gpus.min() < 0 or gpus.max() >= total):
-                raise SchedulingError(f"job {job}: GPU ids must be in [0, {total})")
-            if batch < 1:
-                raise SchedulingError(f"job {job}: batch must be >= 1, got {batch}")
-            clash = gpus[new_owner[gpus] >= 0]
-            if clash.size or len(np.unique(gpus)) != gpus.size:
-                g = int(clash[0]) if clash.size else int(gpus[0])
-                raise SchedulingError(f"GPU {g} assigned twice (jobs {int(new_owner[g])} and "
-                                      f"{job})")
-            new_owner[gpus] = job
+        bad = (ids < 0) | (ids >= len(jobs))
+        bad[~bad] = ~is_active[ids[~bad]]
+        if bad.any():
+            raise SchedulingError(f"schedule names job {int(ids[bad][0])}, which is not active")
+        parts = [np.asarray(a.gpus, dtype=np.int64) for a in schedule.values()]
+        gpus = np.concatenate(parts)
+        who = np.repeat(ids, [len(p) for p in parts])
+        if gpus.size and (gpus.min() < 0 or gpus.max() >= total):
+            raise SchedulingError(f"GPU ids must be in [0, {total})")
+        batch = np.fromiter((a.batch for a in schedule.values()), dtype=np.int64,
+                            count=len(schedule))
+        if (batch < 1).any():
+            raise SchedulingError(f"job {int(ids[batch < 1][0])}: batch must be >= 1")
+        uses = np.bincount(gpus, minlength=total)
+        if uses.max(initial=0) > 1:
+            g = int(np.argmax(uses > 1))
+            a, b = who[gpus == g][:2]
+            raise SchedulingError(f"GPU {g} assigned twice (jobs {int(a)} and {int(b)})")
+        new_owner[gpus] = who
         return new_owner
 
     def _apply(self, jobs: JobTable, owner: np.ndarray, schedule: Schedule,

@@ -246,8 +246,7 @@ def profile_cluster(workers: int | None = None, quick: bool = False,
         base, peak_flops={"fp32": peak, "bf16": peak}, memory_bandwidth=bandwidth,
         attention_efficiency=attention, kernel_overhead=overhead,
         optimizer_bytes_per_param=adam_bytes, overlap_efficiency=overlap,
-        memory_bytes=base.memory_bytes * base.devices_per_node / workers if False else
-        _memory_per_worker(workers))
+        memory_bytes=_memory_per_worker(workers))
     return Cluster(device=device, devices_per_node=workers, nodes=1, name=f"local-cpu:{workers}x1",
                    matmul_table=tuple(table), collectives=fits, compute_slots=os.cpu_count() or 1)
 

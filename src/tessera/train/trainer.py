@@ -82,10 +82,16 @@ class Trainer:
         self.ckpt_root = ckpt.checkpoint_root(args.output_dir)
 
     # ------------------------------------------------------------------------------ public
-    def train(self) -> TrainResult:
-        """Train to ``args.max_steps`` (resuming first when ``args.resume``)."""
+    def train(self, until_step: int | None = None) -> TrainResult:
+        """Train to ``args.max_steps`` (resuming first when ``args.resume``).
+
+        Args:
+            until_step: stop early at this step, with a checkpoint, keeping the LR schedule
+                of the whole run (to pause a job that will be resumed, e.g. when resized).
+        """
         if self.args.resume:
             self.resume()
+        stop = self.args.max_steps if until_step is None else min(until_step, self.args.max_steps)
         result = TrainResult(step=self.step)
         progress = ProgressReporter(self.args.max_steps, self.step, self.args.progress,
                                     self.ctx.is_main)
@@ -94,11 +100,11 @@ class Trainer:
         throughput = self._throughput()
         window: list[torch.Tensor] = []
         try:
-            while self.step < self.args.max_steps:
+            while self.step < stop:
                 window.append(self._train_step())
                 self.step += 1
                 throughput.add(self.strategy.global_batch_size * self._seq_len())
-                if self.step % self.args.logging_steps == 0 or self.step == self.args.max_steps:
+                if self.step % self.args.logging_steps == 0 or self.step == stop:
                     record = self._log(window, throughput, result)
                     window = []
                     self._emit(record, writer, progress)

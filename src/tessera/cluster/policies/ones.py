@@ -36,6 +36,12 @@ class ONES(Policy):
         cap_growth_epochs: epochs between doublings of a job's GPU cap.
         cap_factor: a job never gets more than this times the GPUs it requested.
         generations: generations evolved per scheduling round.
+        max_epoch_s: if set, an "epoch" for the three epoch-based bounds above is at most the
+            samples the job processes in this many seconds on one GPU. The artifact's jobs had
+            epochs of seconds to minutes; with full ImageNet or BERT epochs (hours on one GPU)
+            the epoch-based ramp keeps jobs small for most of their life. None = real epochs.
+        charge_queued: charge a job that a candidate leaves queued its one-GPU remaining
+            GPU-time (False: it costs nothing, the literal reading of the artifact's sum).
     """
 
     name = "ones"
@@ -43,13 +49,15 @@ class ONES(Policy):
     def __init__(self, population: int = 16, mutation_rate: float = 0.3,
                  min_mutate_epochs: float = 2.0, resize_epochs: float = 1.0,
                  cap_growth_epochs: float = 2.0, cap_factor: int = 4,
-                 generations: int = 1) -> None:
+                 generations: int = 1, max_epoch_s: float | None = None,
+                 charge_queued: bool = True) -> None:
         if population < 2 or population % 2:
             raise ValueError("population must be an even number >= 2")
         self.k, self.mutation_rate = population, mutation_rate
         self.min_mutate_epochs, self.resize_epochs = min_mutate_epochs, resize_epochs
         self.cap_growth_epochs, self.cap_factor = cap_growth_epochs, cap_factor
-        self.generations = generations
+        self.generations, self.max_epoch_s = generations, max_epoch_s
+        self.charge_queued = charge_queued
         self.reset(None, None, 0)
 
     def reset(self, cluster, models, seed: int) -> None:
@@ -57,13 +65,23 @@ class ONES(Policy):
         self.pop: np.ndarray | None = None  # (K, G) global job ids, -1 idle
 
     # ------------------------------------------------------------------------ helpers
+    def bound_epochs(self, view: ClusterView, ids: np.ndarray, samples: np.ndarray) -> np.ndarray:
+        """``samples`` expressed in the epochs the resize bounds count in."""
+        size = view.jobs.epoch_samples[ids]
+        if self.max_epoch_s is not None:
+            j = view.jobs
+            one = view.models.throughput(j.app[ids], 1, 1, self.batch(view, ids, 1))
+            size = np.minimum(size, one * self.max_epoch_s)
+        return samples / size
+
     def caps(self, view: ClusterView, ids: np.ndarray) -> np.ndarray:
         """Current GPU cap of each job in ``ids``."""
         j, g = view.jobs, view.cluster.gpus
         min_local = view.models.param("min_local", j.app[ids])
         by_batch = np.floor(view.models.param("max_batch", j.app[ids]) / min_local)
         limit = np.minimum(np.minimum(g, self.cap_factor * j.req_gpus[ids]), by_batch)
-        grown = 2.0 ** np.floor(j.epochs(ids) / self.cap_growth_epochs)
+        steps = np.floor(self.bound_epochs(view, ids, j.samples[ids]) / self.cap_growth_epochs)
+        grown = 2.0 ** np.minimum(steps, 40)
         cap = np.maximum(np.minimum(limit, grown), 1).astype(np.int64)
         run = j.n[ids] > 0
         if run.sum() >= 2:
@@ -91,8 +109,16 @@ class ONES(Policy):
                                    j.fraction(ids)[None, :])
         rem = view.remaining(ids)[None, :]
         gpu_time = np.where(n > 0, n * rem / np.maximum(rate, 1e-30), 0.0)
+        if self.charge_queued:
+            # n * rem / thr(n) is 0 * inf for a queued job; it still has to run, at least on
+            # one GPU, so it is charged that, else preempting would look free.
+            one = self._one_gpu_time(view, ids)[None, :]
+            gpu_time = np.where(n > 0, gpu_time, one)
         changed = (n > 0) & (n != j.n[ids][None, :])
         return (gpu_time + changed * n * view.restart_s).sum(axis=1)
+
+    def _one_gpu_time(self, view: ClusterView, ids: np.ndarray) -> np.ndarray:
+        return view.predicted_time(ids, 1, self.batch(view, ids, 1))
 
     # ------------------------------------------------------------------------ the round
     def schedule(self, view: ClusterView) -> Schedule:
@@ -102,7 +128,7 @@ class ONES(Policy):
         loc[ids] = np.arange(jn)
         current = np.where(view.owner >= 0, loc[np.maximum(view.owner, 0)], -1)
         running = j.n[ids] > 0
-        frozen = running & (j.since_change[ids] < self.resize_epochs * j.epoch_samples[ids])
+        frozen = running & (self.bound_epochs(view, ids, j.since_change[ids]) < self.resize_epochs)
         idle = int((current < 0).sum())
         if not view.changed and not (running & ~frozen).any() and (idle == 0 or running.all()):
             return self._emit(view, ids, ga.counts(current[None], jn)[0])
@@ -111,7 +137,7 @@ class ONES(Policy):
         t1 = view.predicted_time(ids, 1, self.batch(view, ids, 1))
         movable = np.flatnonzero(~frozen)
         fill = movable[np.lexsort((movable, t1[movable]))]
-        mutable = ~frozen & (j.epochs(ids) >= self.min_mutate_epochs)
+        mutable = ~frozen & (self.bound_epochs(view, ids, j.samples[ids]) >= self.min_mutate_epochs)
         pop = (np.tile(current, (self.k, 1)) if self.pop is None
                else np.where(self.pop >= 0, loc[np.maximum(self.pop, 0)], -1))
         pop[0] = current  # keeping today's schedule is always a candidate

@@ -24,7 +24,8 @@ def nodes_spanned(pop: np.ndarray, n_jobs: int, gpus_per_node: int) -> np.ndarra
     x = pop.reshape(c, g // gpus_per_node, gpus_per_node)
     first = x >= 0
     for k in range(1, gpus_per_node):  # a slot counts if no earlier slot of its node has its job
-        first[:, :, k] &= (x[:, :, :k] != x[:, :, k:k + 1]).all(axis=2)
+        for i in range(k):
+            first[:, :, k] &= x[:, :, k] != x[:, :, i]
     key = (np.arange(c)[:, None, None] * n_jobs + x)[first]
     return np.bincount(key, minlength=c * n_jobs).reshape(c, n_jobs)
 
@@ -50,12 +51,15 @@ def remove_random_job(pop: np.ndarray, mutable: np.ndarray, rate: float,
         rate: per-candidate mutation probability.
         rng: generator.
     """
+    c = pop.shape[0]
+    hit = rng.random(c) < rate
+    eligible = (counts(pop, mutable.size) > 0) & mutable[None, :]
+    # A uniform choice among each row's eligible jobs: the largest of i.i.d. uniform keys.
+    keys = np.where(eligible, rng.random(eligible.shape), -1.0)
+    pick = keys.argmax(axis=1) if mutable.size else np.zeros(c, dtype=np.int64)
+    apply = hit & (keys.max(axis=1, initial=-1.0) >= 0)
     out = pop.copy()
-    for c in np.flatnonzero(rng.random(pop.shape[0]) < rate):
-        present = np.unique(out[c][out[c] >= 0])
-        present = present[mutable[present]]
-        if present.size:
-            out[c][out[c] == present[rng.integers(present.size)]] = -1
+    out[(out == pick[:, None]) & apply[:, None]] = -1
     return out
 
 
@@ -94,13 +98,15 @@ def repair(pop: np.ndarray, current: np.ndarray, frozen: np.ndarray, cap: np.nda
     held = pop >= 0
     pop[held & frozen[np.maximum(pop, 0)]] = -1
     pop[:, pinned] = current[pinned]
-    held = pop >= 0
-    key = (np.arange(c)[:, None] * j + pop)[held]
-    rank = _rank_in_group(key)
-    over = rank >= cap[pop[held]]
-    rows, cols = np.nonzero(held)
-    pop[rows[over], cols[over]] = -1
     n = counts(pop, j)
+    excess = n > cap[None, :]
+    if excess.any():  # only slots of over-cap jobs need ranking (rare: after crossover)
+        rows, cols = np.nonzero((pop >= 0) & excess[np.arange(c)[:, None], np.maximum(pop, 0)])
+        jobs_over = pop[rows, cols]
+        rank = _rank_in_group(rows * j + jobs_over)
+        drop = rank >= cap[jobs_over]
+        pop[rows[drop], cols[drop]] = -1
+        n = counts(pop, j)
     idle = g - n.sum(axis=1)
     g1 = np.zeros((c, new_jobs.size), dtype=np.int64)
     if new_jobs.size:

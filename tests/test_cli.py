@@ -1,0 +1,146 @@
+"""The command line end to end: real torchrun workers, checkpoints, resume, failures."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from tessera.testing import free_port
+from tessera.train.checkpoint import find_latest, read_meta
+
+TINY = ["model.preset=tiny", "data.seq_len=32", "data.max_bytes=200000",
+        "train.progress=lines", "train.logging_steps=1", "train.warmup_steps=2"]
+
+
+def tessera(*args: str, timeout: float = 240) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "tessera.cli", *args], capture_output=True,
+                          text=True, timeout=timeout)
+
+
+def start(*args: str) -> subprocess.Popen:
+    # A new session stands for the terminal's process group: Ctrl-C signals all of it.
+    return subprocess.Popen([sys.executable, "-m", "tessera.cli", *args],
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                            start_new_session=True)
+
+
+def metrics(out: Path) -> list[dict]:
+    return [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+
+
+def wait_for_checkpoint(out: Path, proc: subprocess.Popen, timeout: float = 120) -> Path:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        latest = find_latest(out / "checkpoints")
+        if latest is not None:
+            return latest
+        assert proc.poll() is None, proc.communicate()[0]
+        time.sleep(0.5)
+    raise AssertionError("no checkpoint appeared")
+
+
+def worker_pids(out: Path) -> list[int]:
+    pids = []
+    for entry in Path("/proc").iterdir():
+        try:
+            cmd = (entry / "cmdline").read_bytes().split(b"\0")
+        except (OSError, ValueError):
+            continue
+        if b"tessera.worker" in cmd and str(out).encode() in b" ".join(cmd):
+            pids.append(int(entry.name))
+    return pids
+
+
+@pytest.mark.parametrize("args, fragment", [
+    (["strategy=dp=2,mbs=2,gbs=4", "--nproc", "3"], "must equal the world size 3"),
+    (["data.corpus=/no/such/folder"], "folder /no/such/folder does not exist"),
+    (["train.lerning_rate=0.1"], "train.lerning_rate: unknown key"),
+    (["strategy=tp=2,mbs=1,gbs=1"], "tensor parallelism (tp=2, tp_mode=1d) is not available"),
+    (["train.device=cuda"], "train.device=cuda but this machine has no CUDA device"),
+])
+def test_bad_input_is_refused_before_workers_start(tmp_path, args, fragment):
+    result = tessera("train", *TINY, f"train.output_dir={tmp_path}", *args, timeout=60)
+    assert result.returncode == 2, result.stdout + result.stderr
+    assert fragment in result.stderr
+    assert "worker(s)" not in result.stdout  # nothing was launched
+
+
+def test_other_model_checkpoint_is_refused(tmp_path):
+    out = tmp_path / "run"
+    first = tessera("train", *TINY, f"train.output_dir={out}", "train.max_steps=1")
+    assert first.returncode == 0, first.stderr
+    result = tessera("train", *TINY, f"train.output_dir={out}", "model.n_layers=3", "--resume")
+    assert result.returncode == 2
+    assert "is from another model" in result.stderr and "n_layers" in result.stderr
+
+
+@pytest.mark.slow
+def test_train_then_resume_on_two_workers(tmp_path):
+    out = tmp_path / "run"
+    first = tessera("train", *TINY, "strategy=dp=2,mbs=2,gbs=8", f"train.output_dir={out}",
+                    "train.max_steps=6", "train.save_steps=3", "--nproc", "2")
+    assert first.returncode == 0, first.stdout + first.stderr
+    records = [r for r in metrics(out) if "loss" in r]
+    assert [r["step"] for r in records] == [1, 2, 3, 4, 5, 6]
+    assert all(r["tokens_per_s"] > 0 and 0 < r["mfu"] < 1 for r in records)
+    assert sorted(p.name for p in (out / "checkpoints").glob("step_*")) == [
+        "step_00000003", "step_00000006"]
+    assert read_meta(find_latest(out / "checkpoints"))["strategy"] == "dp=2,tp=1,pp=1,mbs=2,gbs=8"
+
+    second = tessera("train", *TINY, "strategy=dp=2,mbs=2,gbs=8", f"train.output_dir={out}",
+                     "train.max_steps=8", "--nproc", "2", "--resume")
+    assert second.returncode == 0, second.stdout + second.stderr
+    steps = [r["step"] for r in metrics(out) if "loss" in r]
+    assert steps == [1, 2, 3, 4, 5, 6, 7, 8]  # continued at step 7, nothing repeated
+    assert find_latest(out / "checkpoints").name == "step_00000008"
+
+    # A truncated checkpoint makes the workers fail: the report names ranks and tracebacks.
+    shard = next((out / "checkpoints" / "step_00000008").glob("*.distcp"))
+    shard.write_bytes(shard.read_bytes()[:16])
+    broken = tessera("train", *TINY, "strategy=dp=2,mbs=2,gbs=8", f"train.output_dir={out}",
+                     "train.max_steps=9", "--nproc", "2", "--resume")
+    assert broken.returncode != 0
+    assert "rank      : 0" in broken.stderr and "Traceback" in broken.stderr
+    assert "training failed" in broken.stderr
+
+
+@pytest.mark.slow
+def test_two_nodes_of_two_workers_on_localhost(tmp_path):
+    out = tmp_path / "run"
+    endpoint = f"127.0.0.1:{free_port()}"
+    common = [*TINY, "strategy=dp=4,mbs=2,gbs=8", f"train.output_dir={out}",
+              "train.max_steps=3", "--nproc", "2", "--nnodes", "2",
+              "--rdzv-endpoint", endpoint]
+    nodes = [start("train", *common, "--node-rank", str(rank)) for rank in (0, 1)]
+    outputs = [node.communicate(timeout=240)[0] for node in nodes]
+    assert [node.returncode for node in nodes] == [0, 0], outputs
+    assert [r["step"] for r in metrics(out) if "loss" in r] == [1, 2, 3]
+    assert len(list((out / "checkpoints" / "step_00000003" / "rng").glob("rank_*.pt"))) == 4
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("how", ["ctrl-c", "kill-worker"])
+def test_interruption_keeps_the_last_checkpoint(tmp_path, how):
+    out = tmp_path / "run"
+    proc = start("train", *TINY, "strategy=dp=2,mbs=2,gbs=8", f"train.output_dir={out}",
+                 "train.max_steps=100000", "train.save_steps=2", "--nproc", "2")
+    wait_for_checkpoint(out, proc)
+    if how == "ctrl-c":
+        os.killpg(proc.pid, signal.SIGINT)
+    else:
+        os.kill(worker_pids(out)[-1], signal.SIGKILL)
+    output = proc.communicate(timeout=90)[0]
+    assert proc.returncode != 0
+    assert not worker_pids(out), "workers left running"
+    if how == "kill-worker":
+        assert "Signal 9 (SIGKILL)" in output and "rank" in output
+    latest = find_latest(out / "checkpoints")
+    assert (latest / ".metadata").is_file() and read_meta(latest)["step"] % 2 == 0
+    assert not list((out / "checkpoints").glob("step_*.partial"))
