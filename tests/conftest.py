@@ -30,3 +30,15 @@ def make_config(tmp_path):
     def make(strategy: str = "dp=1,tp=1,pp=1,mbs=4,gbs=8", **sections) -> RunConfig:
         return tiny_run_config(tmp_path / "run", strategy, **sections)
     return make
+
+
+def pytest_collection_modifyitems(config, items):
+    """Skip tests marked ``gpu`` on machines without CUDA (the marker is in pyproject.toml)."""
+    import torch
+
+    if torch.cuda.is_available():
+        return
+    skip = pytest.mark.skip(reason="needs a CUDA device (torch.cuda.is_available() is False)")
+    for item in items:
+        if "gpu" in item.keywords:
+            item.add_marker(skip)

@@ -42,6 +42,7 @@ def _single_process_runs(rank, world_size, root):
     out["accum"], _ = _train(root / "accum", "dp=1,tp=1,pp=1,mbs=4,gbs=8")
     out["recompute"], _ = _train(root / "rc", "dp=1,tp=1,pp=1,mbs=8,gbs=8,recompute=full")
     out["bf16"], _ = _train(root / "bf16", "dp=1,tp=1,pp=1,mbs=8,gbs=8,precision=bf16")
+    out["fp16"], _ = _train(root / "fp16", "dp=1,tp=1,pp=1,mbs=8,gbs=8,precision=fp16")
     out["straight"], out["straight_params"] = _train(root / "straight", "dp=1,mbs=4,gbs=8",
                                                      steps=10)
     out["first_half"], _ = _train(root / "resumed", "dp=1,mbs=4,gbs=8", steps=10, until=5)
@@ -97,6 +98,13 @@ def test_recomputation_changes_nothing_but_memory(runs):
 def test_bf16_autocast_tracks_fp32(runs):
     # bf16 keeps 8 bits of mantissa: per-step losses drift from fp32 by up to ~1e-2.
     _close(runs["bf16"].losses, runs["dp1"].losses, rtol=0, atol=5e-2)
+
+
+@pytest.mark.slow
+def test_fp16_autocast_with_loss_scaling_tracks_fp32(runs):
+    # fp16 keeps 11 bits of mantissa; the scaler may skip a step on overflow, which would show
+    # as a large jump, so the bound is tight enough to catch a skipped update.
+    _close(runs["fp16"].losses, runs["dp1"].losses, rtol=0, atol=2e-2)
 
 
 @pytest.mark.slow

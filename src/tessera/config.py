@@ -108,6 +108,12 @@ class TrainingArguments(_Section):
     device: Literal["auto", "cpu", "cuda"] = "auto"
     progress: Literal["auto", "bar", "lines", "off"] = "auto"
 
+    @field_validator("progress", mode="before")
+    @classmethod
+    def _yaml_off(cls, value: Any) -> Any:
+        # YAML 1.1 reads a bare `off` as False.
+        return "off" if value is False else value
+
     @field_validator("max_steps", "logging_steps")
     @classmethod
     def _at_least_one(cls, value: int) -> int:
@@ -222,8 +228,13 @@ def _apply_override(raw: dict[str, Any], item: str) -> None:
         if not isinstance(child, dict):
             raise ConfigError(f"override {key!r}: {part!r} is not a section")
         node = child
-    # The strategy keeps its own text form; everything else is read as a YAML scalar.
-    node[parts[-1]] = text if parts == ["strategy"] else yaml.safe_load(text)
+    # The strategy keeps its own text form; everything else is read as a YAML scalar, except
+    # YAML 1.1's yes/no/on/off, which stay words (progress=off is not progress=False).
+    literal = parts == ["strategy"] or text.strip().lower() in _YAML_BOOL_WORDS
+    node[parts[-1]] = text if literal else yaml.safe_load(text)
+
+
+_YAML_BOOL_WORDS = {"yes", "no", "on", "off", "y", "n"}
 
 
 def _describe(err: ValidationError) -> str:

@@ -1,4 +1,6 @@
-"""Test helpers: run a function in N gloo processes, and a marker for GPU-only tests.
+"""Test helper: run a function in N gloo processes.
+
+GPU-only tests carry ``@pytest.mark.gpu``; tests/conftest.py skips them without CUDA.
 
 Example::
 
@@ -23,14 +25,6 @@ import traceback
 from typing import Any, Callable
 
 import torch
-
-try:  # pytest is a test dependency, not a runtime one
-    import pytest
-
-    gpu = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
-except ImportError:  # pragma: no cover
-    gpu = None
-
 
 class DistributedTestError(AssertionError):
     """A rank failed or timed out; the message holds its rank and traceback."""

@@ -69,8 +69,7 @@ class Engine:
         tokens = 0
         n = len(micro_batches)
         for i, batch in enumerate(micro_batches):
-            input_ids = batch["input_ids"].to(self.device, non_blocking=True)
-            labels = batch["labels"].to(self.device, non_blocking=True)
+            input_ids, labels = self._to_device(batch["input_ids"]), self._to_device(batch["labels"])
             # DDP reads its sync flag during forward: both passes go inside no_sync.
             with self._maybe_no_sync(sync=i == n - 1):
                 with self.autocast():
@@ -86,10 +85,15 @@ class Engine:
     @torch.no_grad()
     def evaluate(self, batch: dict[str, torch.Tensor]) -> torch.Tensor:
         """Mean loss of one batch without gradients."""
-        input_ids = batch["input_ids"].to(self.device)
-        labels = batch["labels"].to(self.device)
+        input_ids, labels = self._to_device(batch["input_ids"]), self._to_device(batch["labels"])
         with self.autocast():
             return lm_loss(causal_lm_logits(self.model, input_ids), labels)
+
+    def _to_device(self, tensor: torch.Tensor) -> torch.Tensor:
+        if self.device.type != "cuda":
+            return tensor
+        # Pinned host memory lets the copy run asynchronously with the current kernels.
+        return tensor.pin_memory().to(self.device, non_blocking=True)
 
     def _maybe_no_sync(self, sync: bool):
         no_sync = getattr(self.model, "no_sync", None)

@@ -18,9 +18,11 @@ class ProgressReporter:
         start_step: first step of this process (after a resume).
         mode: "bar", "lines", "off", or "auto" (bar on a terminal, lines otherwise).
         enabled: False on every rank but 0.
+        console: where the bar draws (default: standard output).
     """
 
-    def __init__(self, total_steps: int, start_step: int, mode: str, enabled: bool) -> None:
+    def __init__(self, total_steps: int, start_step: int, mode: str, enabled: bool,
+                 console: Console | None = None) -> None:
         if mode == "auto":
             mode = "bar" if sys.stdout.isatty() else "lines"
         self.mode = mode if enabled else "off"
@@ -30,7 +32,7 @@ class ProgressReporter:
             self._progress = Progress(
                 TextColumn("[bold]train"), BarColumn(), MofNCompleteColumn(),
                 TextColumn("{task.fields[stats]}"), TimeElapsedColumn(), TimeRemainingColumn(),
-                console=Console(), refresh_per_second=4)
+                console=console or Console(), refresh_per_second=4)
             self._task = self._progress.add_task("train", total=total_steps,
                                                  completed=start_step, stats="")
             self._progress.start()

@@ -20,34 +20,33 @@ class Optimus(Policy):
 
     name = "optimus"
 
-    def _max_gpus(self, view: ClusterView, j: int) -> int:
+    def _times(self, view: ClusterView, ids: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        """(J, N+2) predicted seconds to finish at 0..N+1 GPUs, and each job's GPU limit."""
+        j = view.jobs
         # Below the smallest profiled per-GPU batch the model would extrapolate.
-        min_local = view.models.param("min_local", view.jobs.app[j])
-        return max(1, min(view.cluster.gpus, int(view.jobs.req_batch[j] // min_local)))
-
-    def _time(self, view: ClusterView, j: int, n: int) -> float:
-        return float(view.predicted_time(j, n, view.jobs.req_batch[j]))
+        min_local = view.models.param("min_local", j.app[ids])
+        limit = np.clip(j.req_batch[ids] // min_local, 1, view.cluster.gpus).astype(np.int64)
+        top = int(limit.max()) + 1
+        n = np.arange(top + 1)[None, :]
+        t = view.predicted_time(ids[:, None], np.maximum(n, 1), j.req_batch[ids][:, None])
+        return t, limit
 
     def schedule(self, view: ClusterView) -> Schedule:
-        free = view.cluster.gpus
-        counts: dict[int, int] = {}
-        heap: list[tuple[float, int]] = []
-        for j in view.active[: free]:
-            j = int(j)
-            counts[j] = 1
-            free -= 1
-        for j in counts:
-            if counts[j] < self._max_gpus(view, j):
-                gain = self._time(view, j, 1) - self._time(view, j, 2)
-                heapq.heappush(heap, (-gain, j))
+        ids = view.active[: view.cluster.gpus]  # one GPU each, in arrival order, while they last
+        if ids.size == 0:
+            return {}
+        times, limit = self._times(view, ids)
+        counts = np.ones(ids.size, dtype=np.int64)
+        free = view.cluster.gpus - ids.size
+        heap = [(times[i, 2] - times[i, 1], i) for i in range(ids.size) if limit[i] > 1]
+        heapq.heapify(heap)
         while free > 0 and heap:
-            neg_gain, j = heapq.heappop(heap)
-            if -neg_gain <= 0:
+            neg_gain, i = heapq.heappop(heap)
+            if neg_gain >= 0:
                 break
-            counts[j] += 1
+            counts[i] += 1
             free -= 1
-            n = counts[j]
-            if n < self._max_gpus(view, j):
-                gain = self._time(view, j, n) - self._time(view, j, n + 1)
-                heapq.heappush(heap, (-gain, j))
-        return view.place(counts)
+            n = counts[i]
+            if n < limit[i]:
+                heapq.heappush(heap, (times[i, n + 1] - times[i, n], i))
+        return view.place({int(j): int(c) for j, c in zip(ids, counts)})
