@@ -14,7 +14,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from tessera.cluster.job_model import (
-    JobModels, _first_reach, _fit_efficiency, calibrate_phi_shift, predict_epochs)
+    JobModels, calibrate_phi_shift, first_reach, fit_efficiency, predict_epochs)
 from tessera.cluster.profiles import HIGHER_IS_BETTER, AppProfile
 
 
@@ -62,10 +62,10 @@ def fit_report(models: JobModels, profile: AppProfile) -> FitReport:
     rel = np.abs(pred - s.step_time) / s.step_time
     higher = HIGHER_IS_BETTER[profile.name]
     b0, es, tp = m.base_batch, m.epoch_samples, m.target_progress
-    raw = _fit_efficiency(profile, calibrate=False)["phi_coef"]
+    raw = fit_efficiency(profile, calibrate=False)["phi_coef"]
     pairs = []
     for i, run in enumerate(profile.runs):
-        measured = _first_reach(run.metric, m.target_metric, higher)
+        measured = first_reach(run.metric, m.target_metric, higher)
         if measured is None:
             continue
         inside = predict_epochs(b0, es, tp, m.phi_coef, run)

@@ -4,7 +4,7 @@ Throughput (samples/s) of a job on ``n`` GPUs spread over ``m`` nodes at global 
 
     local  = B / n,  split into k = ceil(local / max_local) accumulation micro-steps of l = local/k
     T_c    = a + b * l                                        # compute of one micro-step
-    T_net  = 0 if n == 1 else alpha + beta * (n - 2)          # separate (alpha, beta) in / across nodes
+    T_net  = 0 if n == 1 else alpha + beta * (n - 2)          # (alpha, beta): in / across nodes
     T_step = (k - 1) * T_c + (T_c**g + T_net**g) ** (1 / g)   # g in [1, 10]: overlap of the two
     throughput = B / T_step
 
@@ -104,7 +104,8 @@ def _fit_throughput(p: AppProfile) -> dict[str, float]:
                 gamma=best, min_local=float(s.local_bsz.min()), max_local=max_local)
 
 
-def _first_reach(metric: np.ndarray, target: float, higher: bool) -> int | None:
+def first_reach(metric: np.ndarray, target: float, higher: bool) -> int | None:
+    """1-based first epoch whose metric reaches ``target`` (None if none does)."""
     hit = metric >= target if higher else metric <= target
     idx = np.flatnonzero(hit)
     return int(idx[0]) + 1 if len(idx) else None
@@ -139,7 +140,7 @@ def predict_epochs(b0: float, epoch_samples: float, target_progress: float,
 def _epoch_errors(b0, epoch_samples, target_progress, coef, runs, target, higher):
     errs = []
     for run in runs:
-        measured = _first_reach(run.metric, target, higher)
+        measured = first_reach(run.metric, target, higher)
         if measured is None:
             continue
         pred = predict_epochs(b0, epoch_samples, target_progress, coef, run)
@@ -162,7 +163,16 @@ def calibrate_phi_shift(b0, epoch_samples, target_progress, coef, runs, target, 
     return best
 
 
-def _fit_efficiency(p: AppProfile, calibrate: bool = True) -> dict[str, object]:
+def fit_efficiency(p: AppProfile, calibrate: bool = True) -> dict[str, object]:
+    """Target, work, epoch size and noise-scale coefficients of one application.
+
+    Args:
+        p: the application's profile.
+        calibrate: shift the noise-scale level to fit the larger-batch runs' epochs to target.
+
+    Returns:
+        The efficiency-related :class:`AppModel` fields, by name.
+    """
     higher = HIGHER_IS_BETTER[p.name]
     bests = [r.metric.max() if higher else r.metric.min() for r in p.runs]
     worst = min(bests) if higher else max(bests)
@@ -170,7 +180,7 @@ def _fit_efficiency(p: AppProfile, calibrate: bool = True) -> dict[str, object]:
     base = p.runs[0]
     b0 = p.base_batch
     epoch_samples = float(np.median(np.diff(np.concatenate([[0.0], base.progress])))) * b0
-    epochs = _first_reach(base.metric, target, higher) or len(base.metric)
+    epochs = first_reach(base.metric, target, higher) or len(base.metric)
     target_progress = float(base.progress[epochs - 1]) * b0
     frac = base.progress * b0 / target_progress
     ok = (base.grad_sqr > 0) & (base.grad_var > 0)
@@ -196,7 +206,7 @@ def fit_app(profile: AppProfile, calibrate: bool = True) -> AppModel:
             :func:`calibrate_phi_shift`); False uses the raw gradient statistics.
     """
     return AppModel(name=profile.name, **_fit_throughput(profile),
-                    **_fit_efficiency(profile, calibrate))
+                    **fit_efficiency(profile, calibrate))
 
 
 class JobModels:
