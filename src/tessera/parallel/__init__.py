@@ -12,17 +12,25 @@ from torch import nn
 
 from tessera.mesh import Mesh
 from tessera.parallel.data import wrap_data_parallel
+from tessera.parallel.plan import Parallelized
 from tessera.parallel.recompute import apply_recompute
 from tessera.strategy import Strategy
 
+__all__ = ["Parallelized", "parallelize"]
 
-def parallelize(model: nn.Module, strategy: Strategy, mesh: Mesh) -> nn.Module:
-    """Return the module to train under ``strategy`` on ``mesh``.
 
-    The model's parameters must already be on the mesh's device. The returned module may wrap
-    ``model`` (e.g. DistributedDataParallel); ``model`` itself keeps its parameter names, so
+def parallelize(model: nn.Module, strategy: Strategy, mesh: Mesh) -> Parallelized:
+    """Lay ``model`` out under ``strategy`` on ``mesh``.
+
+    The model's parameters must already be on the mesh's device. The returned ``module`` may
+    wrap ``model`` (e.g. DistributedDataParallel); ``model`` keeps its parameter names, so
     checkpoints stay in the single-device layout.
     """
     strategy.require_available()
-    apply_recompute(model, strategy.stage_recompute(mesh.rank("pp")))
-    return wrap_data_parallel(model, mesh)
+    plan = Parallelized(module=model, model=model, loss_group=mesh.group("dp"))
+    if apply_recompute(model, strategy.stage_recompute(mesh.rank("pp"))):
+        plan.features.append("recompute")
+    plan.module = wrap_data_parallel(plan.module, mesh)
+    if plan.module is not model:
+        plan.features.append("data_parallel")
+    return plan

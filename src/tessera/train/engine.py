@@ -12,23 +12,13 @@ import contextlib
 from dataclasses import dataclass
 
 import torch
-import torch.nn.functional as F
-from torch import nn
 
+from tessera.parallel.plan import Parallelized, causal_lm_logits, lm_loss
 from tessera.strategy import Strategy
 
+__all__ = ["Engine", "StepResult", "causal_lm_logits", "lm_loss"]
+
 _AUTOCAST_DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}
-
-
-def causal_lm_logits(model: nn.Module, input_ids: torch.Tensor) -> torch.Tensor:
-    """Logits (B, T, V) of a reference model (returns a tensor) or a HF model (``.logits``)."""
-    out = model(input_ids)
-    return out if isinstance(out, torch.Tensor) else out.logits
-
-
-def lm_loss(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
-    """Mean next-token cross-entropy in fp32; labels equal to -100 are ignored."""
-    return F.cross_entropy(logits.float().flatten(0, 1), labels.flatten(), ignore_index=-100)
 
 
 @dataclass
@@ -43,13 +33,13 @@ class Engine:
     """Forward/backward over micro-batches with autocast, loss scaling and no_sync.
 
     Args:
-        model: the module returned by :func:`tessera.parallel.parallelize`.
+        plan: what :func:`tessera.parallel.parallelize` returned.
         strategy: gives the precision.
         device: where batches go.
     """
 
-    def __init__(self, model: nn.Module, strategy: Strategy, device: torch.device) -> None:
-        self.model, self.device = model, device
+    def __init__(self, plan: Parallelized, strategy: Strategy, device: torch.device) -> None:
+        self.plan, self.model, self.device = plan, plan.module, device
         self.dtype = _AUTOCAST_DTYPES.get(strategy.precision)
         if self.dtype is not None and not _autocast_supported(device.type, self.dtype):
             raise RuntimeError(f"precision={strategy.precision} is not supported on "
@@ -69,25 +59,25 @@ class Engine:
         tokens = 0
         n = len(micro_batches)
         for i, batch in enumerate(micro_batches):
-            input_ids, labels = self._to_device(batch["input_ids"]), self._to_device(batch["labels"])
+            batch = {key: self._to_device(value) for key, value in batch.items()}
             # DDP reads its sync flag during forward: both passes go inside no_sync.
             with self._maybe_no_sync(sync=i == n - 1):
                 with self.autocast():
-                    loss = lm_loss(causal_lm_logits(self.model, input_ids), labels)
+                    loss = self.plan.loss(batch)
                 scaled = loss / n
                 if self.scaler is not None:
                     scaled = self.scaler.scale(scaled)
                 scaled.backward()
             total += loss.detach()
-            tokens += input_ids.numel()
+            tokens += batch["input_ids"].numel()
         return StepResult(loss=total / n, tokens=tokens)
 
     @torch.no_grad()
     def evaluate(self, batch: dict[str, torch.Tensor]) -> torch.Tensor:
         """Mean loss of one batch without gradients."""
-        input_ids, labels = self._to_device(batch["input_ids"]), self._to_device(batch["labels"])
+        batch = {key: self._to_device(value) for key, value in batch.items()}
         with self.autocast():
-            return lm_loss(causal_lm_logits(self.model, input_ids), labels)
+            return self.plan.loss(batch)
 
     def _to_device(self, tensor: torch.Tensor) -> torch.Tensor:
         if self.device.type != "cuda":

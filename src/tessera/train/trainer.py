@@ -69,13 +69,14 @@ class Trainer:
         self.mesh = Mesh(self.strategy, self.ctx.device.type)
         self.model = model.to(self.ctx.device)
         self.model_meta = describe_model(self.model)
-        self.wrapped = parallelize(self.model, self.strategy, self.mesh)
+        self.plan = parallelize(self.model, self.strategy, self.mesh)
+        self.wrapped = self.plan.module
         self.optimizer = build_optimizer(
             self.model, args.learning_rate, args.weight_decay, (args.adam_beta1, args.adam_beta2),
             args.adam_epsilon, self.ctx.device)
         self.scheduler = build_scheduler(self.optimizer, args.warmup_steps, args.max_steps,
                                          args.min_lr_ratio)
-        self.engine = Engine(self.wrapped, self.strategy, self.ctx.device)
+        self.engine = Engine(self.plan, self.strategy, self.ctx.device)
         self.order = GlobalBatchOrder(len(train_dataset), self.strategy.global_batch_size,
                                       args.seed)
         self.step = 0
@@ -135,7 +136,7 @@ class Trainer:
             losses.append(self.engine.evaluate(batch))
         self.wrapped.train()
         loss = torch.stack(losses).mean()
-        dist.all_reduce(loss, op=dist.ReduceOp.AVG, group=self.mesh.group("dp"))
+        dist.all_reduce(loss, op=dist.ReduceOp.AVG, group=self.plan.loss_group)
         return float(loss)
 
     def save(self) -> Path:
@@ -168,7 +169,7 @@ class Trainer:
         if scaler is not None:
             scaler.unscale_(self.optimizer)
         if self.args.max_grad_norm > 0:
-            torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.args.max_grad_norm)
+            self.plan.clip_grad_norm(self.model, self.args.max_grad_norm)
         if scaler is not None:
             scaler.step(self.optimizer)
             scaler.update()
@@ -182,7 +183,7 @@ class Trainer:
              result: TrainResult) -> dict[str, Any]:
         # One all-reduce per logging window rather than per step keeps the step free of syncs.
         losses = torch.stack(window)
-        dist.all_reduce(losses, op=dist.ReduceOp.AVG, group=self.mesh.group("dp"))
+        dist.all_reduce(losses, op=dist.ReduceOp.AVG, group=self.plan.loss_group)
         values = losses.tolist()
         result.losses.extend(values)
         tokens_per_s, mfu = throughput.report()

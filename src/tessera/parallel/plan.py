@@ -1,0 +1,67 @@
+"""What `parallelize` returns: the module to run and how to compute one rank's loss.
+
+Each parallelism may replace a piece:
+- tensor parallelism computes the loss from vocabulary-sharded logits (no full logits);
+- sequence parallelism gives each rank its slice of the sequence (and position ids);
+- sharded parameters need a gradient norm reduced over the ranks that hold the shards.
+The Engine and Trainer only ever call these, so they do not change as parallelisms land.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Callable
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from torch import nn
+
+Batch = dict[str, torch.Tensor]
+
+
+def causal_lm_logits(model: nn.Module, input_ids: torch.Tensor) -> torch.Tensor:
+    """Logits (B, T, V) of a reference model (returns a tensor) or a HF model (``.logits``)."""
+    out = model(input_ids)
+    return out if isinstance(out, torch.Tensor) else out.logits
+
+
+def lm_loss(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+    """Mean next-token cross-entropy in fp32; labels equal to -100 are ignored."""
+    return F.cross_entropy(logits.float().flatten(0, 1), labels.flatten(), ignore_index=-100)
+
+
+def default_forward_loss(module: nn.Module, batch: Batch) -> torch.Tensor:
+    """Mean loss of a whole micro-batch on one rank."""
+    return lm_loss(causal_lm_logits(module, batch["input_ids"]), batch["labels"])
+
+
+def default_clip_grad_norm(model: nn.Module, max_norm: float) -> torch.Tensor:
+    """Clip all gradients to a total 2-norm of ``max_norm``; returns the norm before clipping."""
+    return torch.nn.utils.clip_grad_norm_(model.parameters(), max_norm)
+
+
+@dataclass
+class Parallelized:
+    """A model laid out under a Strategy.
+
+    Attributes:
+        module: what forward runs on (may wrap ``model``, e.g. DDP).
+        model: the user's model, parallelised in place: parameters and state dicts.
+        forward_loss: ``(module, micro_batch) -> loss`` of this rank's share, a scalar whose
+            average over ``loss_group`` is the micro-batch's mean loss.
+        clip_grad_norm: ``(model, max_norm) -> total norm`` over all ranks' shards.
+        loss_group: ranks whose losses average to the global loss (the dp group, plus the
+            sp group under sequence parallelism).
+        features: names of the steps applied, in order (for logs and tests).
+    """
+
+    module: nn.Module
+    model: nn.Module
+    loss_group: dist.ProcessGroup | None
+    forward_loss: Callable[[nn.Module, Batch], torch.Tensor] = default_forward_loss
+    clip_grad_norm: Callable[[nn.Module, float], torch.Tensor] = default_clip_grad_norm
+    features: list[str] = field(default_factory=list)
+
+    def loss(self, batch: Batch) -> torch.Tensor:
+        return self.forward_loss(self.module, batch)
