@@ -49,6 +49,11 @@ def _single_process_runs(rank, world_size, root):
     shutil.copytree(root / "resumed", root / "resumed_dp2")
     out["second_half"], out["resumed_params"] = _train(
         root / "resumed", "dp=1,mbs=4,gbs=8", steps=10, train={"resume": True})
+    (root / "paused").mkdir()
+    (root / "paused" / "PAUSE").touch()
+    out["paused"], _ = _train(root / "paused", "dp=1,mbs=4,gbs=8", steps=10,
+                              train={"logging_steps": 2})
+    out["pause_file_left"] = (root / "paused" / "PAUSE").exists()
     for arch in ("gpt2", "llama"):
         out[arch], _ = _train(root / arch, "dp=1,mbs=8,gbs=8", steps=12,
                               model={"preset": "tiny", "hf": arch})
@@ -127,3 +132,11 @@ def test_hugging_face_models_train(runs, arch):
     losses = runs[arch].losses
     assert len(losses) == 12
     assert sum(losses[-3:]) / 3 < sum(losses[:3]) / 3 - 0.3, losses
+
+
+@pytest.mark.slow
+def test_a_pause_file_checkpoints_and_stops_at_the_next_logging_step(runs):
+    paused = runs["paused"]
+    assert paused.paused and paused.step == 2 and len(paused.losses) == 2
+    assert paused.checkpoint.endswith("step_00000002")
+    assert not runs["pause_file_left"]  # consumed, so a resume runs on

@@ -34,6 +34,11 @@ from tessera.train.optim import build_optimizer, build_scheduler
 from tessera.train.progress import ProgressReporter
 
 
+# Created by a scheduler (or a person) to make a run checkpoint and exit at its next logging
+# step; `--resume` continues it, possibly on a different number of workers.
+PAUSE_FILE = "PAUSE"
+
+
 @dataclass
 class TrainResult:
     """What a training run produced on this rank."""
@@ -42,6 +47,7 @@ class TrainResult:
     losses: list[float] = field(default_factory=list)  # per-step mean loss over dp ranks
     eval_losses: list[tuple[int, float]] = field(default_factory=list)
     checkpoint: str | None = None  # the last checkpoint written, if any
+    paused: bool = False  # stopped early because a pause was requested
 
 
 class Trainer:
@@ -109,10 +115,14 @@ class Trainer:
                     record = self._log(window, throughput, result)
                     window = []
                     self._emit(record, writer, progress)
+                    result.paused = self.step < stop and self._pause_requested()
                 progress.update(self.step)
                 self._maybe_evaluate(result, writer, progress)
                 if self.args.save_steps and self.step % self.args.save_steps == 0:
                     result.checkpoint = str(self.save())
+                if result.paused:
+                    progress.message(f"pausing at step {self.step}: {PAUSE_FILE} found")
+                    break
             if result.checkpoint is None or not result.checkpoint.endswith(
                     ckpt.step_dirname(self.step)):
                 result.checkpoint = str(self.save())
@@ -120,6 +130,20 @@ class Trainer:
             progress.close()
         result.step = self.step
         return result
+
+    def _pause_requested(self) -> bool:
+        """Whether ``<output_dir>/PAUSE`` exists, agreed by all ranks (rank 0 decides).
+
+        Checked at logging steps only, where the step already synchronises, so that a pause
+        costs nothing on the other steps. The file is consumed so a resume runs on.
+        """
+        pause_file = Path(self.args.output_dir) / PAUSE_FILE
+        flag = torch.tensor([float(self.ctx.is_main and pause_file.exists())],
+                            device=self.ctx.device)
+        dist.all_reduce(flag, op=dist.ReduceOp.MAX)
+        if flag.item() and self.ctx.is_main:
+            pause_file.unlink(missing_ok=True)
+        return bool(flag.item())
 
     def evaluate(self) -> float:
         """Mean loss over ``args.eval_batches`` batches of the evaluation set (all dp ranks)."""
