@@ -101,14 +101,33 @@ def test_train_then_resume_on_two_workers(tmp_path):
     assert steps == [1, 2, 3, 4, 5, 6, 7, 8]  # continued at step 7, nothing repeated
     assert find_latest(out / "checkpoints").name == "step_00000008"
 
-    # A truncated checkpoint makes the workers fail: the report names ranks and tracebacks.
+    # A truncated checkpoint is named before any worker starts, the previous one offered.
     shard = next((out / "checkpoints" / "step_00000008").glob("*.distcp"))
     shard.write_bytes(shard.read_bytes()[:16])
     broken = tessera("train", *TINY, "strategy=dp=2,mbs=2,gbs=8", f"train.output_dir={out}",
                      "train.max_steps=9", "--nproc", "2", "--resume")
-    assert broken.returncode != 0
-    assert "rank      : 0" in broken.stderr and "Traceback" in broken.stderr
-    assert "training failed" in broken.stderr
+    assert broken.returncode == 2
+    assert f"{shard.name} has 16 bytes" in broken.stderr
+    assert "previous complete checkpoint is" in broken.stderr and "step_00000006" in broken.stderr
+    again = tessera("train", *TINY, "strategy=dp=2,mbs=2,gbs=8", f"train.output_dir={out}",
+                    "train.max_steps=9", "--nproc", "2",
+                    f"train.resume_from={out / 'checkpoints' / 'step_00000006'}")
+    assert again.returncode == 0, again.stderr
+    assert [r["step"] for r in metrics(out) if "loss" in r][-3:] == [7, 8, 9]
+
+
+def test_a_failing_worker_is_reported_with_rank_and_traceback(tmp_path, capfd):
+    from tessera.config import load_config
+    from tessera.launch import LaunchOptions, run_workers, write_resolved_config
+
+    # Skip the launcher's pre-flight checks to make the workers themselves fail.
+    config = load_config(None, [*TINY, f"train.output_dir={tmp_path}",
+                                "data.corpus=/vanished/corpus", "strategy=dp=2,mbs=2,gbs=4"])
+    code = run_workers(write_resolved_config(config), LaunchOptions(nproc=2))
+    err = capfd.readouterr().err
+    assert code != 0
+    assert "rank      : 0 (local_rank: 0)" in err and "rank      : 1 (local_rank: 1)" in err
+    assert "Traceback" in err and "folder /vanished/corpus does not exist" in err
 
 
 @pytest.mark.slow

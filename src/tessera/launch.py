@@ -121,11 +121,22 @@ def prepare_run(config: RunConfig, options: LaunchOptions) -> Path:
     resolve_device_type(config.train.device)
     files = list_text_files(resolve_corpus(config.data.corpus), config.data.extensions)
     tokenizer = build_tokenizer(config, files)  # trains the BPE once, here, not per worker
-    if config.train.resume:
-        latest = ckpt.find_latest(ckpt.checkpoint_root(config.train.output_dir))
-        if latest is not None:
-            with torch.device("meta"):  # shapes only: no memory, no initialisation
-                model = build_model(config, vocab_size=max(
-                    tokenizer.vocab_size, config.model.build_config().vocab_size))
-            ckpt.check_compatible(ckpt.read_meta(latest), describe_model(model), latest)
+    if config.train.resume or config.train.resume_from:
+        _check_resumable(config, tokenizer.vocab_size)
     return write_resolved_config(config)
+
+
+def _check_resumable(config: RunConfig, tokenizer_vocab: int) -> None:
+    """The checkpoint to resume exists, is intact (sizes; workers check digests) and fits."""
+    if config.train.resume_from:
+        latest = Path(config.train.resume_from)
+        ckpt.read_meta(latest)  # refuses a folder that is not a complete checkpoint
+    else:
+        latest = ckpt.find_latest(ckpt.checkpoint_root(config.train.output_dir))
+        if latest is None:
+            return  # nothing saved yet: --resume starts from scratch
+    meta = ckpt.verify_checkpoint(latest, hashes=False)
+    with torch.device("meta"):  # shapes only: no memory, no initialisation
+        model = build_model(config, vocab_size=max(tokenizer_vocab,
+                                                   config.model.build_config().vocab_size))
+    ckpt.check_compatible(meta, describe_model(model), latest)

@@ -3,7 +3,8 @@
 Layout under ``<output_dir>/checkpoints``::
 
     step_00000010/          a complete checkpoint (DCP shards + .metadata)
-        meta.json           model config, strategy, step, data position: written last
+        meta.json           model config, strategy, step, data position, and the size and
+                            sha256 of every other file: written last
         rng/rank_0.pt       per-rank RNG state
     .step_00000020.partial  a save in progress (never read)
     latest                  name of the newest complete checkpoint
@@ -11,11 +12,13 @@ Layout under ``<output_dir>/checkpoints``::
 A save goes to the ``.partial`` folder; only when every rank has written its shards and rank 0
 has written ``meta.json`` is the folder renamed into place (an atomic rename) and ``latest``
 replaced (write, fsync, rename). A crash or Ctrl-C mid-save leaves the previous checkpoint and
-``latest`` untouched.
+``latest`` untouched. Loading verifies every file against the manifest in ``meta.json``, so a
+truncated or corrupted checkpoint is named, with the previous complete one offered instead.
 """
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 import shutil
@@ -61,13 +64,71 @@ def save_checkpoint(root: Path, step: int, model: nn.Module, optimizer: torch.op
     torch.save(_rng_state(), partial / "rng" / f"rank_{rank}.pt")
     dist.barrier()
     if rank == 0:
-        _write_json_durably(partial / META, {**meta, "step": step})
+        _write_json_durably(partial / META, {**meta, "step": step, "files": _manifest(partial)})
         shutil.rmtree(final, ignore_errors=True)
         os.replace(partial, final)
         _write_text_durably(root / LATEST, final.name)
         _prune(root, keep)
     dist.barrier()
     return final
+
+
+def list_complete(root: Path) -> list[Path]:
+    """Complete checkpoints under ``root`` (those with a meta.json), oldest first."""
+    return sorted(p for p in Path(root).glob("step_*") if (p / META).is_file())
+
+
+def verify_checkpoint(path: Path, hashes: bool = True) -> dict[str, Any]:
+    """Check every file of a checkpoint against its manifest; returns its meta.
+
+    Args:
+        path: the checkpoint folder.
+        hashes: also compare sha256 digests (reads every byte); sizes alone catch truncation.
+
+    Raises:
+        CheckpointError: naming the missing, truncated or altered file, and the previous
+            complete checkpoint to resume from instead (if there is one).
+    """
+    path = Path(path)
+    meta = read_meta(path)
+    for name, expected in sorted(meta.get("files", {}).items()):
+        problem = _file_problem(path / name, expected, hashes)
+        if problem:
+            raise CheckpointError(f"checkpoint {path} is corrupted: {name} {problem}. "
+                                  f"{_previous_offer(path)}")
+    return meta
+
+
+def _file_problem(file: Path, expected: dict[str, Any], hashes: bool) -> str | None:
+    if not file.is_file():
+        return "is missing"
+    size = file.stat().st_size
+    if size != expected["bytes"]:
+        return f"has {size} bytes, expected {expected['bytes']} (truncated or rewritten)"
+    if hashes and _sha256(file) != expected["sha256"]:
+        return "does not match its sha256"
+    return None
+
+
+def _previous_offer(path: Path) -> str:
+    earlier = [p for p in list_complete(path.parent) if p.name < path.name]
+    if not earlier:
+        return "No earlier complete checkpoint exists; start without --resume."
+    return (f"The previous complete checkpoint is {earlier[-1]}: resume from it with "
+            f"train.resume_from={earlier[-1]}")
+
+
+def _manifest(folder: Path) -> dict[str, dict[str, Any]]:
+    return {str(f.relative_to(folder)): {"bytes": f.stat().st_size, "sha256": _sha256(f)}
+            for f in sorted(folder.rglob("*")) if f.is_file() and f.name != META}
+
+
+def _sha256(file: Path) -> str:
+    digest = hashlib.sha256()
+    with open(file, "rb") as handle:
+        for block in iter(lambda: handle.read(1 << 20), b""):
+            digest.update(block)
+    return digest.hexdigest()
 
 
 def find_latest(root: Path) -> Path | None:
@@ -77,7 +138,7 @@ def find_latest(root: Path) -> Path | None:
         candidate = root / pointer.read_text().strip()
         if (candidate / META).is_file():
             return candidate
-    complete = sorted(p for p in root.glob("step_*") if (p / META).is_file())
+    complete = list_complete(root)
     return complete[-1] if complete else None
 
 
@@ -103,7 +164,20 @@ def check_compatible(meta: dict[str, Any], model_meta: dict[str, Any], path: Pat
 
 def load_checkpoint(path: Path, model: nn.Module, optimizer: torch.optim.Optimizer
                     ) -> dict[str, Any]:
-    """Load model and optimizer state in place (all ranks); returns the checkpoint's meta."""
+    """Load model and optimizer state in place (all ranks); returns the checkpoint's meta.
+
+    Rank 0 verifies the files first and every rank raises the same CheckpointError if one
+    is damaged, so no rank is left waiting in a collective.
+    """
+    problem = [None]
+    if dist.get_rank() == 0:
+        try:
+            verify_checkpoint(path)
+        except CheckpointError as err:
+            problem[0] = str(err)
+    dist.broadcast_object_list(problem, src=0)
+    if problem[0]:
+        raise CheckpointError(problem[0])
     meta = read_meta(path)
     model_sd, optim_sd = get_state_dict(model, optimizer)
     state = {"model": model_sd, "optim": optim_sd}
@@ -145,6 +219,5 @@ def _write_json_durably(path: Path, data: dict[str, Any]) -> None:
 def _prune(root: Path, keep: int) -> None:
     if keep <= 0:
         return
-    complete = sorted(p for p in root.glob("step_*") if (p / META).is_file())
-    for old in complete[:-keep]:
+    for old in list_complete(root)[:-keep]:
         shutil.rmtree(old, ignore_errors=True)

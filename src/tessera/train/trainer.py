@@ -90,13 +90,13 @@ class Trainer:
 
     # ------------------------------------------------------------------------------ public
     def train(self, until_step: int | None = None) -> TrainResult:
-        """Train to ``args.max_steps`` (resuming first when ``args.resume``).
+        """Train to ``args.max_steps`` (resuming first when ``args.resume`` or ``resume_from``).
 
         Args:
             until_step: stop early at this step, with a checkpoint, keeping the LR schedule
                 of the whole run (to pause a job that will be resumed, e.g. when resized).
         """
-        if self.args.resume:
+        if self.args.resume or self.args.resume_from:
             self.resume()
         stop = self.args.max_steps if until_step is None else min(until_step, self.args.max_steps)
         result = TrainResult(step=self.step)
@@ -172,8 +172,13 @@ class Trainer:
                                     meta)
 
     def resume(self) -> bool:
-        """Load the newest complete checkpoint of ``output_dir``, if any; True if loaded."""
-        latest = ckpt.find_latest(self.ckpt_root)
+        """Load ``args.resume_from``, else the newest complete checkpoint of ``output_dir``.
+
+        Returns:
+            True if a checkpoint was loaded, False if there was none to load.
+        """
+        latest = (Path(self.args.resume_from) if self.args.resume_from
+                  else ckpt.find_latest(self.ckpt_root))
         if latest is None:
             return False
         ckpt.check_compatible(ckpt.read_meta(latest), self.model_meta, latest)

@@ -1,0 +1,48 @@
+"""Checkpoint integrity: every damaged file is named, and the previous checkpoint offered."""
+
+from pathlib import Path
+
+import pytest
+import torch
+
+from tessera.testing import run_distributed
+from tessera.train import checkpoint as ckpt
+
+
+def _save_two(rank, world_size, root):
+    model = torch.nn.Linear(4, 3)
+    optimizer = torch.optim.AdamW(model.parameters())
+    model(torch.ones(2, 4)).sum().backward()
+    optimizer.step()
+    for step in (1, 2):
+        ckpt.save_checkpoint(Path(root), step, model, optimizer, {"model": {"class": "Linear"}})
+    return sorted(p.name for p in Path(root).iterdir())
+
+
+def test_damaged_checkpoints_are_named(tmp_path):
+    names = run_distributed(_save_two, world_size=1, args=(str(tmp_path),))[0]
+    assert names == ["latest", "step_00000001", "step_00000002"]
+    latest = ckpt.find_latest(tmp_path)
+    assert latest.name == "step_00000002"
+    meta = ckpt.verify_checkpoint(latest)
+    assert meta["step"] == 2 and ".metadata" in meta["files"]
+
+    shard = next(latest.glob("*.distcp"))
+    data = bytearray(shard.read_bytes())
+    data[-1] ^= 0xFF  # same size, one byte changed
+    shard.write_bytes(bytes(data))
+    with pytest.raises(ckpt.CheckpointError, match=f"{shard.name} does not match its sha256"):
+        ckpt.verify_checkpoint(latest)
+    ckpt.verify_checkpoint(latest, hashes=False)  # sizes alone do not see it
+
+    shard.unlink()
+    with pytest.raises(ckpt.CheckpointError, match=r"is missing.*previous complete checkpoint "
+                                                   r"is .*step_00000001"):
+        ckpt.verify_checkpoint(latest)
+    first = tmp_path / "step_00000001"
+    (first / ".metadata").write_bytes(b"x")
+    with pytest.raises(ckpt.CheckpointError, match="No earlier complete checkpoint"):
+        ckpt.verify_checkpoint(first)
+    (first / ckpt.META).write_text("{not json")
+    with pytest.raises(ckpt.CheckpointError, match="meta.json is corrupted"):
+        ckpt.read_meta(first)
