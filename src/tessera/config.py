@@ -105,6 +105,7 @@ class TrainingArguments(_Section):
     save_steps: int = 0
     seed: int = 1234
     resume: bool = False
+    resume_from: str | None = None  # a checkpoint folder; default: the newest in output_dir
     device: Literal["auto", "cpu", "cuda"] = "auto"
     progress: Literal["auto", "bar", "lines", "off"] = "auto"
 
