@@ -99,6 +99,7 @@ class TrainingArguments(_Section):
     adam_beta2: float = 0.95
     adam_epsilon: float = 1e-8
     max_grad_norm: float = 1.0
+    nonfinite: Literal["stop", "skip"] = "stop"  # on NaN/inf gradients: stop the run or skip
     logging_steps: int = 10
     eval_steps: int = 0
     eval_batches: int = 4

@@ -39,6 +39,10 @@ from tessera.train.progress import ProgressReporter
 PAUSE_FILE = "PAUSE"
 
 
+class NonFiniteError(FloatingPointError):
+    """NaN or inf in the gradients; names the step and the first offending parameter."""
+
+
 @dataclass
 class TrainResult:
     """What a training run produced on this rank."""
@@ -86,6 +90,7 @@ class Trainer:
         self.order = GlobalBatchOrder(len(train_dataset), self.strategy.global_batch_size,
                                       args.seed)
         self.step = 0
+        self.skipped_steps: list[int] = []  # steps whose update was skipped (nonfinite=skip)
         self.ckpt_root = ckpt.checkpoint_root(args.output_dir)
 
     # ------------------------------------------------------------------------------ public
@@ -197,16 +202,32 @@ class Trainer:
         scaler = self.engine.scaler
         if scaler is not None:
             scaler.unscale_(self.optimizer)
-        if self.args.max_grad_norm > 0:
-            self.plan.clip_grad_norm(self.model, self.args.max_grad_norm)
-        if scaler is not None:
+        # The norm over all ranks' gradients (after the data-parallel reduction) is the same
+        # on every rank, so every rank takes the same decision about a non-finite step.
+        max_norm = self.args.max_grad_norm if self.args.max_grad_norm > 0 else float("inf")
+        grad_norm = self.plan.clip_grad_norm(self.model, max_norm)
+        if scaler is not None:  # fp16: the scaler skips overflowing steps and lowers its scale
             scaler.step(self.optimizer)
             scaler.update()
-        else:
+        elif torch.isfinite(grad_norm):
             self.optimizer.step()
+        else:
+            self._non_finite(result.loss)
         self.scheduler.step()
         self.optimizer.zero_grad(set_to_none=True)
         return result.loss
+
+    def _non_finite(self, loss: torch.Tensor) -> None:
+        """Stop, or skip the update, naming the step and the first non-finite gradient."""
+        first = next((name for name, p in self.model.named_parameters()
+                      if p.grad is not None and not torch.isfinite(p.grad).all()), "none here")
+        message = (f"step {self.step + 1}: non-finite gradients (loss on this rank "
+                   f"{float(loss):.4g}); first non-finite gradient: {first}")
+        if self.args.nonfinite == "stop":
+            raise NonFiniteError(message + ". Set train.nonfinite=skip to skip such steps.")
+        self.skipped_steps.append(self.step + 1)
+        if self.ctx.is_main:
+            print(f"tessera: skipping the update of {message}", flush=True)
 
     def _log(self, window: list[torch.Tensor], throughput: Throughput,
              result: TrainResult) -> dict[str, Any]:
