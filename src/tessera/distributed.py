@@ -57,6 +57,24 @@ def init_distributed(device_type: str = "auto") -> WorkerContext:
             os.environ.setdefault("MASTER_PORT", str(free_port()))
             dist.init_process_group(backend_for(device_type), rank=0, world_size=1)
         else:
-            dist.init_process_group(backend_for(device_type),
+            rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+            dist.init_process_group(backend_for(device_type), store=_attempt_store(rank, world),
+                                    rank=rank, world_size=world,
                                     device_id=device if device_type == "cuda" else None)
     return WorkerContext(dist.get_rank(), dist.get_world_size(), local_rank, device)
+
+
+def _attempt_store(rank: int, world_size: int) -> dist.Store:
+    """The rendezvous store under a key prefix of its own for each torchrun restart.
+
+    torchrun keeps one store across restarts of its workers. Without a prefix per attempt,
+    a restarted rank can read the address that a dead rank of the previous attempt
+    published, and time out connecting to it.
+    """
+    from datetime import timedelta
+
+    agent_hosts = os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True"
+    store = dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), world_size,
+                          is_master=not agent_hosts and rank == 0, timeout=timedelta(minutes=10))
+    attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
+    return dist.PrefixStore(f"tessera/attempt_{attempt}", store)

@@ -5,6 +5,7 @@ This is what each worker does under ``tessera train``, and what the Python API c
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 
 import torch
@@ -66,7 +67,14 @@ def build_datasets(config: RunConfig, tokenizer) -> tuple[Subset, Subset | None]
 
 
 def run_training(config: RunConfig) -> TrainResult:
-    """Train as the config says (call in every worker)."""
+    """Train as the config says (call in every worker).
+
+    When torchrun restarts failed workers (``--max-restarts``), the restarted workers resume
+    from the newest complete checkpoint instead of starting over.
+    """
+    if int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")) > 0 and not config.train.resume:
+        config = config.model_copy(update={
+            "train": config.train.model_copy(update={"resume": True})})
     tokenizer = build_tokenizer(config)
     train, val = build_datasets(config, tokenizer)
     model = build_model(config, vocab_size=max(tokenizer.vocab_size,
