@@ -53,6 +53,9 @@ class Cluster:
             node; empty means alpha-beta from the device's links.
         compute_slots: cores that a node's workers share (CPU); None when each device computes
             on its own. More workers than slots slows each one down proportionally.
+        concurrency: measured fraction of a lone worker's matmul rate that each of g workers
+            gets when all run at once, ``{g: fraction}`` (profile; it sees other load on the
+            machine too). Preferred over ``compute_slots`` when present.
     """
 
     device: DeviceSpec
@@ -62,6 +65,7 @@ class Cluster:
     matmul_table: tuple[tuple[tuple[int, int, int], float], ...] = ()
     collectives: Mapping[str, Mapping[int, CollectiveFit]] = field(default_factory=dict)
     compute_slots: int | None = None
+    concurrency: Mapping[int, float] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
         for key in ("devices_per_node", "nodes"):
@@ -98,6 +102,8 @@ class Cluster:
                                "nodes": self.nodes, "device": self.device.to_dict()}
         if self.compute_slots is not None:
             out["compute_slots"] = self.compute_slots
+        if self.concurrency:
+            out["concurrency"] = {int(g): float(v) for g, v in self.concurrency.items()}
         if self.matmul_table:
             out["matmul"] = [{"m": m, "n": n, "k": k, "flops_per_s": float(v)}
                              for (m, n, k), v in self.matmul_table]
@@ -112,7 +118,7 @@ class Cluster:
         """Build from a YAML mapping. ``device`` is a preset name or a full device mapping,
         optionally with ``device_overrides`` applied on top of a preset."""
         known = {"name", "devices_per_node", "nodes", "device", "device_overrides", "matmul",
-                 "collectives", "compute_slots"}
+                 "collectives", "compute_slots", "concurrency"}
         unknown = sorted(set(values) - known)
         if unknown:
             raise ClusterError(f"unknown cluster field(s) {', '.join(unknown)}; "
@@ -132,7 +138,9 @@ class Cluster:
                    devices_per_node=values.get("devices_per_node", device.devices_per_node),
                    nodes=values.get("nodes", 1), name=values.get("name", ""),
                    matmul_table=matmul, collectives=collectives,
-                   compute_slots=values.get("compute_slots"))
+                   compute_slots=values.get("compute_slots"),
+                   concurrency={int(g): float(v)
+                                for g, v in (values.get("concurrency") or {}).items()})
 
 
 def _device(spec: Any, overrides: Mapping[str, Any]) -> DeviceSpec:

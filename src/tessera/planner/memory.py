@@ -23,8 +23,10 @@ like Korthikanti et al. 2022, "Reducing activation recomputation", section 4.1, 
 fused attention kernel does not keep): norm inputs 2 n h, the QKV input n h, Q, K and V
 n (h + 2 kv), the attention output n h, the MLP input n h, the MLP hidden and activation
 2 n f (4 n f for swiglu's gate, up, silu and product), plus 1-byte dropout masks when dropout
-is on. Tensor parallelism divides it by t (with 1d, the norm inputs and residual stay whole:
-Korthikanti's 10 + 24/t), sequence parallelism by sp. A recomputed layer keeps only its input
+is on. Tensor parallelism divides it by t: 2d partitions every activation (Optimus), and 1d is
+priced with Megatron-style sequence parallelism in the norm and dropout regions (Korthikanti's
+34/t; without it the norm inputs and residual stay whole, 10 + 24/t). Sequence parallelism
+divides it by sp. A recomputed layer keeps only its input
 (n h), and the layer being recomputed needs its full activations once.
 
 Stage i of a 1F1B pipeline holds min(pp - i, m) micro-batches in flight (GPipe: all m).
@@ -132,12 +134,10 @@ def layer_activation(model: ModelConfig, s: Strategy, seq: int, flash: bool
         full += 2.5 * s.micro_batch_size * model.n_heads * (seq / s.sp) * seq * el
     if model.dropout > 0:
         full += 2 * n * model.d_model  # 1-byte masks after attention and MLP
-    if s.tp_mode == "2d":
-        full /= s.tp
-    elif s.tp > 1:
-        whole = 4 * n * model.d_model * el  # norm inputs and residual are not split (1d)
-        full = whole + (full - whole) / s.tp
-    ckpt = n * model.d_model * el / (s.tp if s.tp_mode == "2d" else 1)
+    # 2d splits every activation over the grid (Optimus); 1d is priced with Megatron-style
+    # sequence parallelism in the norm/dropout regions, which splits the rest by t as well.
+    full /= s.tp
+    ckpt = n * model.d_model * el / s.tp  # a layer's input is sequence-sharded too
     return full, ckpt
 
 

@@ -120,10 +120,11 @@ def from_hf_dict(values: Mapping[str, Any]) -> ModelConfig:
     get = _getter(values, kind)
     if kind == "gpt2":
         return _from_config_mapping(dict(
-            **_STYLE_FIELDS["gpt2"], vocab_size=get("vocab_size"), n_layers=get("n_layer"),
+            **{**_STYLE_FIELDS["gpt2"],
+               "tie_embeddings": bool(values.get("tie_word_embeddings", True))},
+            vocab_size=get("vocab_size"), n_layers=get("n_layer"),
             d_model=get("n_embd"), n_heads=get("n_head"), d_ff=values.get("n_inner") or 0,
-            max_seq_len=get("n_positions"),
-            tie_embeddings=bool(values.get("tie_word_embeddings", True))))
+            max_seq_len=get("n_positions")))
     if kind in ("llama", "mistral"):
         return _from_config_mapping(dict(
             **{**_STYLE_FIELDS["llama"],

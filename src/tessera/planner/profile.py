@@ -9,7 +9,9 @@ What is measured, each with one thread per worker (as training workers run, OMP_
   and the fixed cost of one small autograd kernel;
 - collectives (all_reduce, all_gather, reduce_scatter, all_to_all, p2p) over gloo for each
   group size 2..workers, fitted as latency + bytes / bandwidth by least squares;
-- how much of an all_reduce hides under a concurrent matmul (the overlap efficiency).
+- how much of an all_reduce hides under a concurrent matmul (the overlap efficiency);
+- the matmul rate each of g workers gets when g run at once (more workers than cores, or other
+  load on a shared machine, show up here).
 """
 
 from __future__ import annotations
@@ -124,8 +126,10 @@ def _worker(rank: int, world: int, port: int, quick: bool, out_dir: str) -> None
                     results[op].setdefault(g, []).append((nbytes, t))
             dist.barrier()
     overlap = _overlap(dist, quick) if world >= 2 else 0.5
+    concurrency = {g: _concurrent_rate(dist, rank, g) for g in range(1, world + 1)}
     if rank == 0:
-        torch.save({"results": results, "overlap": overlap}, os.path.join(out_dir, "coll.pt"))
+        torch.save({"results": results, "overlap": overlap, "concurrency": concurrency},
+                   os.path.join(out_dir, "coll.pt"))
     dist.destroy_process_group()
 
 
@@ -179,9 +183,16 @@ def _overlap(dist, quick: bool) -> float:
         dist.all_reduce(x)
 
     t_mm = _timeit(matmuls, 0.02, 2)
+    # Collectives must run the same number of times on every rank: fixed counts, no timing loop.
+    comm()
     dist.barrier()
-    t_ar = _timeit(comm, 0.02, 2)
+    start = time.perf_counter()
+    for _ in range(3):
+        comm()
+    t_ar = (time.perf_counter() - start) / 3
+    t_ar = _agree(dist, t_ar)
     reps = max(1, int(round(t_ar / t_mm)))
+    reps = int(_agree(dist, float(reps)))
     dist.barrier()
     start = time.perf_counter()
     work = dist.all_reduce(x, async_op=True)
@@ -192,6 +203,30 @@ def _overlap(dist, quick: bool) -> float:
     t_mm_total = reps * t_mm
     hidden = t_mm_total + t_ar - both
     return float(max(0.0, min(1.0, hidden / min(t_ar, t_mm_total))))
+
+
+def _concurrent_rate(dist, rank: int, g: int) -> float:
+    """Mean matmul FLOP/s of ranks 0..g-1 computing at the same time (the others wait)."""
+    a = torch.randn(384, 384)
+    calls = 60
+    dist.barrier()
+    rate = 0.0
+    if rank < g:
+        a @ a
+        start = time.perf_counter()
+        for _ in range(calls):
+            a @ a
+        rate = calls * 2.0 * 384**3 / (time.perf_counter() - start)
+    total = torch.tensor([rate], dtype=torch.float64)
+    dist.all_reduce(total)
+    return float(total.item()) / g
+
+
+def _agree(dist, value: float) -> float:
+    """The largest of every rank's value (so all ranks take the same decisions)."""
+    t = torch.tensor([value], dtype=torch.float64)
+    dist.all_reduce(t, op=dist.ReduceOp.MAX)
+    return float(t.item())
 
 
 def _fit(points: list[tuple[int, float]]) -> CollectiveFit:
@@ -206,8 +241,9 @@ def _fit(points: list[tuple[int, float]]) -> CollectiveFit:
     return CollectiveFit(latency=latency, bandwidth=1.0 / slope)
 
 
-def measure_collectives(workers: int, quick: bool) -> tuple[dict, float]:
-    """Spawn ``workers`` gloo processes; return fits by op and group size, and the overlap."""
+def measure_collectives(workers: int, quick: bool) -> tuple[dict, float, dict]:
+    """Spawn ``workers`` gloo processes; return fits by op and group size, the overlap, and
+    the compute share each of g concurrent workers gets (relative to one alone)."""
     import torch.multiprocessing as mp
 
     with tempfile.TemporaryDirectory() as tmp:
@@ -215,7 +251,9 @@ def measure_collectives(workers: int, quick: bool) -> tuple[dict, float]:
         data = torch.load(os.path.join(tmp, "coll.pt"))
     fits = {op: {g: _fit(points) for g, points in by_size.items()}
             for op, by_size in data["results"].items()}
-    return fits, data["overlap"]
+    solo = data["concurrency"][1]
+    shares = {g: min(1.0, rate / solo) for g, rate in data["concurrency"].items()}
+    return fits, data["overlap"], shares
 
 
 def profile_cluster(workers: int | None = None, quick: bool = False,
@@ -240,7 +278,7 @@ def profile_cluster(workers: int | None = None, quick: bool = False,
     finally:
         torch.set_num_threads(threads)
     log(f"collectives over gloo with {workers} workers ...")
-    fits, overlap = measure_collectives(workers, quick)
+    fits, overlap, shares = measure_collectives(workers, quick)
     base = local_cpu(workers)
     device = dataclasses.replace(
         base, peak_flops={"fp32": peak, "bf16": peak}, memory_bandwidth=bandwidth,
@@ -248,7 +286,8 @@ def profile_cluster(workers: int | None = None, quick: bool = False,
         optimizer_bytes_per_param=adam_bytes, overlap_efficiency=overlap,
         memory_bytes=_memory_per_worker(workers))
     return Cluster(device=device, devices_per_node=workers, nodes=1, name=f"local-cpu:{workers}x1",
-                   matmul_table=tuple(table), collectives=fits, compute_slots=os.cpu_count() or 1)
+                   matmul_table=tuple(table), collectives=fits, compute_slots=os.cpu_count() or 1,
+                   concurrency=shares)
 
 
 def _memory_per_worker(workers: int) -> float:

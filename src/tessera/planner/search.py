@@ -177,6 +177,7 @@ class _Search:
         self.fixed, self.options, self.exhaustive, self.top_k = fixed, options, exhaustive, top_k
         self.memory_options = list(MEMORY_OPTIONS) + ([DISK_OPTION] if allow_disk else [])
         self.cache: dict = {}
+        self.seen: set[tuple[float, float]] = set()
         self.heap: list[tuple[float, int, Estimate]] = []
         self.evaluated = 0
         self.pruned = {"dominated": 0, "memory": 0, "bound": 0, "invalid": 0}
@@ -211,10 +212,14 @@ class _Search:
                 for sched in schedules(self.model, lay.pp, m, self.exhaustive):
                     if self.fixed.get("schedule", sched) != sched:
                         continue
-                    base = Strategy(dp=lay.dp, tp=lay.tp, tp_mode=lay.tp_mode, pp=lay.pp,
-                                    sp=lay.sp, sp_mode=lay.sp_mode, micro_batch_size=mbs,
-                                    global_batch_size=self.gbs, schedule=sched,
-                                    precision=self.precision)
+                    try:  # the Strategy's own model rules have the last word
+                        base = Strategy(dp=lay.dp, tp=lay.tp, tp_mode=lay.tp_mode, pp=lay.pp,
+                                        sp=lay.sp, sp_mode=lay.sp_mode, micro_batch_size=mbs,
+                                        global_batch_size=self.gbs, schedule=sched,
+                                        precision=self.precision).validate_for(model=self.model)
+                    except StrategyError:
+                        self.pruned["invalid"] += 1
+                        continue
                     bound = lower_bound(self.model, self.cluster, base, self.options, self.cache)
                     out.append((bound, base))
         return out
@@ -260,6 +265,12 @@ class _Search:
                 self.shortfall = (short, s)
             return False
         est = estimate(self.model, self.cluster, s, self.options, self.cache)
+        key = (round(est.step_time, 12), round(est.memory.total))
+        if key in self.seen and not self.exhaustive:
+            # Priced identically to one already kept (e.g. zero3 and chunk): not a new choice.
+            self.pruned["dominated"] += 1
+            return True
+        self.seen.add(key)
         item = (-est.step_time, self.evaluated, est)
         if len(self.heap) < self.top_k:
             heapq.heappush(self.heap, item)

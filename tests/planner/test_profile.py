@@ -1,0 +1,27 @@
+"""One small profile smoke test: 2 gloo workers, the cluster file is readable and used."""
+
+import pytest
+
+from tessera.models.config import preset
+from tessera.planner import estimate, load_cluster, save_cluster
+from tessera.planner.compute import matmul_rate
+from tessera.planner.profile import profile_cluster
+from tessera.strategy import Strategy
+
+
+@pytest.mark.slow
+def test_profile_two_workers_round_trip(tmp_path):
+    cluster = profile_cluster(workers=2, quick=True)
+    assert cluster.num_devices == 2 and cluster.matmul_table
+    assert 2 in cluster.collectives["all_reduce"]
+    fit = cluster.collectives["all_reduce"][2]
+    assert fit.latency > 0 and fit.bandwidth > 1e6
+    path = tmp_path / "local.yaml"
+    save_cluster(cluster, str(path))
+    again = load_cluster(str(path))
+    assert again.matmul_table == cluster.matmul_table
+    rate = matmul_rate(again, 512, 512, 512, "fp32")
+    assert 1e8 < rate <= again.device.peak("fp32") * 1.01
+    est = estimate(preset("tiny"), again, Strategy(dp=2, micro_batch_size=2,
+                                                   global_batch_size=4))
+    assert 0 < est.step_time < 10

@@ -1,0 +1,82 @@
+"""Simulator: consistency of the breakdown, monotonic rules, every Strategy field priced."""
+
+import pytest
+
+from tessera.models.config import preset
+from tessera.planner import estimate, parse_cluster
+from tessera.planner.simulator import SimOptions
+from tessera.strategy import Strategy, StrategyError
+
+GPT3 = preset("gpt3-175b")
+A100 = parse_cluster("a100-80gb:8x128")
+BASE = Strategy.parse("dp=32,tp=8,pp=4,mbs=1,gbs=1536,recompute=full,memory=zero1,"
+                      "precision=bf16")
+
+
+def test_breakdown_sums_to_step_time_and_figures_agree():
+    est = estimate(GPT3, A100, BASE)
+    assert sum(est.breakdown.values()) == pytest.approx(est.step_time, rel=1e-9)
+    tokens = 1536 * 2048
+    assert est.tokens_per_s == pytest.approx(tokens / est.step_time)
+    assert est.mfu == pytest.approx(est.tflops_per_device * 1e12 / 312e12)
+    assert 0.2 < est.mfu < 0.8
+
+
+def test_more_devices_never_slower_for_pure_dp_compute():
+    model = preset("gpt2")
+    cluster = parse_cluster("a100-80gb:8x4")
+    ests = [estimate(model, cluster, Strategy(dp=d, micro_batch_size=1, global_batch_size=32,
+                                              precision="bf16")) for d in (1, 2, 4, 8, 16, 32)]
+    compute = [e.breakdown["compute"] for e in ests]
+    assert all(b < a for a, b in zip(compute, compute[1:]))
+    inside_node = [e.step_time for e in ests[:4]]  # dp <= 8: gradients never leave NVLink
+    assert all(b < a for a, b in zip(inside_node, inside_node[1:]))
+
+
+@pytest.mark.parametrize("change", [
+    dict(recompute="none"), dict(schedule="gpipe"), dict(schedule="interleaved"),
+    dict(schedule="scp"), dict(memory="zero3"), dict(memory="chunk", offload="cpu"),
+    dict(memory="chunk", offload="cpu+disk"), dict(tp=4, dp=64, tp_mode="2d"),
+    dict(sp=2, dp=16), dict(sp=2, dp=16, sp_mode="ulysses"), dict(sp=2, dp=16, sp_mode="rsa"),
+    dict(precision="fp32"), dict(micro_batch_size=2), dict(recompute="1/1/0.5/0"),
+])
+def test_every_strategy_field_changes_the_price(change):
+    base = estimate(GPT3, A100, BASE)
+    other = estimate(GPT3, A100, BASE.replace(**change))
+    assert (other.step_time, other.memory.total) != (base.step_time, base.memory.total)
+
+
+def test_recomputation_costs_time_offload_costs_time():
+    none = estimate(GPT3, A100, BASE.replace(recompute="none"))
+    full = estimate(GPT3, A100, BASE)
+    assert full.step_time > none.step_time and full.memory.total < none.memory.total
+    z3 = estimate(GPT3, A100, BASE.replace(memory="zero3"))
+    off = estimate(GPT3, A100, BASE.replace(memory="zero3", offload="cpu"))
+    assert off.step_time > z3.step_time and off.memory.total < z3.memory.total
+
+
+def test_interleaving_shrinks_the_bubble_and_scp_hides_recompute():
+    one = estimate(GPT3, A100, BASE)
+    inter = estimate(GPT3, A100, BASE.replace(schedule="interleaved"))
+    scp = estimate(GPT3, A100, BASE.replace(schedule="scp"))
+    assert inter.breakdown["bubble"] < one.breakdown["bubble"]
+    assert scp.breakdown["recompute"] < one.breakdown["recompute"]
+
+
+def test_tp_overlap_hides_tp_communication():
+    plain = estimate(GPT3, A100, BASE)
+    piped = estimate(GPT3, A100, BASE, SimOptions(tp_overlap=0.5))
+    assert piped.breakdown["tp_comm"] < plain.breakdown["tp_comm"]
+
+
+def test_tp_across_nodes_is_slower():
+    cluster = parse_cluster("a100-80gb:4x256")  # tp=8 now spans two nodes
+    assert (estimate(GPT3, cluster, BASE).breakdown["tp_comm"]
+            > estimate(GPT3, A100, BASE).breakdown["tp_comm"])
+
+
+def test_invalid_for_model_or_cluster_refused():
+    with pytest.raises(StrategyError, match="n_heads"):
+        estimate(GPT3, A100, BASE.replace(tp=5, dp=1, pp=1, global_batch_size=5, memory="ddp"))
+    with pytest.raises(StrategyError, match="devices"):
+        estimate(GPT3, A100, BASE.replace(dp=64))
