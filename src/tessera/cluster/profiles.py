@@ -66,14 +66,14 @@ class AppProfile:
 
 
 def default_profile_dir() -> Path:
-    """Where the Pollux application traces live: $TESSERA_CLUSTER_PROFILES, else the shared data.
-
-    The fallback is ``<checkout>/../shared/data/pollux/traces``, i.e. next to the repository.
+    """Where the Pollux application traces live: $TESSERA_CLUSTER_PROFILES, else the copy
+    shipped with tessera (``tessera/cluster/data/pollux``; sources and licenses in
+    ``data/SOURCES.md`` there).
     """
     env = os.environ.get(PROFILE_DIR_ENV)
     if env:
         return Path(env)
-    return Path(__file__).resolve().parents[4] / "shared" / "data" / "pollux" / "traces"
+    return Path(__file__).resolve().parent / "data" / "pollux" / "traces"
 
 
 def _read_rows(path: Path, columns: tuple[str, ...]) -> list[dict[str, str]]:
