@@ -87,3 +87,35 @@ def simulate(workload: Path, policies: str, gpus: int, gpus_per_node: int, seed:
         except ImportError:
             raise click.ClickException("--plots needs matplotlib: pip install "
                                        "'matplotlib>=3.7'") from None
+
+
+@cluster_group.command("run")
+@click.argument("jobs_file", metavar="JOBS.yaml", type=click.Path(dir_okay=False, path_type=Path))
+@click.option("--devices", required=True, type=click.IntRange(1),
+              help="Device slots: GPUs where present, else CPU worker processes.")
+@click.option("--policy", default=None, help=f"One of {', '.join(POLICIES)} [default: the job "
+              "file's policy, else ones].")
+@click.option("--round-seconds", default=10.0, show_default=True, type=click.FloatRange(0.5),
+              help="Seconds between scheduling rounds.")
+@click.option("--out", type=click.Path(file_okay=False, path_type=Path),
+              default=Path("runs/cluster"), show_default=True,
+              help="Each job writes to OUT/<name>; OUT/throughput.json keeps measured profiles.")
+@click.option("--executor", "backend", type=click.Choice(["local", "ray"]), default="local",
+              show_default=True, help="local processes, or tasks on a Ray cluster.")
+@click.option("--ray-address", default=None, help="An existing Ray cluster (default: start a "
+              "local instance with --devices CPUs).")
+@click.option("--restart-s", default=30.0, show_default=True, type=click.FloatRange(0.0),
+              help="Restart cost the policies assume until a start-up is measured.")
+@click.option("--seed", default=0, show_default=True, type=int)
+@click.option("--json", "as_json", is_flag=True, help="Print JSON lines instead of a table.")
+def run(jobs_file: Path, devices: int, policy: str | None, round_seconds: float, out: Path,
+        backend: str, ray_address: str | None, restart_s: float, seed: int,
+        as_json: bool) -> None:
+    """Run the real tessera training jobs of JOBS.yaml on --devices slots under a policy."""
+    from tessera.cluster.real_cli import run_jobs
+
+    if policy is not None and policy.lower() not in POLICIES:
+        raise click.BadParameter(f"unknown policy {policy!r}; choose from "
+                                 f"{', '.join(POLICIES)}", param_hint="--policy")
+    run_jobs(jobs_file, devices, policy, round_seconds, out, backend, ray_address, restart_s,
+             seed, as_json)

@@ -1,8 +1,7 @@
 """The executor interface: what runs the jobs a policy schedules.
 
-The simulator advances jobs with the fitted models. Real mode (issue 8, point 5: real tessera
-training jobs resized by checkpoint and restart) will implement this protocol on top of the
-training runtime; it is not built yet. A real executor is driven the same way as the simulator:
+The simulator advances jobs with the fitted models. Real mode runs real tessera training jobs
+through :class:`tessera.cluster.real_executor.RealExecutor`, which implements this protocol:
 each round the policy's :data:`~tessera.cluster.policies.Schedule` is handed to
 :meth:`Executor.apply`, and progress comes back through :meth:`Executor.poll`.
 """
@@ -41,8 +40,9 @@ class Executor(Protocol):
     """Runs jobs on GPUs as schedules dictate.
 
     ``apply`` must stop every job that lost GPUs (checkpointing it), restart every job whose
-    GPUs or batch changed from its latest checkpoint with the new device count and batch size
-    (learning rate rescaled and warmed up), and start new jobs; jobs not mentioned keep running.
+    GPUs changed from its latest checkpoint with the new device count, and start new jobs;
+    jobs whose GPUs are unchanged keep running. A schedule is complete: a running job it does
+    not mention is preempted.
     """
 
     def apply(self, schedule: Schedule, time: float) -> None:

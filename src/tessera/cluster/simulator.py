@@ -146,33 +146,7 @@ class Simulator:
 
     # ------------------------------------------------------------------ applying a schedule
     def _check(self, schedule: Schedule, jobs: JobTable, active: np.ndarray) -> np.ndarray:
-        total = self.cluster.gpus
-        new_owner = np.full(total, -1, dtype=np.int64)
-        if not schedule:
-            return new_owner
-        ids = np.fromiter(schedule.keys(), dtype=np.int64, count=len(schedule))
-        is_active = np.zeros(len(jobs), dtype=bool)
-        is_active[active] = True
-        bad = (ids < 0) | (ids >= len(jobs))
-        bad[~bad] = ~is_active[ids[~bad]]
-        if bad.any():
-            raise SchedulingError(f"schedule names job {int(ids[bad][0])}, which is not active")
-        parts = [np.asarray(a.gpus, dtype=np.int64) for a in schedule.values()]
-        gpus = np.concatenate(parts)
-        who = np.repeat(ids, [len(p) for p in parts])
-        if gpus.size and (gpus.min() < 0 or gpus.max() >= total):
-            raise SchedulingError(f"GPU ids must be in [0, {total})")
-        batch = np.fromiter((a.batch for a in schedule.values()), dtype=np.int64,
-                            count=len(schedule))
-        if (batch < 1).any():
-            raise SchedulingError(f"job {int(ids[batch < 1][0])}: batch must be >= 1")
-        uses = np.bincount(gpus, minlength=total)
-        if uses.max(initial=0) > 1:
-            g = int(np.argmax(uses > 1))
-            a, b = who[gpus == g][:2]
-            raise SchedulingError(f"GPU {g} assigned twice (jobs {int(a)} and {int(b)})")
-        new_owner[gpus] = who
-        return new_owner
+        return check_schedule(schedule, len(jobs), active, self.cluster.gpus)
 
     def _apply(self, jobs: JobTable, owner: np.ndarray, schedule: Schedule,
                active: np.ndarray, t: float) -> np.ndarray:
@@ -238,3 +212,39 @@ class Simulator:
         jobs.n[fin] = 0
         jobs.last_run_end[run] = t0 + held
         return fin
+
+
+def check_schedule(schedule: Schedule, num_jobs: int, active: np.ndarray,
+                   total: int) -> np.ndarray:
+    """The owner array (job id per GPU, -1 free) of a schedule, after checking it.
+
+    Raises:
+        SchedulingError: a job that is not active, a GPU id out of range, a batch below 1,
+            or a GPU given to two jobs (naming the GPU and both jobs).
+    """
+    new_owner = np.full(total, -1, dtype=np.int64)
+    if not schedule:
+        return new_owner
+    ids = np.fromiter(schedule.keys(), dtype=np.int64, count=len(schedule))
+    is_active = np.zeros(num_jobs, dtype=bool)
+    is_active[active] = True
+    bad = (ids < 0) | (ids >= num_jobs)
+    bad[~bad] = ~is_active[ids[~bad]]
+    if bad.any():
+        raise SchedulingError(f"schedule names job {int(ids[bad][0])}, which is not active")
+    parts = [np.asarray(a.gpus, dtype=np.int64) for a in schedule.values()]
+    gpus = np.concatenate(parts)
+    who = np.repeat(ids, [len(p) for p in parts])
+    if gpus.size and (gpus.min() < 0 or gpus.max() >= total):
+        raise SchedulingError(f"GPU ids must be in [0, {total})")
+    batch = np.fromiter((a.batch for a in schedule.values()), dtype=np.int64,
+                        count=len(schedule))
+    if (batch < 1).any():
+        raise SchedulingError(f"job {int(ids[batch < 1][0])}: batch must be >= 1")
+    uses = np.bincount(gpus, minlength=total)
+    if uses.max(initial=0) > 1:
+        g = int(np.argmax(uses > 1))
+        a, b = who[gpus == g][:2]
+        raise SchedulingError(f"GPU {g} assigned twice (jobs {int(a)} and {int(b)})")
+    new_owner[gpus] = who
+    return new_owner

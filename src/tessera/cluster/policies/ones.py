@@ -42,6 +42,12 @@ class ONES(Policy):
             the epoch-based ramp keeps jobs small for most of their life. None = real epochs.
         charge_queued: charge a job that a candidate leaves queued its one-GPU remaining
             GPU-time (False: it costs nothing, the literal reading of the artifact's sum).
+        objective: "gpu_time" (the artifact's fitness, predicted remaining GPU-time) or "jct"
+            (predicted remaining completion time summed over jobs: ``remaining / goodput``
+            for a placed job; for a queued one, the shortest placed job's remaining time — when
+            GPUs free up at the earliest — plus its own one-GPU time). Minimising GPU-time
+            favours small allocations, which is not what average JCT rewards; see
+            docs/scheduler.md.
     """
 
     name = "ones"
@@ -50,9 +56,12 @@ class ONES(Policy):
                  min_mutate_epochs: float = 2.0, resize_epochs: float = 1.0,
                  cap_growth_epochs: float = 2.0, cap_factor: int = 4,
                  generations: int = 1, max_epoch_s: float | None = None,
-                 charge_queued: bool = True) -> None:
+                 charge_queued: bool = True, objective: str = "gpu_time") -> None:
         if population < 2 or population % 2:
             raise ValueError("population must be an even number >= 2")
+        if objective not in ("gpu_time", "jct"):
+            raise ValueError(f"objective must be gpu_time or jct, got {objective!r}")
+        self.objective = objective
         self.k, self.mutation_rate = population, mutation_rate
         self.min_mutate_epochs, self.resize_epochs = min_mutate_epochs, resize_epochs
         self.cap_growth_epochs, self.cap_factor = cap_growth_epochs, cap_factor
@@ -100,7 +109,8 @@ class ONES(Policy):
         return np.maximum(np.minimum(np.round(j.local0[ids] * n), bmax), 1)
 
     def fitness(self, view: ClusterView, ids: np.ndarray, pop: np.ndarray) -> np.ndarray:
-        """Predicted remaining GPU-seconds of each candidate (lower is better)."""
+        """Predicted remaining GPU-seconds (completion seconds for objective="jct") of each
+        candidate (lower is better)."""
         j, jn = view.jobs, len(ids)
         n = ga.counts(pop, jn)
         m = ga.nodes_spanned(pop, jn, view.cluster.gpus_per_node)
@@ -108,14 +118,26 @@ class ONES(Policy):
         rate = view.models.goodput(j.app[ids][None, :], n, np.maximum(m, 1), b,
                                    j.fraction(ids)[None, :])
         rem = view.remaining(ids)[None, :]
+        changed = (n > 0) & (n != j.n[ids][None, :])
+        if self.objective == "jct":
+            return self._jct(view, ids, n, rem / np.maximum(rate, 1e-30), changed)
         gpu_time = np.where(n > 0, n * rem / np.maximum(rate, 1e-30), 0.0)
         if self.charge_queued:
             # n * rem / thr(n) is 0 * inf for a queued job; it still has to run, at least on
             # one GPU, so it is charged that, else preempting would look free.
             one = self._one_gpu_time(view, ids)[None, :]
             gpu_time = np.where(n > 0, gpu_time, one)
-        changed = (n > 0) & (n != j.n[ids][None, :])
         return (gpu_time + changed * n * view.restart_s).sum(axis=1)
+
+    def _jct(self, view: ClusterView, ids: np.ndarray, n: np.ndarray, t: np.ndarray,
+             changed: np.ndarray) -> np.ndarray:
+        """Summed predicted remaining completion time of each candidate (objective="jct")."""
+        placed = np.where(n > 0, t, np.inf)
+        # A queued job waits at least until the first placed job finishes, then runs.
+        wait = placed.min(axis=1, keepdims=True)
+        wait = np.where(np.isfinite(wait), wait, 0.0)
+        total = np.where(n > 0, t, wait + self._one_gpu_time(view, ids)[None, :])
+        return (total + changed * view.restart_s).sum(axis=1)
 
     def _one_gpu_time(self, view: ClusterView, ids: np.ndarray) -> np.ndarray:
         return view.predicted_time(ids, 1, self.batch(view, ids, 1))

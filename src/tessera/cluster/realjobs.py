@@ -1,0 +1,197 @@
+"""Real-mode job files (``JOBS.yaml``) and how a device count becomes a job's Strategy.
+
+A job file lists real tessera training jobs for ``tessera cluster run``::
+
+    policy: ones                 # optional; --policy wins
+    defaults:                    # optional; merged into every job
+      config: configs/demo.yaml  # a tessera train config (optional)
+      overrides: [model.preset=tiny, data.seq_len=32]
+    jobs:
+      - name: small-a            # required, unique
+        devices: 2               # required: devices asked for (>= 1, <= the cluster)
+        gbs: 8                   # required: global batch size (samples per optimizer step)
+        steps: 40                # required: optimizer steps to train (train.max_steps)
+        mbs: 2                   # micro-batch size per device (default gbs / devices)
+        arrival: 0               # seconds after the run starts (default 0)
+        epoch_steps: 10          # steps per "epoch" for ONES's resize bounds (default steps/5)
+        retries: 2               # relaunches after a crash before the job is marked failed
+        overrides: [train.learning_rate=1e-3]
+
+The scheduler owns ``strategy``, ``train.max_steps``, ``train.output_dir`` and
+``train.resume``: a job that sets them is refused.
+
+Batch size and devices. The global batch size stays the job's ``gbs`` at every device count:
+the training runtime resumes a checkpoint at *step* ``s`` by reading stream positions
+``[s*gbs, ...)``, so the data position is exact only while ``gbs`` is unchanged (see
+docs/scheduler.md, "Real mode"). On ``n`` devices a job runs ``dp = n'``, the largest
+``n' <= n`` that divides ``gbs``, with ``mbs' = `` the largest divisor of ``gbs / n'`` not above
+its ``mbs``; gradient accumulation makes up the rest (``gbs = mbs' * dp * accum``). Devices a
+policy grants beyond ``n'`` are handed back before the schedule is applied.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+from tessera.strategy import Strategy, StrategyError
+
+OWNED_KEYS = ("strategy", "train.max_steps", "train.output_dir", "train.resume",
+              "train.resume_from")
+JOB_KEYS = {"name", "devices", "gbs", "steps", "mbs", "arrival", "epoch_steps", "retries",
+            "overrides", "config"}
+
+
+class JobFileError(ValueError):
+    """A job file is unusable; the message names the file and the entry."""
+
+    def __init__(self, path: str | Path, entry: str | None, message: str) -> None:
+        where = f"{path}: {entry}: " if entry else f"{path}: "
+        super().__init__(where + message)
+
+
+@dataclass(frozen=True)
+class RealJob:
+    """One real training job of a job file (see the module docstring for the fields)."""
+
+    name: str
+    devices: int
+    gbs: int
+    steps: int
+    mbs: int
+    arrival: float = 0.0
+    epoch_steps: int = 1
+    retries: int = 2
+    config: str | None = None
+    overrides: tuple[str, ...] = field(default_factory=tuple)
+
+    def usable_devices(self, n: int) -> int:
+        """The largest device count ``<= n`` that divides ``gbs`` (0 for ``n <= 0``)."""
+        return next((k for k in range(min(n, self.gbs), 0, -1) if self.gbs % k == 0), 0)
+
+    def strategy(self, n: int) -> Strategy:
+        """The Strategy this job runs with on ``n`` devices (``n`` must be usable).
+
+        Raises:
+            ValueError: ``n`` does not divide ``gbs``.
+        """
+        if n < 1 or self.gbs % n:
+            raise ValueError(f"job {self.name}: {n} devices do not divide gbs={self.gbs}")
+        per_rank = self.gbs // n
+        mbs = max(k for k in range(1, min(self.mbs, per_rank) + 1) if per_rank % k == 0)
+        return Strategy(dp=n, micro_batch_size=mbs, global_batch_size=self.gbs)
+
+
+@dataclass(frozen=True)
+class JobFile:
+    """A parsed job file: the jobs and the policy it names (if any)."""
+
+    path: Path
+    jobs: tuple[RealJob, ...]
+    policy: str | None = None
+
+
+def load_jobs(path: str | Path, devices: int, policies: tuple[str, ...]) -> JobFile:
+    """Read and check a job file against a cluster of ``devices`` devices.
+
+    Args:
+        path: the YAML file.
+        devices: devices in the cluster.
+        policies: known policy names.
+
+    Raises:
+        JobFileError: unreadable file, unknown policy or key, a missing or bad field, more
+            devices than the cluster, a duplicate name; the message names file and entry.
+    """
+    path = Path(path)
+    try:
+        raw = yaml.safe_load(path.read_text())
+    except (OSError, yaml.YAMLError) as err:
+        raise JobFileError(path, None, f"cannot read: {err}") from None
+    if not isinstance(raw, dict) or not isinstance(raw.get("jobs"), list) or not raw["jobs"]:
+        raise JobFileError(path, None, "must be a mapping with a non-empty 'jobs' list")
+    unknown = sorted(set(raw) - {"jobs", "defaults", "policy"})
+    if unknown:
+        raise JobFileError(path, None, f"unknown key(s) {', '.join(unknown)}")
+    policy = raw.get("policy")
+    if policy is not None and str(policy).lower() not in policies:
+        raise JobFileError(path, "policy", f"unknown policy {policy!r}; choose from "
+                           f"{', '.join(policies)}")
+    defaults = raw.get("defaults") or {}
+    if not isinstance(defaults, dict):
+        raise JobFileError(path, "defaults", "must be a mapping")
+    jobs = [_parse_job(path, i, entry, defaults, devices) for i, entry in enumerate(raw["jobs"])]
+    seen: set[str] = set()
+    for i, job in enumerate(jobs):
+        if job.name in seen:
+            raise JobFileError(path, _label(i, job.name), "duplicate job name")
+        seen.add(job.name)
+    return JobFile(path, tuple(jobs), None if policy is None else str(policy).lower())
+
+
+def _label(index: int, name: Any = None) -> str:
+    return f"job {index + 1}" + (f" ({name!r})" if name else "")
+
+
+def _parse_job(path: Path, index: int, entry: Any, defaults: dict, devices: int) -> RealJob:
+    if not isinstance(entry, dict):
+        raise JobFileError(path, _label(index), "must be a mapping")
+    label = _label(index, entry.get("name"))
+    merged = {**defaults, **entry}
+    merged["overrides"] = [*defaults.get("overrides", []), *entry.get("overrides", [])]
+    if merged.get("config") is not None:  # relative to the job file, like an include
+        merged["config"] = str(path.parent / str(merged["config"]))
+    unknown = sorted(set(merged) - JOB_KEYS)
+    if unknown:
+        raise JobFileError(path, label, f"unknown key(s) {', '.join(unknown)}")
+    missing = [k for k in ("name", "devices", "gbs", "steps") if k not in merged]
+    if missing:
+        raise JobFileError(path, label, f"missing field(s) {', '.join(missing)}")
+    asked = merged["devices"]
+    if isinstance(asked, int) and asked > devices:  # before the strategy rules, which it breaks
+        raise JobFileError(path, label, f"devices={asked} exceeds the cluster's {devices} "
+                           "device(s)")
+    try:
+        return _build(merged)
+    except (TypeError, ValueError) as err:
+        raise JobFileError(path, label, str(err)) from None
+
+
+def _build(m: dict) -> RealJob:
+    ints = {k: _int(k, m[k]) for k in ("devices", "gbs", "steps")}
+    for key, value in ints.items():
+        if value < 1:
+            raise ValueError(f"{key} must be >= 1, got {value}")
+    mbs = _int("mbs", m.get("mbs", max(1, ints["gbs"] // ints["devices"])))
+    arrival = float(m.get("arrival", 0.0))
+    if arrival < 0:
+        raise ValueError(f"arrival must be >= 0, got {arrival}")
+    overrides = tuple(str(o) for o in m["overrides"])
+    for item in overrides:
+        key = item.split("=", 1)[0].strip()
+        if key in OWNED_KEYS:
+            raise ValueError(f"override {key} is set by the scheduler; remove it")
+    job = RealJob(name=str(m["name"]), mbs=mbs, arrival=arrival,
+                  epoch_steps=_int("epoch_steps", m.get("epoch_steps",
+                                                        max(1, ints["steps"] // 5))),
+                  retries=_int("retries", m.get("retries", 2)), config=m.get("config"),
+                  overrides=overrides, **ints)
+    if job.mbs < 1 or job.epoch_steps < 1 or job.retries < 0:
+        raise ValueError("mbs and epoch_steps must be >= 1, retries >= 0")
+    try:  # the strategy it asks for must be valid as written
+        Strategy(dp=job.devices, micro_batch_size=job.mbs,
+                 global_batch_size=job.gbs).validate_for(world_size=job.devices)
+    except StrategyError as err:
+        raise ValueError(f"at devices={job.devices}: {err}") from None
+    if job.config is not None and not Path(job.config).is_file():
+        raise ValueError(f"config {job.config} does not exist")
+    return job
+
+
+def _int(key: str, value: Any) -> int:
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise ValueError(f"{key} must be an integer, got {value!r}")
+    return value
