@@ -1,0 +1,254 @@
+"""Apply 1D or 2D tensor parallelism to an unmodified model, by its architecture's policy.
+
+The first step of :func:`tessera.parallel.parallelize`. Every module whose path matches the
+policy is replaced by its tensor-parallel counterpart (same parameter names); the parameters
+become DTensors holding this rank's shard; the plan gets the loss over vocabulary-sharded
+logits and a gradient clip that counts each shard once.
+"""
+
+from __future__ import annotations
+
+from torch import nn
+from torch.distributed.tensor import DTensor, Replicate, Shard
+
+from tessera.mesh import Mesh
+from tessera.parallel.plan import Parallelized
+from tessera.parallel.tensor.comm import CommCounter, GatherSeq, Grid, TPGroup
+from tessera.parallel.tensor.data_parallel import ShardGradSync
+from tessera.parallel.tensor.loss import (make_clip_grad_norm, make_forward_loss_1d,
+                                          make_forward_loss_2d)
+from tessera.parallel.tensor.modules import (ColumnLinear, Embedding2D, Linear2D, Norm1D,
+                                             Norm2D, ReplicatedEmbedding, RowLinear,
+                                             VocabEmbedding)
+from tessera.parallel.tensor.policy import (ModelDims, PolicyError, check_divisible,
+                                            model_dims, policy_for, style_of)
+from tessera.parallel.tensor.shard import (accept_full_tensors, add_optimizer_unpermute_hooks,
+                                           add_unpermute_hooks, fused_perm, make_param,
+                                           permuted_params)
+from tessera.strategy import Strategy
+
+
+def apply_tensor_parallel(plan: Parallelized, strategy: Strategy, mesh: Mesh,
+                          sequence_parallel: bool = False,
+                          counter: CommCounter | None = None) -> None:
+    """Shard ``plan.model`` in place over the mesh's tensor axes and set the plan's loss/clip.
+
+    Args:
+        plan: the plan being built; ``plan.model`` is changed in place.
+        strategy: tp and tp_mode ("1d" Megatron, "2d" Optimus SUMMA).
+        mesh: gives the tp group (1D) or the grid's row and column groups (2D).
+        sequence_parallel: Megatron sequence parallelism around norms and dropout (1D, the
+            reference model only: Hugging Face models build masks from the local length).
+        counter: counts collective bytes (benchmarks).
+
+    Raises:
+        PolicyError: unknown architecture, sizes not divisible, or an unsupported mix.
+    """
+    if strategy.tp == 1:
+        return
+    model = plan.model
+    policy, dims = policy_for(model), model_dims(model)
+    what = f"tp={strategy.tp} (tp_mode={strategy.tp_mode})"
+    _check_mix(strategy, what)
+    if strategy.tp_mode == "2d":
+        if sequence_parallel:
+            raise PolicyError(f"{what}: Megatron sequence parallelism is a 1D option; 2D "
+                              "already splits activations over the grid")
+        grid = Grid.from_mesh(mesh, counter)
+        check_divisible(dims, grid.q, kv_ways_ok=False, what=what)
+        builder = _Builder2D(dims, grid, mesh.submesh("tp_row", "tp_col"))
+        plan.forward_loss = make_forward_loss_2d(grid)
+    else:
+        if sequence_parallel and dims.hf:
+            raise PolicyError(f"{what}: sequence parallelism needs the reference model; "
+                              f"{type(model).__name__} builds its masks from the local length")
+        group = TPGroup(mesh.group("tp"), counter)
+        check_divisible(dims, group.size, kv_ways_ok=True, what=what)
+        builder = _Builder1D(dims, group, mesh.submesh("tp"), sequence_parallel)
+        plan.forward_loss = make_forward_loss_1d(group)
+    _replace_modules(model, policy, builder)
+    if permuted_params(model):
+        plan.build_optimizer = _with_unpermute_hooks(plan.build_optimizer)
+    plan.clip_grad_norm = make_clip_grad_norm(TPGroup(mesh.group("tp")))
+    if strategy.dp > 1:
+        ShardGradSync(model, mesh.group("dp")).attach(plan.module)
+    plan.features.append(f"tensor_parallel_{strategy.tp_mode}")
+
+
+def _with_unpermute_hooks(base):
+    """An optimizer builder whose state dicts hold fused q|k|v states unpermuted."""
+
+    def build(model: nn.Module, *args, **kwargs):
+        from tessera.train.optim import build_optimizer
+
+        optimizer = (base or build_optimizer)(model, *args, **kwargs)
+        add_optimizer_unpermute_hooks(optimizer, model)
+        return optimizer
+
+    return build
+
+
+def _check_mix(strategy: Strategy, what: str) -> None:
+    """Refuse option mixes this runtime does not compose yet, naming the rule."""
+    if strategy.sp > 1:
+        raise PolicyError(f"{what} with sp={strategy.sp}: tensor and sequence parallelism do "
+                          "not compose yet; use sp=1 (Megatron sequence parallelism inside 1d "
+                          "is apply_tensor_parallel(sequence_parallel=True))")
+    if strategy.pp > 1:
+        raise PolicyError(f"{what} with pp={strategy.pp}: pipeline stages of tensor-parallel "
+                          "layers are not built yet; use pp=1")
+    if strategy.memory != "ddp":
+        raise PolicyError(f"{what} with memory={strategy.memory}: chunks do not hold DTensor "
+                          "shards yet; use memory=ddp")
+    q = strategy.tp_grid[0]
+    if strategy.tp_mode == "2d" and strategy.micro_batch_size % q:
+        raise PolicyError(f"{what} splits each micro-batch over the {q} grid rows: "
+                          f"mbs={strategy.micro_batch_size} must be divisible by {q}")
+
+
+def _replace_modules(model: nn.Module, policy, builder) -> None:
+    for path, module in list(model.named_modules()):
+        style = style_of(path, policy)
+        if style is None:
+            continue
+        new = builder.build(style, module)
+        if new is not None:
+            accept_full_tensors(new)
+            parent, _, name = path.rpartition(".")
+            setattr(model.get_submodule(parent) if parent else model, name, new)
+    missed = sorted({n.rpartition(".")[0] for n, p in model.named_parameters()
+                     if not isinstance(p, DTensor)})
+    if missed:
+        raise PolicyError(
+            f"modules {', '.join(missed)} of {type(model).__name__} have parameters but no "
+            f"style: add patterns for them to POLICIES[{type(model).__name__!r}] in "
+            "tessera/parallel/tensor/policy.py")
+
+
+def _is_conv1d(module: nn.Module) -> bool:
+    return type(module).__name__ == "Conv1D"  # GPT-2: weight (in, out)
+
+
+class _Builder:
+    """Shared by both modes: parameter conversion (tied weights converted once)."""
+
+    def __init__(self, dims: ModelDims, dmesh) -> None:
+        self.dims, self.dmesh = dims, dmesh
+        # id -> (original, converted): holding the original keeps its id from being reused.
+        self._done: dict[int, tuple[nn.Parameter, nn.Parameter]] = {}
+
+    def param(self, p, placements, perm=None, perm_dim=0):
+        if p is None:
+            return None
+        if id(p) not in self._done:
+            full = p.detach()
+            if perm is not None:
+                full = full.index_select(perm_dim, perm.to(full.device))
+            self._done[id(p)] = (p, make_param(full, self.dmesh, placements, p.requires_grad))
+        return self._done[id(p)][1]
+
+    def attention(self, module: nn.Module, ways: int, kv_local: int) -> None:
+        # Hugging Face attention reads these counts; the reference model infers them.
+        heads = self.dims.n_heads // ways
+        for name, value in (("num_heads", heads), ("n_heads", heads),
+                            ("num_key_value_heads", kv_local), ("n_kv_heads", kv_local),
+                            ("num_key_value_groups", heads // kv_local),
+                            ("split_size", self.dims.d_model // ways)):
+            if hasattr(module, name):
+                setattr(module, name, value)
+
+
+class _Builder1D(_Builder):
+    def __init__(self, dims: ModelDims, group: TPGroup, dmesh, seq_parallel: bool) -> None:
+        super().__init__(dims, dmesh)
+        self.group, self.sp = group, seq_parallel
+        # Column layers inside attention / MLP: under SP the block's pre-hook gathered the input.
+        self.inner = "gathered" if seq_parallel else "replicated"
+
+    def build(self, style: str, m: nn.Module) -> nn.Module | None:
+        g, sp, rep, s0, s1 = self.group, self.sp, (Replicate(),), (Shard(0),), (Shard(1),)
+        conv = _is_conv1d(m)
+        out_dim, in_dim = (s1, s0) if conv else (s0, s1)  # weight dims of out / in features
+        kv_split = self.dims.n_kv_heads % g.size == 0
+        # Under SP the attention / MLP input is gathered once (a pre-hook), so the column
+        # layers inside see the whole sequence; the row layers reduce-scatter it again.
+        if style == "colwise" or (style == "colwise_kv" and kv_split):
+            return ColumnLinear(self.param(m.weight, out_dim), self.param(m.bias, s0), g,
+                                self.inner, conv)
+        if style == "colwise_kv":  # fewer kv heads than ranks: replicate, pick this rank's head
+            head = g.rank // (g.size // self.dims.n_kv_heads)
+            rows = slice(head * self.dims.head_dim, (head + 1) * self.dims.head_dim)
+            return ColumnLinear(self.param(m.weight, rep), self.param(m.bias, rep), g,
+                                self.inner, conv, rows=rows)
+        if style == "colwise_qkv":
+            return self._fused_qkv(m, conv, out_dim)
+        if style == "rowwise":
+            return RowLinear(self.param(m.weight, in_dim), self.param(m.bias, rep), g, sp, conv)
+        if style == "vocab_embed":
+            return VocabEmbedding(self.param(m.weight, s0), g, sp)
+        if style == "vocab_head":
+            head_mode = "gather" if sp else "replicated"
+            return ColumnLinear(self.param(m.weight, s0), self.param(m.bias, s0), g, head_mode,
+                                False)
+        if style == "position":
+            return ReplicatedEmbedding(self.param(m.weight, rep), g, sp)
+        if style == "norm":
+            return Norm1D(self.param(m.weight, rep), self.param(getattr(m, "bias", None), rep),
+                          _eps(m), not isinstance(m, nn.LayerNorm), g, sp)
+        if style in ("attention", "mlp"):
+            if style == "attention":
+                kv = self.dims.n_kv_heads
+                self.attention(m, g.size, kv // g.size if kv % g.size == 0 else 1)
+            if sp:
+                m.register_forward_pre_hook(
+                    lambda mod, args: (GatherSeq.apply(args[0], g), *args[1:]))
+            return None
+        raise PolicyError(f"unknown tensor-parallel style {style!r}")
+
+    def _fused_qkv(self, m: nn.Module, conv: bool, out_dim) -> nn.Module:
+        width = m.weight.shape[1 if conv else 0]
+        perm = fused_perm(width, 3, self.group.size)
+        w = self.param(m.weight, out_dim, perm, 1 if conv else 0)
+        b = self.param(m.bias, (Shard(0),), perm, 0)
+        new = ColumnLinear(w, b, self.group, self.inner, conv)
+        _unpermute(new, perm, 1 if conv else 0)
+        return new
+
+
+class _Builder2D(_Builder):
+    def __init__(self, dims: ModelDims, grid: Grid, dmesh) -> None:
+        super().__init__(dims, dmesh)
+        self.grid = grid
+
+    def build(self, style: str, m: nn.Module) -> nn.Module | None:
+        block, vec = (Shard(0), Shard(1)), (Replicate(), Shard(0))
+        conv = _is_conv1d(m)
+        if style in ("colwise", "colwise_kv", "rowwise", "vocab_head"):
+            return Linear2D(self.param(m.weight, block), self.param(m.bias, vec), self.grid, conv)
+        if style == "colwise_qkv":
+            dim = 1 if conv else 0
+            perm = fused_perm(m.weight.shape[dim], 3, self.grid.q)
+            new = Linear2D(self.param(m.weight, block, perm, dim),
+                           self.param(m.bias, vec, perm, 0), self.grid, conv)
+            _unpermute(new, perm, dim)
+            return new
+        if style in ("vocab_embed", "position"):
+            return Embedding2D(self.param(m.weight, block), self.grid)
+        if style == "norm":
+            return Norm2D(self.param(m.weight, vec), self.param(getattr(m, "bias", None), vec),
+                          _eps(m), not isinstance(m, nn.LayerNorm), self.dims.d_model, self.grid)
+        if style == "attention":
+            self.attention(m, self.grid.q, self.dims.n_kv_heads // self.grid.q)
+        if style in ("attention", "mlp"):
+            return None
+        raise PolicyError(f"unknown tensor-parallel style {style!r}")
+
+
+def _unpermute(module: nn.Module, perm, weight_dim: int) -> None:
+    add_unpermute_hooks(module, "weight", weight_dim, perm)
+    if module.bias is not None:
+        add_unpermute_hooks(module, "bias", 0, perm)
+
+
+def _eps(norm: nn.Module) -> float:
+    return getattr(norm, "eps", None) or getattr(norm, "variance_epsilon")

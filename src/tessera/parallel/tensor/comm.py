@@ -1,0 +1,156 @@
+"""Communication of tensor parallelism: the only file here that calls torch.distributed.
+
+Two kinds of object:
+
+- ``TPGroup`` / ``Grid``: which ranks talk (taken from the Mesh, never global) and thin
+  wrappers over the collectives the algorithms need. ``Grid`` is the q x q Optimus grid:
+  rank (i, j) sits at grid row i and grid column j. "Along the row" means among the ranks
+  (i, *), which is the Mesh's ``tp_col`` group (the column index varies); "along the column"
+  means among (*, j), the Mesh's ``tp_row`` group.
+- Megatron's conjugate pair f / g as autograd functions (identity forward and all-reduce
+  backward, and the reverse). The layers' own functions pair all-gather with reduce-scatter
+  the same way for sequence parallelism.
+
+Every byte a collective moves is added to ``CommCounter`` when one is installed on the group
+object, so the benchmark can compare measured traffic with the analytic formulas.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+import torch.distributed as dist
+
+
+@dataclass
+class CommCounter:
+    """Bytes this rank sent into collectives, by kind (payload size, not wire bytes)."""
+
+    bytes: dict[str, int] = field(default_factory=dict)
+
+    def add(self, kind: str, tensor: torch.Tensor) -> None:
+        self.bytes[kind] = self.bytes.get(kind, 0) + tensor.numel() * tensor.element_size()
+
+    def total(self) -> int:
+        return sum(self.bytes.values())
+
+
+class TPGroup:
+    """One process group of tensor parallelism (the 1D tp group, or a grid row/column).
+
+    Args:
+        group: the process group.
+        counter: optional byte counter for benchmarks.
+    """
+
+    def __init__(self, group: dist.ProcessGroup, counter: CommCounter | None = None) -> None:
+        self.group = group
+        self.size = dist.get_world_size(group)
+        self.rank = dist.get_rank(group)
+        self.counter = counter
+
+    def _count(self, kind: str, tensor: torch.Tensor) -> None:
+        if self.counter is not None:
+            self.counter.add(kind, tensor)
+
+    def all_reduce(self, tensor: torch.Tensor, op=dist.ReduceOp.SUM) -> torch.Tensor:
+        """In-place all-reduce; returns ``tensor``."""
+        if self.size > 1:
+            self._count("all_reduce", tensor)
+            dist.all_reduce(tensor, op=op, group=self.group)
+        return tensor
+
+    def all_gather(self, tensor: torch.Tensor, dim: int) -> torch.Tensor:
+        """Concatenate every rank's ``tensor`` along ``dim`` (rank order)."""
+        if self.size == 1:
+            return tensor
+        tensor = tensor.contiguous()
+        self._count("all_gather", tensor)
+        parts = [torch.empty_like(tensor) for _ in range(self.size)]
+        dist.all_gather(parts, tensor, group=self.group)
+        return torch.cat(parts, dim=dim)
+
+    def reduce_scatter(self, tensor: torch.Tensor, dim: int) -> torch.Tensor:
+        """Sum over ranks, then keep this rank's chunk of ``dim``."""
+        if self.size == 1:
+            return tensor
+        parts = [p.contiguous() for p in tensor.chunk(self.size, dim=dim)]
+        self._count("reduce_scatter", tensor)
+        out = torch.empty_like(parts[self.rank])
+        dist.reduce_scatter(out, parts, group=self.group)
+        return out
+
+    def broadcast(self, tensor: torch.Tensor, src: int) -> torch.Tensor:
+        """In-place broadcast from the group's rank ``src``; returns ``tensor``."""
+        if self.size > 1:
+            if self.rank == src:
+                self._count("broadcast", tensor)
+            dist.broadcast(tensor, src=dist.get_global_rank(self.group, src), group=self.group)
+        return tensor
+
+    def reduce(self, tensor: torch.Tensor, dst: int) -> torch.Tensor:
+        """In-place sum onto the group's rank ``dst`` (other ranks' ``tensor`` is clobbered)."""
+        if self.size > 1:
+            self._count("reduce", tensor)
+            dist.reduce(tensor, dst=dist.get_global_rank(self.group, dst), group=self.group)
+        return tensor
+
+
+class Grid:
+    """The q x q Optimus grid of this rank: coordinates and the row and column groups.
+
+    Args:
+        row: the ranks (i, *) of this rank's grid row (Mesh axis ``tp_col``).
+        col: the ranks (*, j) of this rank's grid column (Mesh axis ``tp_row``).
+        flat: all q*q ranks (Mesh axis ``tp``).
+    """
+
+    def __init__(self, row: TPGroup, col: TPGroup, flat: TPGroup) -> None:
+        self.row, self.col, self.flat = row, col, flat
+        self.q = row.size
+        self.i, self.j = col.rank, row.rank  # grid row index, grid column index
+
+    @classmethod
+    def from_mesh(cls, mesh, counter: CommCounter | None = None) -> "Grid":
+        return cls(TPGroup(mesh.group("tp_col"), counter), TPGroup(mesh.group("tp_row"), counter),
+                   TPGroup(mesh.group("tp"), counter))
+
+
+# ------------------------------------------------------------------ 1D autograd collectives
+class CopyToTP(torch.autograd.Function):
+    """Megatron's f: identity forward, all-reduce of the input gradient backward."""
+
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, group: TPGroup) -> torch.Tensor:
+        ctx.group = group
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        return ctx.group.all_reduce(grad.contiguous().clone()), None
+
+
+class ReduceFromTP(torch.autograd.Function):
+    """Megatron's g: all-reduce forward (sum of partial results), identity backward."""
+
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, group: TPGroup) -> torch.Tensor:
+        return group.all_reduce(x.contiguous().clone())
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        return grad, None
+
+
+class GatherSeq(torch.autograd.Function):
+    """Sequence parallelism: all-gather the sequence dim (1) forward, reduce-scatter backward."""
+
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, group: TPGroup) -> torch.Tensor:
+        ctx.group = group
+        return group.all_gather(x, dim=1)  # (B, T/tp, C) -> (B, T, C)
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        return ctx.group.reduce_scatter(grad, dim=1), None

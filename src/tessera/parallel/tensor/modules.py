@@ -1,0 +1,144 @@
+"""nn.Modules that replace a model's layers: parameters as DTensors, compute in the functions.
+
+Each module keeps the parameter names of the layer it replaces (``weight``, ``bias``), so the
+model's state-dict keys do not change. ``conv1d`` marks GPT-2's Conv1D, whose weight is
+(in, out) rather than nn.Linear's (out, in).
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from tessera.parallel.tensor.comm import CopyToTP, Grid, TPGroup
+from tessera.parallel.tensor.layers1d import ColumnLinearFn, RowLinearFn, VocabEmbeddingFn
+from tessera.parallel.tensor.layers2d import (AddBias2DFn, Conv1D2DFn, Embedding2DFn,
+                                              Linear2DFn, Norm2DFn)
+from tessera.parallel.tensor.shard import local
+
+
+def _opt(param: nn.Parameter | None) -> torch.Tensor | None:
+    return None if param is None else local(param)
+
+
+class ColumnLinear(nn.Module):
+    """1D column-parallel linear: output features split over the tp group.
+
+    ``mode``: "replicated", "gather" or "gathered" (see :class:`ColumnLinearFn`). ``rows``
+    (optional) picks rows of a replicated weight: the key/value heads this rank needs when
+    there are fewer key/value heads than ranks (grouped-query attention).
+    """
+
+    def __init__(self, weight, bias, group: TPGroup, mode: str, conv1d: bool,
+                 rows: slice | None = None) -> None:
+        super().__init__()
+        self.weight, self.bias = weight, bias
+        self.group, self.mode, self.conv1d, self.rows = group, mode, conv1d, rows
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        w, b = local(self.weight), _opt(self.bias)
+        w = w.t() if self.conv1d else w  # (O/tp, C)
+        if self.rows is not None:
+            # Replicated weight: every rank's slice adds to it, so its gradient is summed.
+            w = CopyToTP.apply(w, self.group)[self.rows]
+            b = None if b is None else CopyToTP.apply(b, self.group)[self.rows]
+        return ColumnLinearFn.apply(x, w, b, self.group, self.mode)
+
+
+class RowLinear(nn.Module):
+    """1D row-parallel linear: input features split over the tp group, output summed."""
+
+    def __init__(self, weight, bias, group: TPGroup, seq_parallel: bool, conv1d: bool) -> None:
+        super().__init__()
+        self.weight, self.bias = weight, bias
+        self.group, self.seq_parallel, self.conv1d = group, seq_parallel, conv1d
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        w = local(self.weight)
+        w = w.t() if self.conv1d else w  # (O, C/tp)
+        return RowLinearFn.apply(x, w, _opt(self.bias), self.group, self.seq_parallel)
+
+
+class VocabEmbedding(nn.Module):
+    """1D vocabulary-parallel embedding."""
+
+    def __init__(self, weight, group: TPGroup, seq_parallel: bool) -> None:
+        super().__init__()
+        self.weight, self.group, self.seq_parallel = weight, group, seq_parallel
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        return VocabEmbeddingFn.apply(ids, local(self.weight), self.group, self.seq_parallel)
+
+
+class ReplicatedEmbedding(nn.Module):
+    """A small table every rank holds (learned positions); under SP each keeps its positions."""
+
+    def __init__(self, weight, group: TPGroup, seq_parallel: bool) -> None:
+        super().__init__()
+        self.weight, self.group, self.seq_parallel = weight, group, seq_parallel
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        w = local(self.weight)
+        if not self.seq_parallel:
+            return F.embedding(ids, w)
+        out = F.embedding(ids, CopyToTP.apply(w, self.group))  # (..., T, C)
+        return out.chunk(self.group.size, dim=-2)[self.group.rank]  # (..., T/tp, C)
+
+
+class Norm1D(nn.Module):
+    """LayerNorm or RMSNorm with replicated parameters; under SP on a sequence slice."""
+
+    def __init__(self, weight, bias, eps: float, rms: bool, group: TPGroup,
+                 seq_parallel: bool) -> None:
+        super().__init__()
+        self.weight, self.bias = weight, bias
+        self.eps, self.rms, self.group, self.seq_parallel = eps, rms, group, seq_parallel
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        w, b = local(self.weight), _opt(self.bias)
+        if self.seq_parallel:  # each rank normalised different tokens: sum their gradients
+            w = CopyToTP.apply(w, self.group)
+            b = None if b is None else CopyToTP.apply(b, self.group)
+        if not self.rms:
+            return F.layer_norm(x, (x.shape[-1],), w, b, self.eps)
+        x32 = x.float()
+        normed = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
+        return normed.type_as(x) * w
+
+
+class Linear2D(nn.Module):
+    """2D (SUMMA) linear; the weight is a (rows/q, cols/q) block, the bias a column slice."""
+
+    def __init__(self, weight, bias, grid: Grid, conv1d: bool) -> None:
+        super().__init__()
+        self.weight, self.bias, self.grid, self.conv1d = weight, bias, grid, conv1d
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        fn = Conv1D2DFn if self.conv1d else Linear2DFn
+        y = fn.apply(x, local(self.weight), self.grid)  # (B/q, T, O/q)
+        return y if self.bias is None else AddBias2DFn.apply(y, local(self.bias), self.grid)
+
+
+class Embedding2D(nn.Module):
+    """2D embedding: the (V, C) table in q x q blocks, output (B/q, T, C/q)."""
+
+    def __init__(self, weight, grid: Grid) -> None:
+        super().__init__()
+        self.weight, self.grid = weight, grid
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        return Embedding2DFn.apply(ids, local(self.weight), self.grid)
+
+
+class Norm2D(nn.Module):
+    """2D LayerNorm / RMSNorm over features split by grid column."""
+
+    def __init__(self, weight, bias, eps: float, rms: bool, features: int, grid: Grid) -> None:
+        super().__init__()
+        self.weight, self.bias = weight, bias
+        self.eps, self.rms, self.features, self.grid = eps, rms, features, grid
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return Norm2DFn.apply(x, local(self.weight), _opt(self.bias), self.eps, self.rms,
+                              self.features, self.grid)

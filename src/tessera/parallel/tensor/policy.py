@@ -1,0 +1,149 @@
+"""Per-architecture tensor-parallel policies: module-path patterns -> parallel styles.
+
+A policy is an ordered list of (regular expression over the module path, style); the first
+pattern that matches a module's full path decides its style. Styles:
+
+    colwise      linear split by output features (1D) / SUMMA linear (2D)
+    colwise_kv   key or value projection: split by kv heads, or replicated per head group
+                 when there are fewer kv heads than ranks (1D)
+    colwise_qkv  fused q|k|v projection (GPT-2 c_attn): each shard holds q, k, v of its heads
+    rowwise      linear split by input features, output summed (1D) / SUMMA linear (2D)
+    vocab_embed  token embedding split by vocabulary (1D) / 2D blocks (2D)
+    vocab_head   output layer, logits stay split by vocabulary
+    position     learned position table: replicated (1D) / 2D blocks (2D)
+    norm         layernorm / rmsnorm: replicated (1D) / statistics along grid rows (2D)
+    attention    the attention module itself: its head counts become the local ones; under
+                 sequence parallelism its input is gathered along the sequence first
+    mlp          the MLP module: under sequence parallelism its input is gathered first
+
+Adding an architecture means adding one entry to ``POLICIES`` (keyed by model class name) and,
+if its config names differ, to ``model_dims``.
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass
+
+from torch import nn
+
+from tessera.strategy import StrategyError
+
+_B = r"blocks\.\d+"
+_H = r"transformer\.h\.\d+"
+_L = r"model\.layers\.\d+"
+
+POLICIES: dict[str, list[tuple[str, str]]] = {
+    "Transformer": [  # tessera.models.Transformer
+        (r"embed", "vocab_embed"),
+        (r"pos_embed", "position"),
+        (rf"{_B}\.attn\.q_proj", "colwise"),
+        (rf"{_B}\.attn\.(k|v)_proj", "colwise_kv"),
+        (rf"{_B}\.attn\.o_proj", "rowwise"),
+        (rf"{_B}\.mlp\.(up|gate)_proj", "colwise"),
+        (rf"{_B}\.mlp\.down_proj", "rowwise"),
+        (rf"({_B}\.(attn|mlp)_norm|norm)", "norm"),
+        (rf"{_B}\.attn", "attention"),
+        (rf"{_B}\.mlp", "mlp"),
+        (r"lm_head", "vocab_head"),
+    ],
+    "GPT2LMHeadModel": [
+        (r"transformer\.wte", "vocab_embed"),
+        (r"transformer\.wpe", "position"),
+        (rf"{_H}\.attn\.c_attn", "colwise_qkv"),
+        (rf"{_H}\.attn\.c_proj", "rowwise"),
+        (rf"{_H}\.mlp\.c_fc", "colwise"),
+        (rf"{_H}\.mlp\.c_proj", "rowwise"),
+        (rf"({_H}\.ln_(1|2)|transformer\.ln_f)", "norm"),
+        (rf"{_H}\.attn", "attention"),
+        (rf"{_H}\.mlp", "mlp"),
+        (r"lm_head", "vocab_head"),
+    ],
+    "LlamaForCausalLM": [
+        (r"model\.embed_tokens", "vocab_embed"),
+        (rf"{_L}\.self_attn\.q_proj", "colwise"),
+        (rf"{_L}\.self_attn\.(k|v)_proj", "colwise_kv"),
+        (rf"{_L}\.self_attn\.o_proj", "rowwise"),
+        (rf"{_L}\.mlp\.(gate|up)_proj", "colwise"),
+        (rf"{_L}\.mlp\.down_proj", "rowwise"),
+        (rf"({_L}\.(input|post_attention)_layernorm|model\.norm)", "norm"),
+        (rf"{_L}\.self_attn", "attention"),
+        (rf"{_L}\.mlp", "mlp"),
+        (r"lm_head", "vocab_head"),
+    ],
+}
+
+
+class PolicyError(StrategyError):
+    """A model or option mix cannot be tensor-parallelised; the message names the rule."""
+
+
+@dataclass(frozen=True)
+class ModelDims:
+    """What the styles need to know about a model."""
+
+    d_model: int
+    n_heads: int
+    n_kv_heads: int
+    head_dim: int
+    vocab_size: int
+    d_ff: int
+    hf: bool  # a Hugging Face model (its attention modules carry head counts)
+
+
+def policy_for(model: nn.Module) -> list[tuple[re.Pattern, str]]:
+    """The compiled policy of ``model``'s class.
+
+    Raises:
+        PolicyError: for an unknown class, naming where to add it.
+    """
+    name = type(model).__name__
+    if name not in POLICIES:
+        raise PolicyError(
+            f"no tensor-parallel policy for model class {name!r}: add an entry "
+            f"POLICIES[{name!r}] = [(module-path regex, style), ...] in "
+            f"tessera/parallel/tensor/policy.py (styles: colwise, colwise_kv, colwise_qkv, "
+            f"rowwise, vocab_embed, vocab_head, position, norm, attention, mlp); known classes: "
+            f"{', '.join(POLICIES)}")
+    return [(re.compile(pattern), style) for pattern, style in POLICIES[name]]
+
+
+def style_of(path: str, policy: list[tuple[re.Pattern, str]]) -> str | None:
+    """The style of the module at ``path``, or None when no pattern matches."""
+    for pattern, style in policy:
+        if pattern.fullmatch(path):
+            return style
+    return None
+
+
+def model_dims(model: nn.Module) -> ModelDims:
+    """Head counts and sizes from a reference ModelConfig or a Hugging Face config."""
+    c = model.config
+    if hasattr(c, "d_model") and hasattr(c, "n_kv_heads"):  # tessera ModelConfig
+        return ModelDims(c.d_model, c.n_heads, c.n_kv_heads, c.head_dim, c.vocab_size,
+                         c.d_ff, False)
+    d_model = getattr(c, "hidden_size", None) or c.n_embd
+    heads = getattr(c, "num_attention_heads", None) or c.n_head
+    kv = getattr(c, "num_key_value_heads", None) or heads
+    head_dim = getattr(c, "head_dim", None) or d_model // heads
+    d_ff = getattr(c, "intermediate_size", None) or getattr(c, "n_inner", None) or 4 * d_model
+    return ModelDims(d_model, heads, kv, head_dim, c.vocab_size, d_ff, True)
+
+
+def check_divisible(dims: ModelDims, ways: int, kv_ways_ok: bool, what: str) -> None:
+    """Refuse shapes the split cannot cut evenly, naming the size and the rule.
+
+    Args:
+        ways: how many pieces heads, hidden size and vocabulary are cut into.
+        kv_ways_ok: whether fewer kv heads than ``ways`` may be replicated instead (1D).
+        what: the strategy text for the message, e.g. "tp=4 (1d)".
+    """
+    rules = [("n_heads", dims.n_heads), ("d_model", dims.d_model),
+             ("vocab_size", dims.vocab_size), ("d_ff", dims.d_ff)]
+    for name, value in rules:
+        if value % ways:
+            raise PolicyError(f"{what}: model {name}={value} is not divisible by {ways}")
+    kv = dims.n_kv_heads
+    if kv % ways and not (kv_ways_ok and ways % kv == 0):
+        need = "divide or be divisible by" if kv_ways_ok else "be divisible by"
+        raise PolicyError(f"{what}: model n_kv_heads={kv} must {need} {ways}")

@@ -1,0 +1,71 @@
+"""Policies and rules that need no processes: unknown models, shapes, strategy rules."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch import nn
+
+from tessera.models import Transformer
+from tessera.models.config import preset
+from tessera.models.hf import build_hf_model, hf_config_from_reference
+from tessera.parallel.tensor.policy import (POLICIES, PolicyError, check_divisible, model_dims,
+                                            policy_for, style_of)
+from tessera.parallel.tensor.shard import fused_perm
+from tessera.strategy import Strategy, StrategyError
+
+
+class MyNet(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.proj = nn.Linear(4, 4)
+
+
+def test_unknown_architecture_names_what_to_add():
+    with pytest.raises(PolicyError, match=r"no tensor-parallel policy for model class 'MyNet'"
+                                          r".*POLICIES\['MyNet'\]"):
+        policy_for(MyNet())
+
+
+@pytest.mark.parametrize("arch", ["gpt2", "llama"])
+def test_every_parameterised_module_of_hf_models_has_a_style(arch):
+    ref = preset("tiny" if arch == "gpt2" else "tiny-llama")
+    model = build_hf_model(arch, **hf_config_from_reference(arch, ref))
+    policy = policy_for(model)
+    owners = {name.rpartition(".")[0] for name, _ in model.named_parameters()}
+    assert all(style_of(owner, policy) for owner in owners), owners
+    dims = model_dims(model)
+    assert (dims.d_model, dims.n_heads, dims.n_kv_heads, dims.vocab_size) == (
+        ref.d_model, ref.n_heads, ref.n_kv_heads, ref.vocab_size)
+
+
+def test_reference_policy_styles():
+    policy = policy_for(Transformer(preset("tiny-llama")))
+    assert style_of("blocks.1.attn.k_proj", policy) == "colwise_kv"
+    assert style_of("blocks.0.mlp.down_proj", policy) == "rowwise"
+    assert style_of("blocks.0.attn", policy) == "attention"
+    assert style_of("lm_head", policy) == "vocab_head"
+    assert style_of("blocks.0", policy) is None
+    assert set(POLICIES) == {"Transformer", "GPT2LMHeadModel", "LlamaForCausalLM"}
+
+
+def test_shapes_not_divisible_are_refused():
+    dims = model_dims(Transformer(preset("tiny", vocab_size=250)))
+    with pytest.raises(PolicyError, match="vocab_size=250 is not divisible by 4"):
+        check_divisible(dims, 4, kv_ways_ok=True, what="tp=4")
+    gqa = model_dims(Transformer(preset("tiny-llama")))  # 2 kv heads
+    check_divisible(gqa, 4, kv_ways_ok=True, what="tp=4")  # 1D replicates kv heads
+    with pytest.raises(PolicyError, match="n_kv_heads=2 must be divisible by 4"):
+        check_divisible(gqa, 4, kv_ways_ok=False, what="tp=16 (2d)")
+
+
+def test_strategy_refuses_2d_kv_heads_not_split_by_the_grid():
+    with pytest.raises(StrategyError, match="n_kv_heads=1 is not divisible by 2"):
+        Strategy(tp=4, tp_mode="2d").validate_for(model=preset("tiny", n_kv_heads=1))
+    Strategy(tp=4, tp_mode="2d").validate_for(model=preset("tiny-llama"))
+
+
+def test_fused_perm_puts_each_shards_q_k_v_together():
+    perm = fused_perm(12, 3, 2)
+    assert perm.tolist() == [0, 1, 4, 5, 8, 9, 2, 3, 6, 7, 10, 11]
+    assert torch.equal(torch.argsort(perm)[perm], torch.arange(12))

@@ -1,0 +1,298 @@
+"""Checks run inside the gloo workers of the tensor-parallel tests (importable by spawn).
+
+Each check returns the largest absolute difference between the tensor-parallel result and the
+single-device one, gathered to the single-device layout; the test files assert on them.
+"""
+
+from __future__ import annotations
+
+import copy
+
+import torch
+from torch import nn
+
+from tessera.mesh import Mesh
+from tessera.models import Transformer
+from tessera.models.config import preset
+from tessera.models.hf import build_hf_model, hf_config_from_reference
+from tessera.parallel.plan import Parallelized, default_forward_loss, lm_loss
+from tessera.parallel.tensor import apply_tensor_parallel
+from tessera.parallel.tensor import comm, layers1d, layers2d, loss
+from tessera.parallel.tensor.apply import _Builder1D, _Builder2D
+from tessera.parallel.tensor.comm import Grid, TPGroup
+from tessera.parallel.tensor.policy import model_dims
+from tessera.parallel.tensor.shard import unsharded
+from tessera.strategy import Strategy
+
+AUTOGRAD_FUNCTIONS = [comm.CopyToTP, comm.ReduceFromTP, comm.GatherSeq, layers1d.ColumnLinearFn,
+                      layers1d.RowLinearFn,
+                      layers1d.VocabEmbeddingFn, layers2d.Linear2DFn, layers2d.Conv1D2DFn,
+                      layers2d.AddBias2DFn, layers2d.Norm2DFn, layers2d.Embedding2DFn,
+                      loss.VocabParallelCrossEntropyFn]
+B, T = 4, 16
+
+
+def record_gradient_counts() -> dict[str, set]:
+    """Wrap each Function's forward/backward to record (inputs, gradients returned)."""
+    seen: dict[str, set] = {}
+    for fn in AUTOGRAD_FUNCTIONS:
+        fwd, bwd = fn.forward, fn.backward
+
+        def forward(ctx, *args, _fwd=fwd):
+            ctx.n_inputs = len(args)
+            return _fwd(ctx, *args)
+
+        def backward(ctx, *grads, _bwd=bwd, _name=fn.__name__):
+            out = _bwd(ctx, *grads)
+            out = out if isinstance(out, tuple) else (out,)
+            seen.setdefault(_name, set()).add((ctx.n_inputs, len(out)))
+            return out
+
+        fn.forward, fn.backward = staticmethod(forward), staticmethod(backward)
+    return seen
+
+
+def _diff(a: torch.Tensor, b: torch.Tensor) -> float:
+    assert a.shape == b.shape, (a.shape, b.shape)
+    return (a.detach().float() - b.detach().float()).abs().max().item()
+
+
+def meshes() -> dict[str, Mesh]:
+    """1D tp=2 (two tp groups under dp=2), 1D tp=4 and the 2x2 grid, on 4 ranks."""
+    return {"1d_tp2": Mesh(Strategy(dp=2, tp=2, global_batch_size=2), "cpu"),
+            "1d_tp4": Mesh(Strategy(tp=4), "cpu"),
+            "2d_2x2": Mesh(Strategy(tp=4, tp_mode="2d", micro_batch_size=2,
+                                    global_batch_size=2), "cpu")}
+
+
+def build(kind: str) -> nn.Module:
+    torch.manual_seed(0)
+    if kind == "ref-gpt":
+        return Transformer(preset("tiny"))
+    if kind == "ref-llama":
+        return Transformer(preset("tiny-llama"))
+    arch = kind.split("-")[1]
+    ref = preset("tiny" if arch == "gpt2" else "tiny-llama")
+    return build_hf_model(arch, **hf_config_from_reference(arch, ref))
+
+
+def batch() -> dict[str, torch.Tensor]:
+    g = torch.Generator().manual_seed(1)
+    ids = torch.randint(0, 256, (B, T + 1), generator=g)
+    labels = ids[:, 1:].clone()
+    labels[0, :3] = -100  # ignored positions take part in the mean's count
+    return {"input_ids": ids[:, :-1], "labels": labels}
+
+
+def model_parity(mesh: Mesh, kind: str, sequence_parallel: bool = False) -> dict[str, float]:
+    """Loss and every gradient of a TP model vs the same model on one device."""
+    single = build(kind)
+    parallel = copy.deepcopy(single)
+    data = batch()
+    ref_loss = default_forward_loss(single, data)
+    ref_loss.backward()
+    plan = Parallelized(module=parallel, model=parallel, loss_group=None)
+    strategy = mesh.strategy
+    apply_tensor_parallel(plan, strategy.replace(dp=1, global_batch_size=1)
+                          if strategy.dp > 1 else strategy, mesh, sequence_parallel)
+    tp_loss = plan.forward_loss(plan.module, data)
+    tp_loss.backward()
+    out = {"loss": abs(tp_loss.item() - ref_loss.item()), "grad": 0.0, "grad_rel": 0.0,
+           "params": 0}
+    ref_grads, scale = dict(single.named_parameters()), 0.0
+    for name, p in parallel.named_parameters():
+        owner = parallel.get_submodule(name.rpartition(".")[0])
+        full = unsharded(owner, name.rpartition(".")[2], p.grad)
+        out["grad"] = max(out["grad"], _diff(full, ref_grads[name].grad))
+        scale = max(scale, ref_grads[name].grad.abs().max().item())
+        out["params"] += 1
+    # Relative to the largest gradient: a missing reduction is off by a sizeable fraction.
+    out["grad_rel"] = out["grad"] / scale
+    out["state_dict"] = _state_dict_roundtrip(single, parallel)
+    return out
+
+
+def _state_dict_roundtrip(single: nn.Module, parallel: nn.Module) -> float:
+    """Unsharded state dict equals the single-device one; loading a changed one lands."""
+    worst = 0.0
+    ref = single.state_dict()
+    saved = parallel.state_dict()
+    for key, value in saved.items():
+        full = value.full_tensor() if hasattr(value, "full_tensor") else value
+        worst = max(worst, _diff(full, ref[key]))
+    changed = {k: v + 1.0 if v.is_floating_point() else v for k, v in ref.items()}
+    parallel.load_state_dict(changed)
+    for key, value in parallel.state_dict().items():
+        full = value.full_tensor() if hasattr(value, "full_tensor") else value
+        worst = max(worst, _diff(full, changed[key]))
+    return worst
+
+
+# ------------------------------------------------------------------------------ layer checks
+def _layer_case(build_fn, single: nn.Module, x: torch.Tensor, split_in, split_out,
+                owner_name: str = "weight") -> dict[str, float]:
+    """Run a single-device layer and its TP version on the same input and loss weights."""
+    torch.manual_seed(2)
+    single.zero_grad(set_to_none=True)  # modules are reused across cases
+    x = x.clone().requires_grad_(x.is_floating_point())
+    y = single(x)
+    r = torch.randn_like(y)
+    (y * r).sum().backward()
+    par = build_fn(copy.deepcopy(single))
+    xl = split_in(x.detach()).requires_grad_(x.is_floating_point())
+    yl = par(xl)
+    (yl * split_out(r)).sum().backward()
+    out = {"out": _diff(yl, split_out(y))}
+    if x.is_floating_point():
+        out["dx"] = _diff(xl.grad, split_in(x.grad))
+    for name, p in par.named_parameters():
+        out[f"d{name}"] = _diff(unsharded(par, name, p.grad), getattr(single, name).grad)
+    return out
+
+
+def _ce_case(vocab_logits, labels, split_logits, split_labels, vocab: TPGroup,
+             batch_group: TPGroup | None) -> dict[str, float]:
+    logits = vocab_logits.clone().requires_grad_(True)
+    ref = lm_loss(logits, labels)
+    ref.backward()
+    local = split_logits(vocab_logits).requires_grad_(True)
+    got = loss.sharded_lm_loss(local, split_labels(labels), vocab, batch_group)
+    got.backward()
+    return {"out": abs(got.item() - ref.item()), "dx": _diff(local.grad, split_logits(logits.grad))}
+
+
+def layer_checks(mesh: Mesh) -> dict[str, dict[str, float]]:
+    """Every layer kind of this mesh's mode against its single-device module."""
+    from transformers.pytorch_utils import Conv1D
+
+    from tessera.models.transformer import RMSNorm
+
+    dims = model_dims(build("ref-gpt"))
+    torch.manual_seed(3)
+    C, O, V = 64, 128, 256
+    x = torch.randn(B, T, C)
+    ids = torch.randint(0, V, (B, T))
+    labels = torch.randint(0, V, (B, T))
+    labels[1, :4] = -100
+    logits = torch.randn(B, T, V)
+    lin, conv = nn.Linear(C, O), Conv1D(O, C)
+    nn.init.normal_(conv.bias)
+    ln, rms, emb = nn.LayerNorm(C), RMSNorm(C, 1e-5), nn.Embedding(V, C)
+    for norm in (ln, rms):
+        nn.init.normal_(norm.weight)
+    if mesh.strategy.tp_mode == "2d":
+        grid = Grid.from_mesh(mesh)
+        b = _Builder2D(dims, grid, mesh.submesh("tp_row", "tp_col"))
+        rows = lambda t: t.chunk(grid.q, 0)[grid.i]  # noqa: E731  batch slice i
+        blk = lambda t: rows(t).chunk(grid.q, -1)[grid.j]  # noqa: E731  (B/q, T, C/q)
+        return {
+            "linear": _layer_case(lambda m: b.build("colwise", m), lin, x, blk, blk),
+            "conv1d": _layer_case(lambda m: b.build("rowwise", m), conv, x, blk, blk),
+            "layernorm": _layer_case(lambda m: b.build("norm", m), ln, x, blk, blk),
+            "rmsnorm": _layer_case(lambda m: b.build("norm", m), rms, x, blk, blk),
+            "embedding": _layer_case(lambda m: b.build("vocab_embed", m), emb, ids, rows, blk),
+            "cross_entropy": _ce_case(logits, labels, blk, rows, grid.row, grid.col),
+        }
+    g = TPGroup(mesh.group("tp"))
+    dense = _Builder1D(dims, g, mesh.submesh("tp"), False)
+    sp = _Builder1D(dims, g, mesh.submesh("tp"), True)
+    same = lambda t: t  # noqa: E731
+    feat = lambda t: t.chunk(g.size, -1)[g.rank]  # noqa: E731  (.., C/tp)
+    seq = lambda t: t.chunk(g.size, 1)[g.rank]  # noqa: E731  (B, T/tp, ..)
+    h = torch.randn(B, T, O)  # input of the row layers
+
+    def case(builder, style, module, inp, split_in, split_out):
+        return _layer_case(lambda m: builder.build(style, m), module, inp, split_in, split_out)
+
+    return {
+        "column": case(dense, "colwise", lin, x, same, feat),
+        "row": case(dense, "rowwise", nn.Linear(O, C), h, feat, same),
+        "conv1d_column": case(dense, "colwise", conv, x, same, feat),
+        "conv1d_row": case(dense, "rowwise", Conv1D(C, O), h, feat, same),
+        "vocab_embedding": case(dense, "vocab_embed", emb, ids, same, same),
+        "layernorm": case(dense, "norm", ln, x, same, same),
+        "sp_column": case(sp, "vocab_head", lin, x, seq, feat),  # gathers the sequence itself
+        "sp_row": case(sp, "rowwise", nn.Linear(O, C), h, feat, seq),
+        "sp_rmsnorm": case(sp, "norm", rms, x, seq, seq),
+        "sp_vocab_embedding": case(sp, "vocab_embed", emb, ids, same, seq),
+        "cross_entropy": _ce_case(logits, labels, feat, same, g, None),
+    }
+
+
+def refusals(mesh: Mesh) -> dict[str, str]:
+    """Messages of the bad inputs apply_tensor_parallel refuses (2D mesh)."""
+    cases = {"mbs": (Strategy(tp=4, tp_mode="2d"), preset("tiny")),
+             "vocab": (mesh.strategy, preset("tiny", vocab_size=255)),
+             "kv_heads": (mesh.strategy, preset("tiny-llama", n_heads=4, n_kv_heads=1)),
+             "memory": (mesh.strategy.replace(memory="chunk"), preset("tiny"))}
+    out = {}
+    for name, (strategy, config) in cases.items():
+        model = Transformer(config)
+        try:
+            apply_tensor_parallel(Parallelized(model, model, None), strategy, mesh)
+            out[name] = ""
+        except ValueError as err:
+            out[name] = str(err)
+    return out
+
+
+def checkpoint_roundtrip(mesh: Mesh, kind: str, folder: str) -> dict[str, float]:
+    """After one AdamW step: get_state_dict holds the single-device model and Adam states;
+    torch.distributed.checkpoint saves them and loads them into a fresh TP model."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
+
+    from tessera.train.optim import build_optimizer
+
+    def step(model, builder):
+        # eps well above gradient rounding (1e-8): Adam's first step divides g by |g| + eps,
+        # which would blow up the rounding of near-zero gradients into O(lr) differences.
+        return builder(model, 1e-2, 0.1, (0.9, 0.95), 1e-3, torch.device("cpu"))
+
+    single = build(kind)
+    opt = step(single, build_optimizer)
+    default_forward_loss(single, batch()).backward()
+    opt.step()
+    plans = []
+    for _ in range(2):  # the trained one, then a fresh one to load into
+        model = build(kind)
+        plan = Parallelized(module=model, model=model, loss_group=None)
+        apply_tensor_parallel(plan, mesh.strategy, mesh)
+        plans.append((plan, step(model, plan.build_optimizer or build_optimizer)))
+    (plan, tp_opt), (fresh, fresh_opt) = plans
+    plan.forward_loss(plan.module, batch()).backward()
+    tp_opt.step()
+    model_sd, optim_sd = get_state_dict(plan.model, tp_opt)
+    ref_model, ref_optim = get_state_dict(single, opt)
+    out = {"saved": _max_state_diff(model_sd, ref_model, optim_sd, ref_optim)}
+    saved_model, saved_optim = _gathered(model_sd), _gathered(optim_sd)
+    dcp.save({"model": model_sd, "optim": optim_sd}, checkpoint_id=folder)
+    new_model, new_optim = get_state_dict(fresh.model, fresh_opt)
+    state = {"model": new_model, "optim": new_optim}
+    dcp.load(state, checkpoint_id=folder)
+    set_state_dict(fresh.model, fresh_opt, model_state_dict=state["model"],
+                   optim_state_dict=state["optim"])
+    model_sd, optim_sd = get_state_dict(fresh.model, fresh_opt)
+    out["loaded"] = _max_state_diff(model_sd, saved_model, optim_sd, saved_optim)  # exact
+    out["permuted"] = float(kind == "hf-gpt2" and bool(plan.build_optimizer))
+    return out
+
+
+def _full(t):
+    return t.full_tensor() if hasattr(t, "full_tensor") else t
+
+
+def _gathered(sd):
+    """A state dict (nested) with every DTensor gathered (all ranks call this)."""
+    if isinstance(sd, dict):
+        return {k: _gathered(v) for k, v in sd.items()}
+    return _full(sd).clone() if torch.is_tensor(sd) else sd
+
+
+def _max_state_diff(model_sd, ref_model, optim_sd, ref_optim) -> float:
+    full = _full
+    worst = max(_diff(full(v), ref_model[k]) for k, v in model_sd.items())
+    for fqn, state in optim_sd["state"].items():
+        for key in ("exp_avg", "exp_avg_sq"):
+            worst = max(worst, _diff(full(state[key]), ref_optim["state"][fqn][key]))
+    return worst
