@@ -1,0 +1,217 @@
+"""The sequence-parallel data path, and policies that put its attention into models.
+
+Each sp rank runs the whole model on its own L/sp tokens: embeddings, norms and MLPs are
+local, only attention talks to the other ranks. :class:`SequenceParallel` owns that:
+
+- ``shard(batch)``: pads the sequence if needed, picks this rank's tokens (zigzag or
+  contiguous, see layout.py), and gives their real position ids and attention metadata;
+- ``forward_loss(module, batch)``: runs the model on the shard with its attention switched to
+  the chosen mode, and returns a loss whose average over the sp ranks is the micro-batch's
+  mean token loss (sum of local losses / the whole sequence's token count, times sp);
+- ``attention(q, k, v)``: what the model's attention hook calls.
+
+Policies install ``attention`` into a model: the reference Transformer through its
+``Attention.attention_fn`` hook, Hugging Face models through transformers' AttentionInterface
+registry (``set_attn_implementation``), so their code is not edited.
+"""
+
+from __future__ import annotations
+
+from typing import Callable
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from torch import nn
+
+from tessera.parallel.sequence.layout import (SequenceParallelError, check_layout,
+                                              local_indices, padded_length)
+from tessera.parallel.sequence.ring import ring_attention
+from tessera.parallel.sequence.rsa import rsa_attention
+from tessera.parallel.sequence.ulysses import check_heads, ulysses_attention
+
+MODES = ("ring", "rsa", "ulysses")
+HF_ATTENTION_NAME = "tessera_sequence_parallel"
+IGNORE = -100
+
+
+class SequenceParallel:
+    """One job's sequence-parallel layout and attention, over the mesh's sp group.
+
+    Args:
+        group: the sequence-parallel process group.
+        mode: "ring", "rsa" or "ulysses".
+        causal: causal language modelling (False: bidirectional attention).
+        layout: "zigzag" or "contiguous"; default zigzag for causal ring, else contiguous.
+        pad: pad sequences whose length the layout cannot split evenly (False: refuse them).
+
+    Raises:
+        SequenceParallelError: for an unknown mode or zigzag without a causal mask.
+    """
+
+    def __init__(self, group: dist.ProcessGroup, mode: str = "ring", causal: bool = True,
+                 layout: str | None = None, pad: bool = True) -> None:
+        if mode not in MODES:
+            raise SequenceParallelError(f"sp_mode must be one of {', '.join(MODES)}; got {mode!r}")
+        self.group, self.mode, self.causal, self.pad = group, mode, causal, pad
+        self.size, self.rank = dist.get_world_size(group), dist.get_rank(group)
+        self.layout = layout or ("zigzag" if mode == "ring" and causal else "contiguous")
+        check_layout(self.layout, causal)
+        self._meta: torch.Tensor | None = None
+
+    # ------------------------------------------------------------------------ data path
+    def shard(self, batch: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        """This rank's tokens of a (B, T) batch.
+
+        Optional batch keys: ``document_ids`` (B, T) for packed documents (no attention
+        across ids), ``attention_mask`` (B, T) with 0 on padding, ``position_ids`` (B, T).
+
+        Returns:
+            input_ids, labels, position_ids (B, T'/sp) and meta (B, T'/sp, 2): [index,
+            segment] with segment -1 on padding; T' is T padded for the layout.
+
+        Raises:
+            SequenceParallelError: when T does not split evenly and padding is disabled.
+        """
+        ids = batch["input_ids"]
+        B, T = ids.shape
+        padded = padded_length(T, self.size, self.layout)
+        if padded != T and not self.pad:
+            raise SequenceParallelError(
+                f"sequence length {T} must be divisible by {self._multiple()} "
+                f"(sp={self.size}, layout={self.layout}) when padding is disabled")
+        index = torch.arange(padded, device=ids.device).expand(B, padded)  # (B, T')
+        segment = batch.get("document_ids", torch.zeros_like(ids))
+        if "attention_mask" in batch:
+            segment = segment.masked_fill(batch["attention_mask"] == 0, -1)
+        positions = batch.get("position_ids", index[:, :T])
+        cols = local_indices(padded, self.size, self.rank, self.layout).to(ids.device)
+
+        def take(x: torch.Tensor, fill: int) -> torch.Tensor:  # pad, then this rank's tokens
+            return F.pad(x, (0, padded - T), value=fill)[:, cols]
+
+        return {"input_ids": take(ids, 0), "labels": take(_labels(batch), IGNORE),
+                "position_ids": take(positions, 0),
+                "meta": torch.stack((index[:, cols], take(segment, -1)), dim=-1)}
+
+    def forward_loss(self, module: nn.Module, batch: dict[str, torch.Tensor]) -> torch.Tensor:
+        """This rank's share of the micro-batch's mean next-token loss (see module doc)."""
+        local = self.shard(batch)
+        self.set_tokens(local["meta"])
+        out = module(local["input_ids"], position_ids=local["position_ids"])
+        logits = out if isinstance(out, torch.Tensor) else out.logits  # (B, T/sp, V)
+        loss_sum = F.cross_entropy(logits.float().flatten(0, 1), local["labels"].flatten(),
+                                   ignore_index=IGNORE, reduction="sum")
+        # Every sp rank has the whole batch, so the token count needs no communication; a
+        # rank whose tokens are all padding returns 0, not 0/0.
+        count = (_labels(batch) != IGNORE).sum().clamp_min(1)
+        return loss_sum * self.size / count
+
+    def set_tokens(self, meta: torch.Tensor) -> None:
+        """Make ``meta`` (B, T/sp, 2), this rank's token metadata, visible to :meth:`attention`.
+
+        It stays set until the next call: activation recomputation re-runs attention during
+        backward, after the forward has returned.
+        """
+        self._meta = meta
+
+    # ------------------------------------------------------------------------ attention
+    def attention(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                  dropout_p: float = 0.0, scale: float | None = None) -> torch.Tensor:
+        """Sequence-parallel attention of local q (B, nh, T/sp, hs), k, v (B, nkv, T/sp, hs).
+
+        Raises:
+            SequenceParallelError: before :meth:`set_tokens`, or with attention dropout.
+        """
+        if self._meta is None:
+            raise SequenceParallelError(
+                "sequence-parallel attention ran without token metadata: ")
+        if dropout_p > 0:
+            raise SequenceParallelError(
+                f"attention dropout ({dropout_p}) is not supported with sequence parallelism")
+        if self.mode == "ring":
+            return ring_attention(q, k, v, self._meta, self.group, self.causal, scale,
+                                  self.layout)
+        if self.mode == "rsa":
+            return rsa_attention(q, k, v, self._meta, self.group, self.causal, scale)
+        return ulysses_attention(q, k, v, self._meta, self.group, self.causal, scale)
+
+    def _multiple(self) -> int:
+        return self.size * (2 if self.layout == "zigzag" else 1)
+
+
+def _labels(batch: dict[str, torch.Tensor]) -> torch.Tensor:
+    """The batch's labels with padding (attention_mask == 0) ignored, whatever it held."""
+    if "attention_mask" not in batch:
+        return batch["labels"]
+    return batch["labels"].masked_fill(batch["attention_mask"] == 0, IGNORE)
+
+
+# ------------------------------------------------------------------------------ policies
+def _is_reference(model: nn.Module) -> bool:
+    from tessera.models.transformer import Transformer
+
+    return isinstance(model, Transformer)
+
+
+def _apply_reference(model: nn.Module, sp: SequenceParallel) -> None:
+    config = model.config
+    if sp.mode == "ulysses":
+        check_heads(config.n_heads, config.n_kv_heads, sp.size)
+    for block in model.blocks:
+        block.attn.attention_fn = sp.attention
+
+
+def _is_hugging_face(model: nn.Module) -> bool:
+    return hasattr(model, "set_attn_implementation") and hasattr(model, "config")
+
+
+def hf_attention(module: nn.Module, query: torch.Tensor, key: torch.Tensor,
+                 value: torch.Tensor, attention_mask: torch.Tensor | None,
+                 scaling: float | None = None, dropout: float = 0.0, **kwargs
+                 ) -> tuple[torch.Tensor, None]:
+    """transformers AttentionInterface entry: (B, nh, T, hs) in, (B, T, nh, hs) out."""
+    if attention_mask is not None:
+        raise SequenceParallelError(
+            "sequence parallelism builds its own masks: pass document_ids / attention_mask "
+            "in the batch, not a 4D attention mask to the model")
+    out = module.tessera_sequence_parallel.attention(query, key, value, dropout, scaling)
+    return out.transpose(1, 2), None
+
+
+def _apply_hugging_face(model: nn.Module, sp: SequenceParallel) -> None:
+    from transformers import AttentionInterface
+
+    config = model.config
+    heads = getattr(config, "num_attention_heads", None) or config.n_head
+    kv_heads = getattr(config, "num_key_value_heads", None) or heads
+    if sp.mode == "ulysses":
+        check_heads(heads, kv_heads, sp.size)
+    AttentionInterface.register(HF_ATTENTION_NAME, hf_attention)
+    for module in model.modules():
+        # The attention modules are the ones transformers hands to the interface function.
+        if type(module).__name__.endswith("Attention"):
+            module.tessera_sequence_parallel = sp
+    model.set_attn_implementation(HF_ATTENTION_NAME)
+
+
+POLICIES: list[tuple[str, Callable[[nn.Module], bool],
+                     Callable[[nn.Module, SequenceParallel], None]]] = [
+    ("tessera Transformer", _is_reference, _apply_reference),
+    ("Hugging Face (AttentionInterface)", _is_hugging_face, _apply_hugging_face),
+]
+
+
+def apply_policy(model: nn.Module, sp: SequenceParallel) -> str:
+    """Route ``model``'s attention through ``sp``; returns the policy's name.
+
+    Raises:
+        SequenceParallelError: when no policy knows the model's class.
+    """
+    for name, matches, apply in POLICIES:
+        if matches(model):
+            apply(model, sp)
+            return name
+    known = ", ".join(name for name, _, _ in POLICIES)
+    raise SequenceParallelError(
+        f"no sequence-parallel policy for {type(model).__name__}; known: {known}")

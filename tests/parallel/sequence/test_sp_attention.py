@@ -1,0 +1,280 @@
+"""Parity of ring, rsa and ulysses attention with full single-device attention.
+
+One 4-process launch runs every case (sp = 1, 2, 4 via subgroups; worker start-up dominates).
+Each case shards random q/k/v of the full sequence the way the data path does, runs the
+sequence-parallel attention, back-propagates sum(out * w), and compares this rank's outputs
+and gradients with a float64 reference computed from the same inputs with an explicit mask.
+
+Also whole models (tiny, tiny-llama) on padded samples: the ranks' mean loss and gradient
+equal one device's, including ranks that hold only padding.
+
+Tolerances:
+- fp32: 2e-5 absolute + 1e-4 relative. The ring sums softmax blocks in a different order
+  (log-sum-exp merge) than one softmax over the row; differences are fp32 rounding, ~1e-6.
+- bf16: inputs and results are bf16 (8-bit mantissa, relative step 2^-8 = 3.9e-3); internal
+  math is fp32, so outputs are within about one bf16 rounding of the exact value: 1e-2 +
+  2e-2 relative. Gradients go through one more bf16 rounding (the saved output in
+  rowsum(dout * out)): 2e-2 + 3e-2 relative.
+"""
+
+from __future__ import annotations
+
+import copy
+import inspect
+import math
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from tessera.models import Transformer
+from tessera.models.config import preset
+from tessera.parallel.plan import lm_loss
+from tessera.parallel.sequence import SequenceParallel, SequenceParallelError
+from tessera.parallel.sequence.policy import apply_policy
+from tessera.parallel.sequence import blocks, ring, rsa, ulysses
+from tessera.parallel.sequence.layout import local_indices, padded_length
+from tessera.testing import run_distributed
+
+TOL = {torch.float32: dict(out=(2e-5, 1e-4), grad=(2e-5, 1e-4)),
+       torch.bfloat16: dict(out=(1e-2, 2e-2), grad=(2e-2, 3e-2))}
+B, NH, NKV, HS = 2, 4, 2, 8
+FUNCTIONS = (ring.RingAttention, rsa.RingSelfAttention, ulysses.SeqToHeads,
+             ulysses.HeadsToSeq, ulysses.LocalAttention)
+
+
+def reference(q, k, v, segment, causal):
+    """Full attention in float64 with an explicitly built mask (independent of blocks.py)."""
+    T = q.shape[2]
+    q, k, v = (t.double() for t in (q, k, v))
+    k, v = (t.repeat_interleave(q.shape[1] // t.shape[1], dim=1) for t in (k, v))
+    allowed = (segment[:, :, None] == segment[:, None, :]) & (segment[:, None, :] >= 0)
+    if causal:
+        allowed &= torch.ones(T, T, dtype=torch.bool).tril()
+    scores = (q @ k.transpose(-1, -2)) / math.sqrt(q.shape[-1])
+    scores = scores.masked_fill(~allowed[:, None], float("-inf"))
+    probs = torch.softmax(scores, dim=-1).nan_to_num(0.0)  # fully masked rows -> 0
+    return probs @ v
+
+
+def _inputs(T, segment_kind, seed):
+    g = torch.Generator().manual_seed(seed)
+    q = torch.randn(B, NH, T, HS, generator=g)
+    k, v = (torch.randn(B, NKV, T, HS, generator=g) for _ in range(2))
+    w = torch.randn(B, NH, T, HS, generator=g)
+    segment = torch.zeros(B, T, dtype=torch.long)
+    if segment_kind == "documents":  # packed: three documents per row, different cuts
+        segment[0, T // 3:] = 1
+        segment[0, 2 * T // 3:] = 2
+        segment[1, T // 2:] = 1
+    elif segment_kind == "padding":  # random padding tokens plus two documents
+        segment[:, T // 2:] = 1
+        segment[torch.rand(B, T, generator=g) < 0.25] = -1
+    elif segment_kind == "mostly_padding":  # only the first 3 tokens are real
+        segment[:, 3:] = -1
+    return q, k, v, w, segment
+
+
+def _case(group, mode, causal, dtype, T, segment_kind, layout, seed=0):
+    """Errors (out, dq, dk, dv) of this rank vs the reference, and whether any is NaN."""
+    sp, r = dist.get_world_size(group), dist.get_rank(group)
+    q, k, v, w, segment = _inputs(T, segment_kind, seed)
+    q, k, v = (t.to(dtype) for t in (q, k, v))
+    full = [t.detach().clone().requires_grad_() for t in (q, k, v)]
+    ref = reference(*full, segment, causal)
+    (ref * w.double()).sum().backward()
+    Tp = padded_length(T, sp, layout)
+    pad = lambda t, val=0.0: torch.nn.functional.pad(t, (0, 0, 0, Tp - T), value=val)  # noqa
+    idx = local_indices(Tp, sp, r, layout)
+    local = [pad(t)[:, :, idx].detach().clone().requires_grad_() for t in (q, k, v)]
+    seg = torch.nn.functional.pad(segment, (0, Tp - T), value=-1)
+    meta = torch.stack((torch.arange(Tp).expand(B, Tp), seg), -1)[:, idx]
+    sp_attn = SequenceParallel(group, mode=mode, causal=causal, layout=layout)
+    sp_attn.set_tokens(meta)
+    out = sp_attn.attention(*local)
+    (out.float() * pad(w)[:, :, idx]).sum().backward()
+    real = idx < T  # compare real tokens only (padding rows are 0 in both anyway)
+    pairs = [(out, ref)] + [(lo.grad, fu.grad) for lo, fu in zip(local, full)]
+    errors, nan = [], False
+    for got, want in pairs:
+        nan |= bool(got.isnan().any())
+        got, want = got[:, :, real].double(), pad(want)[:, :, idx][:, :, real]
+        errors.append((got - want).abs().max().item() if got.numel() else 0.0)
+        errors.append((want.abs().max().item() if want.numel() else 0.0))
+    return {"errors": errors, "nan": nan}
+
+
+CASES = [  # (mode, causal, dtype, T, segment kind, layout)
+    *[(m, True, torch.float32, 16, "none", lay) for m, lay in
+      (("ring", "zigzag"), ("ring", "contiguous"), ("rsa", "contiguous"),
+       ("ulysses", "contiguous"))],
+    *[(m, False, torch.float32, 16, "none", "contiguous") for m in ("ring", "rsa", "ulysses")],
+    *[(m, True, torch.bfloat16, 16, "none", lay) for m, lay in
+      (("ring", "zigzag"), ("rsa", "contiguous"), ("ulysses", "contiguous"))],
+    *[(m, True, torch.float32, 14, "padding", lay) for m, lay in
+      (("ring", "zigzag"), ("rsa", "contiguous"), ("ulysses", "contiguous"))],
+    ("ring", False, torch.float32, 13, "padding", "contiguous"),
+    *[(m, True, torch.float32, 16, "documents", lay) for m, lay in
+      (("ring", "zigzag"), ("rsa", "contiguous"), ("ulysses", "contiguous"))],
+    ("ring", False, torch.float32, 16, "documents", "contiguous"),
+    *[(m, True, torch.float32, 16, "mostly_padding", lay) for m, lay in
+      (("ring", "zigzag"), ("ring", "contiguous"), ("rsa", "contiguous"),
+       ("ulysses", "contiguous"))],
+]
+
+
+def _record_grad_counts(counts):
+    """Wrap each Function's backward to record (#grads returned, #forward inputs)."""
+    for cls in FUNCTIONS:
+        original = cls.backward
+        n_inputs = len(inspect.signature(cls.forward).parameters) - 1  # minus ctx
+
+        def backward(ctx, *grads, _orig=original, _name=cls.__name__, _n=n_inputs):
+            result = _orig(ctx, *grads)
+            counts[_name] = (len(result), _n)
+            return result
+
+        cls.backward = staticmethod(backward)
+
+
+def _refusals(group):
+    """Messages of the bad inputs sequence parallelism must refuse."""
+    out = {}
+    attempts = {
+        "zigzag_non_causal": lambda: SequenceParallel(group, "ring", causal=False,
+                                                      layout="zigzag"),
+        "no_padding": lambda: SequenceParallel(group, "ring", pad=False).shard(
+            {"input_ids": torch.zeros(1, 13, dtype=torch.long),
+             "labels": torch.zeros(1, 13, dtype=torch.long)}),
+        "ulysses_heads": lambda: ulysses.ulysses_attention(
+            torch.zeros(1, 6, 4, 8), torch.zeros(1, 6, 4, 8), torch.zeros(1, 6, 4, 8),
+            torch.zeros(1, 4, 2, dtype=torch.long), group),
+        "ulysses_kv_heads": lambda: ulysses.check_heads(12, 3, 4),
+    }
+    for name, attempt in attempts.items():
+        try:
+            attempt()
+            out[name] = None
+        except SequenceParallelError as err:
+            out[name] = str(err)
+    return out
+
+
+def _model_case(group, mode, name, real):
+    """A whole model on one sample of 13 tokens of which ``real`` are real (padding after).
+
+    Returns (|mean of the ranks' losses - single-device loss|, max |mean gradient - single
+    device gradient|, any NaN). Causal attention and right padding make the single-device
+    loss over the real tokens the exact reference.
+    """
+    torch.manual_seed(3)
+    model = Transformer(preset(name))
+    ref_model = copy.deepcopy(model)
+    ids = torch.randint(0, 256, (1, 14))
+    inputs, labels = ids[:, :-1], ids[:, 1:].clone()
+    mask = torch.zeros_like(inputs)
+    mask[:, :real] = 1
+    labels[mask == 0] = -100
+    ref = lm_loss(ref_model(inputs), labels)
+    ref.backward()
+    sp = SequenceParallel(group, mode)
+    apply_policy(model, sp)
+    loss = sp.forward_loss(model, {"input_ids": inputs, "labels": labels,
+                                   "attention_mask": mask})
+    loss.backward()
+    size = dist.get_world_size(group)
+    total = loss.detach().clone()
+    dist.all_reduce(total, group=group)
+    grads = torch.cat([p.grad.flatten() for p in model.parameters()])
+    dist.all_reduce(grads, group=group)  # the dp x sp gradient average DDP does
+    ref_grads = torch.cat([p.grad.flatten() for p in ref_model.parameters()])
+    return ((total / size - ref).abs().item(), (grads / size - ref_grads).abs().max().item(),
+            bool(loss.isnan() or grads.isnan().any()))
+
+
+MODEL_CASES = [(4, m, "tiny-llama", real) for m in ("ring", "rsa", "ulysses") for real in (13, 2)]
+MODEL_CASES += [(2, "ring", "tiny", 13), (2, "ulysses", "tiny", 5)]
+
+
+def _all_cases(rank, world_size):
+    torch.manual_seed(0)
+    blocks.piece_rows = lambda q_rows, n_keys, hs: 3  # exercise query tiling at test lengths
+    pairs = [dist.new_group([0, 1]), dist.new_group([2, 3])]
+    singles = [dist.new_group([i]) for i in range(world_size)]
+    groups = {1: singles[rank], 2: pairs[rank // 2], 4: dist.group.WORLD}
+    counts: dict = {}
+    _record_grad_counts(counts)
+    results = {}
+    for sp, group in groups.items():
+        for case in CASES:
+            results[(sp,) + case] = _case(group, *case)
+    models = {case: _model_case(groups[case[0]], *case[1:]) for case in MODEL_CASES}
+    return {"results": results, "counts": counts, "refusals": _refusals(groups[4]),
+            "models": models}
+
+
+@pytest.fixture(scope="module")
+def runs():
+    return run_distributed(_all_cases, world_size=4, timeout=300)
+
+
+def _label(key):
+    sp, mode, causal, dtype, T, seg, layout = key
+    return f"sp={sp} {mode} {'causal' if causal else 'full'} {dtype} T={T} {seg} {layout}"
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("sp", [1, 2, 4])
+def test_outputs_and_gradients_match_full_attention(runs, sp):
+    checked = 0
+    for rank_result in runs:
+        for key, res in rank_result["results"].items():
+            if key[0] != sp:
+                continue
+            assert not res["nan"], _label(key)
+            out_tol, grad_tol = TOL[key[3]]["out"], TOL[key[3]]["grad"]
+            errs = res["errors"]
+            for i, name in enumerate(("out", "dq", "dk", "dv")):
+                atol, rtol = out_tol if name == "out" else grad_tol
+                err, scale = errs[2 * i], errs[2 * i + 1]
+                assert err <= atol + rtol * scale, f"{_label(key)} {name}: {err:.3g}"
+            checked += 1
+    assert checked == 4 * len(CASES)
+
+
+@pytest.mark.slow
+def test_a_rank_with_only_padding_gives_zeros_not_nan(runs):
+    # T=3 real tokens over sp=4: with either layout some rank holds padding only.
+    keys = [k for k in runs[3]["results"] if k[0] == 4 and k[5] == "mostly_padding"]
+    assert len(keys) == 4
+    for key in keys:
+        assert not runs[3]["results"][key]["nan"], _label(key)
+
+
+@pytest.mark.slow
+def test_every_autograd_function_returns_one_gradient_per_input(runs):
+    counts = runs[0]["counts"]
+    assert set(counts) == {cls.__name__ for cls in FUNCTIONS}
+    for name, (returned, inputs) in counts.items():
+        assert returned == inputs, f"{name}: {returned} gradients for {inputs} inputs"
+
+
+@pytest.mark.slow
+def test_bad_input_is_refused_with_the_rule(runs):
+    msgs = runs[0]["refusals"]
+    assert "zigzag needs causal=True" in msgs["zigzag_non_causal"]
+    assert "must be divisible by 8" in msgs["no_padding"]
+    assert "padding is disabled" in msgs["no_padding"]
+    assert "n_heads=6 must be divisible by sp=4" in msgs["ulysses_heads"]
+    assert "n_kv_heads=3 must divide or be divisible by sp=4" in msgs["ulysses_kv_heads"]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("case", MODEL_CASES, ids=lambda c: f"sp{c[0]}-{c[1]}-{c[2]}-real{c[3]}")
+def test_model_loss_and_gradients_over_local_tokens_match_one_device(runs, case):
+    # fp32 model of 2 layers: differences are rounding of reordered sums (~1e-7); 1e-5 on a
+    # loss of about 5.5 and 1e-5 on gradients of about 1e-2 leave room for that only.
+    loss_err, grad_err, nan = runs[0]["models"][case]
+    assert not nan
+    assert loss_err < 1e-5, loss_err
+    assert grad_err < 1e-5, grad_err

@@ -1,0 +1,69 @@
+"""Layout arithmetic and refusals of sequence parallelism (single process, no launch)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from tessera.models.config import preset
+from tessera.parallel.sequence import SequenceParallelError, apply_sequence_parallel
+from tessera.parallel.sequence.layout import (check_layout, local_indices, padded_length,
+                                              ring_step_slices)
+from tessera.parallel.sequence.ulysses import check_heads
+from tessera.strategy import Strategy, StrategyError
+
+
+def test_zigzag_worked_example_from_the_note():
+    assert local_indices(8, 2, 0, "zigzag").tolist() == [0, 1, 6, 7]
+    assert local_indices(8, 2, 1, "zigzag").tolist() == [2, 3, 4, 5]
+    assert local_indices(8, 2, 1, "contiguous").tolist() == [4, 5, 6, 7]
+    assert padded_length(13, 4, "zigzag") == 16 and padded_length(13, 4, "contiguous") == 16
+    assert padded_length(10, 4, "zigzag") == 16 and padded_length(10, 4, "contiguous") == 12
+
+
+@pytest.mark.parametrize("sp", [1, 2, 3, 4])
+@pytest.mark.parametrize("layout", ["zigzag", "contiguous"])
+def test_ring_steps_cover_every_causal_pair_and_zigzag_balances_them(sp, layout):
+    T = 4 * sp
+    idx = [local_indices(T, sp, r, layout) for r in range(sp)]
+    work = torch.zeros(sp, sp, dtype=torch.long)  # (step, rank) -> pairs computed
+    for r in range(sp):
+        for step in range(sp):
+            src = (r - step) % sp
+            visible = idx[src][None, :] <= idx[r][:, None]  # (T/sp queries, T/sp keys)
+            sl = ring_step_slices(src, r, T // sp, True, layout)
+            computed = torch.zeros_like(visible)
+            if sl is not None:
+                computed[sl[0], sl[1]] = True
+                work[step, r] = computed.sum()
+            assert not (visible & ~computed).any(), (r, step)  # no visible pair skipped
+    if layout == "zigzag":  # every rank does the same work at every step
+        assert (work == work[:, :1]).all(), work
+
+
+def test_bad_input_is_refused_with_the_rule():
+    with pytest.raises(SequenceParallelError, match="zigzag needs causal=True"):
+        check_layout("zigzag", causal=False)
+    with pytest.raises(SequenceParallelError, match="layout must be one of"):
+        check_layout("stripe", causal=True)
+    with pytest.raises(SequenceParallelError, match="n_heads=6 must be divisible by sp=4"):
+        check_heads(6, 6, 4)
+    with pytest.raises(SequenceParallelError, match="n_kv_heads=3 must divide or be"):
+        check_heads(12, 3, 4)
+    check_heads(8, 2, 4)  # kv heads repeated: 2 divides 4
+    for strategy, value in ((Strategy(sp=2, tp=2), "tp=2"), (Strategy(sp=2, pp=2), "pp=2"),
+                            (Strategy(sp=2, memory="chunk"), "memory=chunk")):
+        with pytest.raises(SequenceParallelError, match=f"sp=2 with {value} is not supported"):
+            apply_sequence_parallel(None, strategy, None)
+
+
+def test_strategy_rules_for_sequence_parallelism():
+    with pytest.raises(StrategyError, match="sequence length 30 is not divisible by sp"):
+        Strategy(sp=4).validate_for(model=preset("tiny"), seq_len=30)
+    with pytest.raises(StrategyError, match="ulysses: n_heads=4 must be divisible by sp"):
+        Strategy(sp=8, sp_mode="ulysses").validate_for(model=preset("tiny"), seq_len=32)
+    odd_kv = preset("tiny", d_model=96, n_heads=12, n_kv_heads=3)
+    with pytest.raises(StrategyError, match=r"ulysses: n_kv_heads per tp rank \(3\)"):
+        Strategy(sp=4, sp_mode="ulysses").validate_for(model=odd_kv, seq_len=32)
+    Strategy(sp=4, sp_mode="ring").validate_for(model=odd_kv, seq_len=32)  # ring: any heads
+    Strategy(sp=2).require_available()  # the gate is open
