@@ -1,0 +1,237 @@
+"""Pipeline parallelism: partition balance, bubbles, scp against 1F1B, tessera against torch.
+
+Prints JSON lines, one per figure: {"name", "value", "unit", "compared_against", ...}, each
+with the machine's load average (os.getloadavg) beside timings.
+
+- partition_balance_max_over_mean: max / mean estimated stage time of tessera's partition,
+  against the equal-layer split, on a uniform 24-layer transformer and on GPT-2 small (12
+  layers, 50257-token vocabulary: a heavy LM head); target <= 1.10. Estimates only (no
+  timing). Beside it, the bound no cut along graph nodes can beat: the heaviest node (the LM
+  head's matmul) over the mean stage time.
+- gpipe_step_over_ideal, 1f1b_step_over_ideal: measured step time over the ideal
+  (m + p - 1) / m * T1 / p, where T1 is one process running all stages for the step.
+- scp_vs_1f1b_recompute_tokens_ratio: shifted critical path over 1F1B, both with full
+  recomputation; target >= 1.15.
+- tessera_vs_torch_1f1b_tokens_ratio: tessera's 1F1B over torch.distributed.pipelining's
+  Schedule1F1B on the very same stage modules; target >= 1.0.
+
+Timed sides alternate round by round in the same processes, and the best round of each counts
+(the least disturbed by other load on a shared machine).
+
+    python benchmarks/bench_pipeline.py [--quick]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import time
+
+import torch
+
+from tessera.models import Transformer
+from tessera.models.config import preset
+from tessera.models.hf import build_hf_model, hf_config_from_reference
+from tessera.parallel.pipeline import capture, partition
+from tessera.parallel.pipeline.cost import DeviceRates
+from tessera.parallel.pipeline.partition import CostTable, evaluate_bounds, layer_bounds
+from tessera.parallel.plan import lm_loss
+from tessera.testing import run_distributed
+
+SEQ = 128
+
+
+def emit(name: str, value: float, unit: str, compared_against, **extra) -> None:
+    print(json.dumps({"name": name, "value": round(value, 4), "unit": unit,
+                      "compared_against": compared_against, **extra}), flush=True)
+
+
+def load() -> list[float]:
+    return [round(x, 2) for x in os.getloadavg()]
+
+
+# ------------------------------------------------------------------------------ balance
+def balance_figures() -> None:
+    with torch.device("meta"):
+        uniform = Transformer(preset("small", n_layers=24))
+        heavy = build_hf_model("gpt2", **hf_config_from_reference(
+            "gpt2", preset("gpt2", max_seq_len=SEQ)))
+    for label, model in (("uniform_24_layers", uniform), ("gpt2_small_vocab_50257", heavy)):
+        graph = capture(model, 1, SEQ)
+        table = CostTable(graph, DeviceRates())
+        heaviest = max(table.fwd[i + 1] - table.fwd[i] + table.bwd[i + 1] - table.bwd[i]
+                       for i in range(len(graph.compute)))
+        for pp in (2, 4, 8):
+            ours = partition(graph, pp, micro_batches=2 * pp)
+            equal = evaluate_bounds(graph, layer_bounds(graph, pp), micro_batches=2 * pp)
+            mean = sum(ours.stage_time) / pp
+            # No split along graph nodes beats the heaviest single node (the LM head matmul).
+            emit("partition_balance_max_over_mean", ours.balance, "ratio",
+                 {"equal_layer_split": round(equal.balance, 4),
+                  "bound_heaviest_node_over_mean": round(max(1.0, heaviest / mean), 4)},
+                 model=label, pp=pp, target="<= 1.10")
+
+
+# ------------------------------------------------------------------------------ timings
+def _model(n_layers: int) -> torch.nn.Module:
+    torch.manual_seed(0)
+    return Transformer(preset("small", n_layers=n_layers, max_seq_len=SEQ))
+
+
+def _batches(m: int, mbs: int) -> list[dict[str, torch.Tensor]]:
+    g = torch.Generator().manual_seed(0)
+    return [{"input_ids": torch.randint(0, 256, (mbs, SEQ), generator=g),
+             "labels": torch.randint(0, 256, (mbs, SEQ), generator=g)} for _ in range(m)]
+
+
+def _tessera(strategy_text: str, n_layers: int):
+    from tessera.mesh import Mesh
+    from tessera.parallel import parallelize
+    from tessera.parallel.pipeline import PipelineEngine
+    from tessera.strategy import Strategy
+
+    strategy = Strategy.parse(strategy_text)
+    plan = parallelize(_model(n_layers), strategy, Mesh(strategy, "cpu"))
+    return plan, PipelineEngine(plan, strategy, torch.device("cpu"))
+
+
+def _timed(fn) -> float:
+    torch.distributed.barrier()
+    start = time.perf_counter()
+    fn()
+    torch.distributed.barrier()
+    return time.perf_counter() - start
+
+
+def _torch_schedule(plan, m: int, mbs: int):
+    """torch.distributed.pipelining Schedule1F1B over tessera's own stage modules."""
+    from torch.distributed.pipelining import PipelineStage, Schedule1F1B
+
+    pipe = plan.pipeline
+    stage = pipe.local_stages[0]
+    built = pipe.program.get((mbs, SEQ), training=True)
+    runner = built.runners[stage]
+
+    class Wrapped(torch.nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.piece = runner.tail.module  # the graph module holds the stage's weights
+
+        def forward(self, *xs):
+            out = self.piece(*xs)
+            return out[0] if len(out) == 1 else out
+
+    mod = Wrapped()
+    pstage = PipelineStage(mod, stage, pipe.n_stages, torch.device("cpu"), group=pipe.pp_group)
+    return Schedule1F1B(pstage, n_microbatches=m, loss_fn=lm_loss), stage
+
+
+def _timing_worker(rank, world, n_layers, m, mbs, rounds):
+    torch.manual_seed(0)
+    batches = _batches(m, mbs)
+    out = {}
+    plans = {
+        "gpipe": _tessera(f"pp={world},mbs={mbs},gbs={mbs * m},schedule=gpipe", n_layers),
+        "1f1b": _tessera(f"pp={world},mbs={mbs},gbs={mbs * m},schedule=1f1b", n_layers),
+        "1f1b_recompute": _tessera(
+            f"pp={world},mbs={mbs},gbs={mbs * m},schedule=1f1b,recompute=full", n_layers),
+        "scp_recompute": _tessera(
+            f"pp={world},mbs={mbs},gbs={mbs * m},schedule=scp,recompute=full", n_layers),
+    }
+    sched, stage = _torch_schedule(plans["1f1b"][0], m, mbs)
+    full = torch.cat([b["input_ids"] for b in batches])
+    labels = torch.cat([b["labels"] for b in batches])
+
+    def torch_step():
+        if stage == 0:
+            sched.step(full)
+        elif stage == world - 1:
+            sched.step(target=labels, losses=[])
+        else:
+            sched.step()
+
+    single = _model(n_layers) if rank == 0 else None
+
+    def one_process():
+        if single is not None:  # all stages on rank 0 while the others wait
+            for b in batches:
+                (lm_loss(single(b["input_ids"]), b["labels"]) / m).backward()
+
+    sides = {name: (lambda e=engine: e.forward_backward(batches))
+             for name, (_, engine) in plans.items()}
+    sides["torch_1f1b"] = torch_step
+    sides["one_process"] = one_process
+    for fn in sides.values():  # warm-up: capture, allocation, torch shape inference
+        fn()
+    best = {name: float("inf") for name in sides}
+    for _ in range(rounds):
+        for name, fn in sides.items():
+            best[name] = min(best[name], _timed(fn))
+    out["best"] = best
+    return out
+
+
+def peak_activation_bytes(schedule: str, pp: int, m: int, n_layers: int, mbs: int) -> float:
+    """Estimated peak activation bytes over stages under full recomputation, from the
+    partitioner's per-stage activation and boundary bytes and the schedule's action order."""
+    from tessera.parallel.pipeline.partition import CostTable, partition
+    from tessera.parallel.pipeline.schedules import build, recomputes
+
+    with torch.device("meta"):
+        graph = capture(_model(n_layers), mbs, SEQ)
+    part = partition(graph, pp, m, schedule, recompute=(1.0,))
+    table = CostTable(graph, DeviceRates())
+    peak = 0.0
+    for s, actions in enumerate(build(schedule, pp, m)):
+        a, b = part.bounds[s], part.bounds[s + 1]
+        full, kept_input = table.act[b] - table.act[a], table.cross_bytes[a]
+        live = 0.0
+        for act in actions:
+            rc = recomputes(schedule, s, pp, act.mb, m, 1.0)
+            size = kept_input if rc else full
+            live += size if act.kind == "F" else -size
+            # A recomputing backward briefly holds the stage's full activations again.
+            peak = max(peak, live + (full if act.kind == "B" and rc else 0.0))
+    return peak
+
+
+def timing_figures(quick: bool) -> None:
+    pp, m, mbs, n_layers = 2, 8, 2, 8
+    rounds = 2 if quick else 6
+    before = load()
+    best = run_distributed(_timing_worker, world_size=pp,
+                           args=(n_layers, m, mbs, rounds), timeout=900)[0]["best"]
+    common = dict(pp=pp, micro_batches=m, mbs=mbs, seq=SEQ, model=f"small_{n_layers}_layers",
+                  loadavg_before=before, loadavg_after=load(), cpu_cores=os.cpu_count())
+    ideal = (m + pp - 1) / m * best["one_process"] / pp
+    for name in ("gpipe", "1f1b"):
+        emit(f"{name}_step_over_ideal", best[name] / ideal, "ratio",
+             {"ideal_(m+p-1)/m*T1/p_s": round(ideal, 4), "measured_s": round(best[name], 4),
+              "T1_one_process_s": round(best["one_process"], 4)}, **common)
+    tokens = m * mbs * SEQ
+    mem = {name: peak_activation_bytes(name, pp, m, n_layers, mbs) for name in ("1f1b", "scp")}
+    emit("scp_vs_1f1b_recompute_tokens_ratio",
+         best["1f1b_recompute"] / best["scp_recompute"], "ratio",
+         {"1f1b_full_recompute_tokens_per_s": round(tokens / best["1f1b_recompute"], 1),
+          "scp_tokens_per_s": round(tokens / best["scp_recompute"], 1),
+          "estimated_peak_activation_MiB_1f1b": round(mem["1f1b"] / 2**20, 2),
+          "estimated_peak_activation_MiB_scp": round(mem["scp"] / 2**20, 2)},
+         target=">= 1.15", **common)
+    emit("tessera_vs_torch_1f1b_tokens_ratio", best["torch_1f1b"] / best["1f1b"], "ratio",
+         {"torch_Schedule1F1B_tokens_per_s": round(tokens / best["torch_1f1b"], 1),
+          "tessera_1f1b_tokens_per_s": round(tokens / best["1f1b"], 1)},
+         target=">= 1.0", **common)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--quick", action="store_true", help="fewer rounds (under 3 minutes)")
+    args = parser.parse_args()
+    torch.set_num_threads(1)
+    balance_figures()
+    timing_figures(args.quick)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,163 @@
+"""Pipeline parallelism (Merak, arXiv 2206.04959): capture, partition, schedules, recompute.
+
+Files: ``capture`` (torch.export -> proxy graph with per-node costs), ``cost`` (FLOPs and bytes
+from shapes), ``partition`` (balanced cuts under memory limits, stage-aware recomputation),
+``split`` (graph pieces bound to the model's own parameters), ``schedules`` (gpipe, 1f1b,
+interleaved, scp as action lists), ``comm`` (tagged point-to-point messages), ``stage``
+(forward / recompute / backward of one stage), ``program`` (per-shape stages), ``module``
+(this rank's share under the original names, gradient rules), ``engine`` (PipelineEngine).
+Design and figures: docs/pipeline.md.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+from tessera.mesh import Mesh
+from tessera.parallel.pipeline.capture import CaptureError, ProxyGraph, capture
+from tessera.parallel.pipeline.engine import PipelineEngine
+from tessera.parallel.pipeline.module import (GradSync, StageModule, aliases,
+                                              persistent_buffers)
+from tessera.parallel.pipeline.partition import Partition, PartitionError, partition
+from tessera.parallel.pipeline.program import PipelineProgram, capture_for_partition
+from tessera.parallel.pipeline.recompute import stage_aware_ratios
+from tessera.parallel.pipeline.schedules import ScheduleError, build, check_sizes, chunks_for
+from tessera.parallel.plan import Parallelized
+from tessera.strategy import Strategy, StrategyError
+
+__all__ = ["CaptureError", "PartitionError", "PipelineEngine", "ScheduleError", "apply_pipeline",
+           "capture", "partition", "stage_aware_ratios"]
+
+
+@dataclass
+class Pipeline:
+    """What the PipelineEngine needs on this rank (kept in ``Parallelized.pipeline``)."""
+
+    program: PipelineProgram
+    schedule: str
+    pp_group: torch.distributed.ProcessGroup
+    stage_rank: list[int]  # pp-group rank of each virtual stage
+    local_stages: list[int]
+    ratios: list[float]  # recomputation ratio per virtual stage
+    grad_sync: GradSync
+    partition: Partition
+    module: StageModule
+
+    @property
+    def n_stages(self) -> int:
+        return len(self.stage_rank)
+
+    def actions(self, micro_batches: int):
+        pp_rank = self.stage_rank[self.local_stages[0]]
+        return build(self.schedule, len(set(self.stage_rank)), micro_batches)[pp_rank]
+
+
+def apply_pipeline(plan: Parallelized, strategy: Strategy, mesh: Mesh) -> Pipeline:
+    """Partition ``plan.model`` into ``strategy.pp`` stages and keep this rank's share.
+
+    Sets ``plan.module`` to the :class:`StageModule`, and plan hooks for the optimizer, the
+    gradient norm and the engine. Data parallelism is done by the engine's gradient sync.
+
+    Raises:
+        StrategyError: for combinations not built yet (tp, sp, chunk memory, fp16 with pp > 1)
+            and for too few micro-batches or splittable blocks.
+    """
+    _refuse_unsupported(strategy)
+    model, pp = plan.model, strategy.pp
+    micro_batches = strategy.grad_accum_steps
+    try:
+        check_sizes(strategy.schedule, pp, micro_batches)
+    except ScheduleError as err:
+        raise StrategyError(str(err)) from None
+    n_virtual = pp * chunks_for(strategy.schedule)
+    ratios = [strategy.stage_recompute(s % pp) for s in range(n_virtual)]
+    model.train()
+    graph = capture_for_partition(model, strategy.micro_batch_size)
+    try:
+        part = partition(graph, n_virtual, micro_batches, strategy.schedule,
+                         recompute=tuple(ratios))
+    except PartitionError as err:
+        raise StrategyError(f"pp={pp}, schedule={strategy.schedule}: {err}") from None
+    pp_rank = mesh.rank("pp")
+    stage_rank = [s % pp for s in range(n_virtual)]
+    local = [s for s in range(n_virtual) if stage_rank[s] == pp_rank]
+    module, grad_sync = _ownership(model, graph, part, stage_rank, pp_rank, mesh)
+    autocast = _autocast_factory(strategy, next(model.parameters()).device)
+    program = PipelineProgram(model, graph, part, ratios, local, autocast)
+    pipe = Pipeline(program, strategy.schedule, mesh.group("pp"), stage_rank, local, ratios,
+                    grad_sync, part, module)
+    plan.module, plan.pipeline = module, pipe
+    plan.clip_grad_norm = lambda _model, max_norm: grad_sync.clip(max_norm)
+    plan.build_optimizer = lambda _model, *args: _stage_optimizer(module, *args)
+    plan.features.append("pipeline")
+    return pipe
+
+
+def _stage_optimizer(module: StageModule, *args):
+    # Imported here: tessera.train imports the pipeline engine (the Trainer picks it).
+    from tessera.train.optim import build_optimizer
+
+    return build_optimizer(module, *args)
+
+
+def _refuse_unsupported(strategy: Strategy) -> None:
+    rules = [(strategy.tp > 1, f"tp={strategy.tp}", "tensor x pipeline composition"),
+             (strategy.sp > 1, f"sp={strategy.sp}", "sequence x pipeline composition"),
+             (strategy.memory != "ddp", f"memory={strategy.memory}",
+              "chunk/ZeRO memory with pipeline stages"),
+             (strategy.precision == "fp16", "precision=fp16",
+              "fp16 loss scaling across stages (use bf16)")]
+    for bad, value, what in rules:
+        if bad:
+            raise StrategyError(f"pp={strategy.pp} with {value}: {what} is not built yet "
+                                "(issue #6, docs/pipeline.md); use pp=1 or drop " + value)
+
+
+def _ownership(model: nn.Module, graph: ProxyGraph, part: Partition, stage_rank: list[int],
+               pp_rank: int, mesh: Mesh) -> tuple[StageModule, GradSync]:
+    """Which pp ranks hold each weight; this rank's StageModule and gradient rules."""
+    names = aliases(model)
+    stage_of = part.stage_of(graph)
+    holders: dict[int, set[int]] = {}
+    for pname, users in graph.param_users.items():
+        param = model.get_parameter(graph.nodes[pname].fqn)
+        for i in users:
+            holders.setdefault(id(param), set()).add(stage_rank[stage_of[graph.compute[i]]])
+    by_id = {id(p): p for p in model.parameters()}
+    for pid in by_id:  # weights the graph never reads still need a home for checkpoints
+        holders.setdefault(pid, {0})
+    mine = [by_id[pid] for pid in by_id if pp_rank in holders[pid]]
+    params = {name: by_id[pid] for pid in by_id if pp_rank in holders[pid]
+              for name in names[pid]}
+    buffers = _owned_buffers(model, graph, part, stage_rank, pp_rank)
+    tied = [(names[pid][0], tuple(by_id[pid].shape)) for pid in by_id if len(holders[pid]) > 1]
+    tied_local = {names[pid][0]: by_id[pid] for pid in by_id
+                  if len(holders[pid]) > 1 and pp_rank in holders[pid]}
+    norm_owned = [p for p in mine if min(holders[id(p)]) == pp_rank]
+    device = next(model.parameters()).device
+    sync = GradSync(mine, norm_owned, mesh.group("pp"), mesh.group("dp"), tied, tied_local,
+                    device)
+    return StageModule(params, buffers), sync
+
+
+def _owned_buffers(model, graph, part, stage_rank, pp_rank) -> dict[str, torch.Tensor]:
+    """Persistent buffers read by this rank's stages (unread ones live on rank 0)."""
+    persistent = persistent_buffers(model)
+    index, stage_of = graph.compute_index(), part.stage_of(graph)
+    read: dict[str, set[int]] = {}
+    for proxy in graph.nodes.values():
+        if proxy.kind == "buffer" and proxy.fqn in persistent:
+            ranks = {stage_rank[stage_of[u.name]] for u in proxy.node.users if u.name in index}
+            read[proxy.fqn] = ranks or {0}
+    return {name: buf for name, buf in persistent.items() if pp_rank in read.get(name, {0})}
+
+
+def _autocast_factory(strategy: Strategy, device: torch.device):
+    if strategy.precision != "bf16":
+        return contextlib.nullcontext
+    return lambda: torch.autocast(device.type, dtype=torch.bfloat16)
+

@@ -1,0 +1,164 @@
+"""Proxy representation: an unmodified model captured as a graph with costs per node.
+
+``torch.export`` traces the model with fake tensors, so a model built on the meta device (one
+larger than memory) is captured and partitioned before any weight exists. Nodes fall in kinds:
+
+- ``input``: a batch tensor (``input_ids``). Every stage can read the batch, so inputs are
+  fed where they are used (Merak's input-to-shard map) instead of being passed along.
+- ``param`` / ``buffer`` / ``const``: lifted model state, held by the stages that use it.
+- ``static``: computed from inputs, buffers and constants only (positions, causal masks, RoPE
+  tables). Cheap and not learnable, so a stage that needs one recomputes it instead of
+  receiving it: nothing but activations crosses a stage boundary.
+- ``compute``: everything else, in topological order; stage boundaries fall between these.
+"""
+
+from __future__ import annotations
+
+import re
+import traceback
+from dataclasses import dataclass, field
+
+import torch
+from torch import fx, nn
+from torch.export import ExportedProgram
+
+from tessera.parallel.pipeline.cost import NodeCost, node_cost, value_bytes
+
+_BLOCK_INDEX = re.compile(r"(?:^|\.)(?:h|layers|blocks)\.(\d+)\.")
+
+
+class CaptureError(RuntimeError):
+    """torch.export could not capture the model; the message names the operation and way out."""
+
+
+@dataclass
+class ProxyNode:
+    """One node of the captured graph."""
+
+    name: str
+    kind: str  # input | param | buffer | const | static | compute
+    node: fx.Node
+    fqn: str | None = None  # parameter / buffer name in the original model
+    cost: NodeCost = field(default_factory=NodeCost)
+    block: int | None = None  # transformer block index, when the node uses a block's weight
+
+
+@dataclass
+class ProxyGraph:
+    """A captured model: its exported program and the nodes' kinds and costs.
+
+    Attributes:
+        program: the ExportedProgram (lifted graph: state arrives as placeholders).
+        nodes: every placeholder and call_function node, by name, in graph order.
+        compute: names of the compute nodes in topological order.
+        output: name of the node producing the logits (the first user output).
+        inputs: names of the batch-input placeholders, in call order.
+        param_users: for each parameter placeholder, the compute indices that read it.
+    """
+
+    program: ExportedProgram
+    nodes: dict[str, ProxyNode]
+    compute: list[str]
+    output: str
+    inputs: list[str]
+    param_users: dict[str, list[int]]
+
+    def compute_index(self) -> dict[str, int]:
+        return {name: i for i, name in enumerate(self.compute)}
+
+    def param_bytes(self, name: str) -> int:
+        return value_bytes(self.nodes[name].node.meta.get("val"))
+
+
+def capture(model: nn.Module, batch_size: int, seq_len: int) -> ProxyGraph:
+    """Capture ``model(input_ids)`` for (batch_size, seq_len) token ids as a ProxyGraph.
+
+    Works for models on the meta device. Hugging Face models must be built with
+    ``use_cache=False`` (transformers 5 dropped fx tracing; torch.export is the way in).
+
+    Raises:
+        CaptureError: naming the operation torch.export failed on and the way out.
+    """
+    device = _model_device(model)
+    ids = torch.zeros(batch_size, seq_len, dtype=torch.long, device=device)
+    try:
+        program = torch.export.export(model, (ids,), strict=False)
+    except Exception as err:  # export raises many types; all mean "not capturable"
+        raise CaptureError(_capture_message(model, err)) from err
+    return build_proxy(program)
+
+
+def build_proxy(program: ExportedProgram) -> ProxyGraph:
+    """Classify and price the nodes of an exported program."""
+    sig = program.graph_signature
+    kinds = {**{n: "param" for n in sig.inputs_to_parameters},
+             **{n: "buffer" for n in sig.inputs_to_buffers},
+             **{n: "const" for n in sig.inputs_to_lifted_tensor_constants},
+             **{n: "input" for n in sig.user_inputs}}
+    fqns = {**sig.inputs_to_parameters, **sig.inputs_to_buffers}
+    nodes: dict[str, ProxyNode] = {}
+    compute: list[str] = []
+    param_users: dict[str, list[int]] = {n: [] for n in sig.inputs_to_parameters}
+    block = None
+    for node in program.graph.nodes:
+        if node.op == "placeholder":
+            nodes[node.name] = ProxyNode(node.name, kinds.get(node.name, "input"), node,
+                                         fqns.get(node.name))
+        elif node.op == "get_attr":  # a submodule of a higher-order op
+            nodes[node.name] = ProxyNode(node.name, "const", node)
+        elif node.op == "call_function":
+            if not node.users:  # dead values and metadata asserts: nothing to run
+                continue
+            preds = [nodes[a.name] for a in node.all_input_nodes]
+            if all(p.kind in ("input", "buffer", "const", "static") for p in preds):
+                nodes[node.name] = ProxyNode(node.name, "static", node)
+                continue
+            block = _block_of(preds, block)
+            nodes[node.name] = ProxyNode(node.name, "compute", node, cost=node_cost(node),
+                                         block=block)
+            for pred in preds:
+                if pred.kind == "param":
+                    param_users[pred.name].append(len(compute))
+            compute.append(node.name)
+    output = _logits_node(program, nodes)
+    return ProxyGraph(program, nodes, compute, output, list(sig.user_inputs), param_users)
+
+
+def _block_of(preds: list[ProxyNode], current: int | None) -> int | None:
+    for pred in preds:
+        if pred.kind == "param":
+            match = _BLOCK_INDEX.search("." + pred.fqn)
+            return int(match.group(1)) if match else None
+    return current
+
+
+def _logits_node(program: ExportedProgram, nodes: dict[str, ProxyNode]) -> str:
+    sig = program.graph_signature
+    if sig.buffers_to_mutate:
+        raise CaptureError("the model mutates buffers in forward "
+                           f"({', '.join(sig.buffers_to_mutate.values())}); pipeline stages "
+                           "need a pure forward")
+    name = sig.user_outputs[0]
+    if nodes.get(name) is None or nodes[name].kind != "compute":
+        raise CaptureError(f"the model's first output {name!r} is not computed from its "
+                           "weights; expected logits")
+    return name
+
+
+def _model_device(model: nn.Module) -> torch.device:
+    for tensor in list(model.parameters()) + list(model.buffers()):
+        return tensor.device
+    return torch.device("cpu")
+
+
+def _capture_message(model: nn.Module, err: Exception) -> str:
+    first = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
+    frames = [f for f in traceback.extract_tb(err.__traceback__)
+              if "site-packages/torch" not in f.filename and "/torch/" not in f.filename]
+    where = f" at {frames[-1].filename}:{frames[-1].lineno} ({frames[-1].line})" if frames else ""
+    return (f"torch.export could not capture {type(model).__name__} for pipeline "
+            f"partitioning: {type(err).__name__}: {first}{where}. Data-dependent control flow "
+            "(a Python `if` on a tensor value) cannot be traced: rewrite it with torch.cond or "
+            "move it out of forward; Hugging Face models need use_cache=False. Until then "
+            "train this model with pp=1, or split it by hand into stage modules for "
+            "torch.distributed.pipelining.")

@@ -1,0 +1,108 @@
+"""Cost of one graph node from the shapes torch.export recorded: FLOPs, bytes, time.
+
+Every value in an exported graph carries a fake tensor in ``node.meta["val"]``, so costs come
+from shapes alone and work on the meta device (a model larger than memory is priced before it
+exists). The factors follow the planner (tessera.planner.compute): a matmul's backward is two
+matmuls of the same size (2x), fused attention's backward recomputes the scores (2.5x), and an
+element-wise kernel's backward reads and writes about twice its forward traffic (2x).
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch import fx
+
+BWD_MATMUL = 2.0
+BWD_ATTENTION = 2.5
+BWD_ELEMENTWISE = 2.0
+
+# Ops that only reinterpret memory: no FLOPs, no new activation storage.
+VIEW_OPS = frozenset({
+    "view", "_unsafe_view", "reshape", "transpose", "t", "permute", "expand", "unsqueeze",
+    "squeeze", "slice", "select", "alias", "detach", "split", "split_with_sizes", "unbind",
+    "getitem", "_assert_tensor_metadata", "contiguous", "clone", "lift_fresh_copy",
+})
+
+
+@dataclass(frozen=True)
+class DeviceRates:
+    """How fast a device computes and moves bytes (only the ratio matters for balance)."""
+
+    flops: float = 1e11  # sustained FLOP/s of a large matmul
+    memory_bw: float = 2e10  # bytes/s for element-wise kernels
+    p2p_bw: float = 5e9  # bytes/s between neighbouring pipeline stages
+
+
+@dataclass(frozen=True)
+class NodeCost:
+    """Shape-derived cost of one node for one micro-batch."""
+
+    fwd_flops: float = 0.0
+    bwd_flops: float = 0.0
+    out_bytes: int = 0  # bytes of the value the node produces
+    saved_bytes: int = 0  # activation bytes kept for backward (0 for views)
+
+    def fwd_time(self, rates: DeviceRates) -> float:
+        return self.fwd_flops / rates.flops + self.saved_bytes / rates.memory_bw
+
+    def bwd_time(self, rates: DeviceRates) -> float:
+        factor = BWD_ELEMENTWISE if self.fwd_flops == 0 else self.bwd_flops / self.fwd_flops
+        return self.bwd_flops / rates.flops + factor * self.saved_bytes / rates.memory_bw
+
+
+def value_bytes(val: Any) -> int:
+    """Bytes of a (fake) tensor or of the tensors in a tuple/list of them."""
+    if isinstance(val, torch.Tensor):
+        return val.numel() * val.element_size()
+    if isinstance(val, (tuple, list)):
+        return sum(value_bytes(v) for v in val)
+    return 0
+
+
+def _op_name(node: fx.Node) -> str:
+    target = node.target
+    name = getattr(target, "__name__", str(target))
+    return name.split(".")[0]  # "linear.default" -> "linear"
+
+
+def _shape(node: Any) -> tuple[int, ...]:
+    val = node.meta.get("val") if isinstance(node, fx.Node) else None
+    return tuple(val.shape) if isinstance(val, torch.Tensor) else ()
+
+
+def matmul_flops(node: fx.Node) -> float:
+    """Forward FLOPs of linear / addmm / mm / bmm / matmul / sdpa nodes (0 for others)."""
+    op, args = _op_name(node), node.args
+    out = _shape(node)
+    if op == "linear":  # x (..., K) @ w (N, K)^T
+        k = _shape(args[1])[-1] if len(_shape(args[1])) == 2 else 1
+        return 2.0 * math.prod(out) * k
+    if op == "addmm":  # bias + (M, K) @ (K, N)
+        return 2.0 * math.prod(out) * _shape(args[1])[-1]
+    if op in ("mm", "bmm", "matmul"):
+        return 2.0 * math.prod(out) * _shape(args[0])[-1]
+    if op in ("scaled_dot_product_attention", "_scaled_dot_product_flash_attention",
+              "_scaled_dot_product_efficient_attention"):
+        q, k = _shape(args[0]), _shape(args[1])  # (B, nh, Tq, hs), (B, nkv, Tk, hs)
+        return 4.0 * math.prod(q) * k[-2]  # q k^T and p v, each 2 * B nh Tq Tk hs
+    return 0.0
+
+
+def node_cost(node: fx.Node) -> NodeCost:
+    """Cost of one ``call_function`` node of an exported graph."""
+    op = _op_name(node)
+    out = value_bytes(node.meta.get("val"))
+    if op in VIEW_OPS:
+        return NodeCost(out_bytes=out)
+    flops = matmul_flops(node)
+    if flops:
+        factor = BWD_ATTENTION if "attention" in op else BWD_MATMUL
+        return NodeCost(flops, factor * flops, out, out)
+    val = node.meta.get("val")
+    numel = val.numel() if isinstance(val, torch.Tensor) else 0
+    # Element-wise or reduction: about one operation per output element.
+    return NodeCost(float(numel), BWD_ELEMENTWISE * numel, out, out)

@@ -1,0 +1,132 @@
+"""PipelineEngine: one optimizer step's micro-batches through the pipeline schedule.
+
+Same interface as :class:`tessera.train.engine.Engine` (``forward_backward`` returning a
+:class:`StepResult`, ``evaluate``), so the Trainer changes only in which engine it builds.
+Each rank walks its action list: a forward receives its inputs (posted one action ahead, so
+the message is usually there), runs, and sends its outputs on; a backward receives the output
+gradients, runs, and sends the input gradients back. Only the last stage sees the loss; it is
+broadcast over the pp group so every rank reports the same value.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+
+import torch
+import torch.distributed as dist
+
+from tessera.parallel.pipeline.comm import BACKWARD, FORWARD, StageLink
+from tessera.parallel.pipeline.schedules import Action, recompute_early, recomputes
+from tessera.parallel.plan import Parallelized, lm_loss
+from tessera.strategy import Strategy
+
+@dataclass
+class Timeline:
+    """Events of the last step on this rank: (kind, stage, micro-batch, seconds since start).
+
+    Kinds: F forward, R recomputation, W gradient arrived, B backward done.
+    """
+
+    events: list[tuple[str, int, int, float]] = field(default_factory=list)
+    start: float = 0.0
+
+    def add(self, kind: str, stage: int, mb: int) -> None:
+        self.events.append((kind, stage, mb, time.perf_counter() - self.start))
+
+
+class PipelineEngine:
+    """Runs the schedule of ``plan.pipeline`` (see :func:`apply_pipeline`).
+
+    Args:
+        plan: what :func:`tessera.parallel.parallelize` returned for pp > 1.
+        strategy: gives the schedule and precision.
+        device: where batches go.
+    """
+
+    def __init__(self, plan: Parallelized, strategy: Strategy, device: torch.device) -> None:
+        self.plan, self.pipe, self.device = plan, plan.pipeline, device
+        self.schedule = strategy.schedule
+        self.scaler = None  # fp16 is refused with pp > 1
+        self.timeline = Timeline()
+
+    def forward_backward(self, micro_batches: list[dict[str, torch.Tensor]]):
+        """Accumulate gradients of the mean loss over ``micro_batches`` on this rank's stages."""
+        batches = [{k: v.to(self.device) for k, v in b.items()} for b in micro_batches]
+        n = len(batches)
+        built = self.pipe.program.get(tuple(batches[0]["input_ids"].shape), training=True)
+        actions = self.pipe.actions(n)
+        total = self._run(built, batches, actions, train=True)
+        self.pipe.grad_sync.sync()
+        loss = self._broadcast_loss(total / n)
+        # Imported here: tessera.train imports this module (the Trainer picks the engine).
+        from tessera.train.engine import StepResult
+
+        return StepResult(loss=loss, tokens=sum(b["input_ids"].numel() for b in batches))
+
+    @torch.no_grad()
+    def evaluate(self, batch: dict[str, torch.Tensor]) -> torch.Tensor:
+        """Mean loss of one batch without gradients (the last stage's, on every rank)."""
+        batch = {k: v.to(self.device) for k, v in batch.items()}
+        built = self.pipe.program.get(tuple(batch["input_ids"].shape), training=False)
+        actions = [Action("F", s, 0) for s in self.pipe.local_stages]
+        return self._broadcast_loss(self._run(built, [batch], actions, train=False))
+
+    # ---------------------------------------------------------------------------- private
+    def _run(self, built, batches, actions: list[Action], train: bool) -> torch.Tensor:
+        pipe, n = self.pipe, len(batches)
+        link = StageLink(pipe.pp_group, pipe.stage_rank, self.device)
+        last = pipe.n_stages - 1
+        pending, states, total = {}, {}, torch.zeros((), device=self.device)
+        self.timeline = Timeline(start=time.perf_counter())
+        for i, action in enumerate(actions):
+            for ahead in actions[i:i + 2]:  # post this action's and the next one's receive
+                self._post(link, built, ahead, pending)
+            s, m = action.stage, action.mb
+            runner = built.runners[s]
+            if action.kind == "F":
+                inputs = pending.pop(("F", s, m)).wait() if s > 0 else []
+                rc = train and recomputes(self.schedule, s, pipe.n_stages, m, n, pipe.ratios[s])
+                state = runner.forward(inputs, batches[m], recompute=rc, grad=train)
+                self.timeline.add("F", s, m)
+                if s == last:
+                    loss = lm_loss(state.outputs[0], batches[m]["labels"])
+                    state.loss = loss / n
+                    total += loss.detach()
+                else:
+                    link.send(state.outputs, s + 1, m, FORWARD)
+                if train:
+                    states[(s, m)] = state
+                continue
+            state = states.pop((s, m))
+            if state.needs_recompute and recompute_early(self.schedule):
+                runner.recompute(state)  # shifted critical path: inside the wait below
+                self.timeline.add("R", s, m)
+            grads = pending.pop(("B", s, m)).wait() if s < last else None
+            self.timeline.add("W", s, m)
+            if state.needs_recompute:
+                runner.recompute(state)
+                self.timeline.add("R", s, m)
+            input_grads = runner.backward(state, grads)
+            self.timeline.add("B", s, m)
+            if s > 0:
+                link.send(input_grads, s - 1, m, BACKWARD)
+        link.flush()
+        return total
+
+    def _post(self, link: StageLink, built, action: Action, pending: dict) -> None:
+        s, m, last = action.stage, action.mb, self.pipe.n_stages - 1
+        key = (action.kind, s, m)
+        if key in pending:
+            return
+        if action.kind == "F" and s > 0:
+            pending[key] = link.recv(built.in_specs[s], s - 1, s, m, FORWARD)
+        elif action.kind == "B" and s < last:
+            pending[key] = link.recv(built.out_specs[s], s + 1, s, m, BACKWARD)
+
+    def _broadcast_loss(self, loss: torch.Tensor) -> torch.Tensor:
+        pipe = self.pipe
+        loss = loss.detach().float().reshape(()).clone()
+        src = dist.get_global_rank(pipe.pp_group, pipe.stage_rank[pipe.n_stages - 1])
+        dist.broadcast(loss, src=src, group=pipe.pp_group)
+        return loss

@@ -1,0 +1,130 @@
+"""This rank's share of the model under its original names, and the gradient rules for it.
+
+:class:`StageModule` registers the very parameters of the user's model that this rank's stages
+read, at their original dotted names (every name, when weights are tied). So its state dict
+holds the single-device keys of this rank's share: DCP writes each stage's keys from its own
+ranks, and the union is the single-device checkpoint, loadable at any pp.
+
+Gradient rules after a step:
+- tied weights (a GPT-2 embedding reused by the LM head) live on the first and last stage;
+  their gradients are summed over the pp group (ranks without the weight add zeros), which is
+  what one device accumulates into the shared tensor;
+- data parallelism averages every gradient over the dp group (after the pipeline has drained,
+  so nothing overlaps the backward; see docs/pipeline.md);
+- the global gradient norm sums each weight once, on the lowest stage holding it.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+
+class StageModule(nn.Module):
+    """A module tree holding ``params`` (name -> tensor) at their dotted names.
+
+    Args:
+        params: original name -> parameter, every alias of a tied weight included.
+        buffers: original name -> persistent buffer this rank reads.
+    """
+
+    # Checkpoints key this rank's optimizer state by parameter name (train/checkpoint.py):
+    # by group index, every stage's "group 0" would be saved under the same key.
+    flat_optimizer_state = True
+
+    def __init__(self, params: dict[str, nn.Parameter],
+                 buffers: dict[str, torch.Tensor]) -> None:
+        super().__init__()
+        for name, param in sorted(params.items()):
+            owner, leaf = self._owner(name)
+            owner.register_parameter(leaf, param)
+        for name, buf in sorted(buffers.items()):
+            owner, leaf = self._owner(name)
+            owner.register_buffer(leaf, buf)
+
+    def _owner(self, name: str) -> tuple[nn.Module, str]:
+        *path, leaf = name.split(".")
+        module: nn.Module = self
+        for part in path:
+            if part not in module._modules:
+                module.add_module(part, nn.Module())
+            module = module._modules[part]
+        return module, leaf
+
+    def forward(self, *args, **kwargs):
+        raise RuntimeError("a pipeline stage runs through PipelineEngine, not by calling it")
+
+
+def aliases(model: nn.Module) -> dict[int, list[str]]:
+    """Every name of every parameter, by tensor identity (tied weights have several)."""
+    out: dict[int, list[str]] = {}
+    for name, param in model.named_parameters(remove_duplicate=False):
+        out.setdefault(id(param), []).append(name)
+    return out
+
+
+def persistent_buffers(model: nn.Module) -> dict[str, torch.Tensor]:
+    """Buffers that appear in the model's state dict."""
+    keys = set(model.state_dict().keys())
+    return {name: buf for name, buf in model.named_buffers() if name in keys}
+
+
+class GradSync:
+    """Tied-weight and data-parallel gradient reduction, and the global gradient norm.
+
+    Args:
+        params: this rank's parameters, unique.
+        norm_owned: those this rank counts in the global norm (lowest pp rank holding them).
+        pp_group, dp_group: process groups of this rank's pp and dp axes.
+        tied: every weight held by several pp ranks as (key, shape), in one global order so
+            all pp ranks run the same all-reduces in the same order.
+        tied_local: key -> this rank's tensor, for the tied weights this rank holds.
+        device: where zeros stand in for tied weights this rank does not hold.
+    """
+
+    def __init__(self, params: list[nn.Parameter], norm_owned: list[nn.Parameter], pp_group,
+                 dp_group, tied: list[tuple[str, tuple[int, ...]]],
+                 tied_local: dict[str, nn.Parameter], device: torch.device) -> None:
+        self.params, self.norm_owned = params, norm_owned
+        self.pp_group, self.dp_group = pp_group, dp_group
+        self.tied, self.tied_local, self.device = tied, tied_local, device
+
+    def sync(self) -> None:
+        """Sum tied gradients over pp, then average all gradients over dp."""
+        for key, shape in self.tied:
+            param = self.tied_local.get(key)
+            grad = (_grad_or_zeros(param) if param is not None
+                    else torch.zeros(shape, device=self.device))
+            dist.all_reduce(grad, group=self.pp_group)
+        if dist.get_world_size(self.dp_group) > 1 and self.params:
+            grads = [_grad_or_zeros(p) for p in self.params]
+            flat = torch.cat([g.reshape(-1) for g in grads])  # one message, not one per tensor
+            dist.all_reduce(flat, op=dist.ReduceOp.AVG, group=self.dp_group)
+            offset = 0
+            for g in grads:
+                g.copy_(flat[offset:offset + g.numel()].view_as(g))
+                offset += g.numel()
+
+    def clip(self, max_norm: float) -> torch.Tensor:
+        """Clip all stages' gradients to a global 2-norm; returns the norm before clipping.
+
+        Same formula as torch.nn.utils.clip_grad_norm_, so pp=1 and pp>1 clip alike.
+        """
+        sq = torch.zeros((), device=self.device)
+        for p in self.norm_owned:
+            if p.grad is not None:
+                sq += p.grad.detach().float().pow(2).sum()
+        dist.all_reduce(sq, group=self.pp_group)
+        norm = sq.sqrt()
+        coef = torch.clamp(max_norm / (norm + 1e-6), max=1.0)
+        for p in self.params:
+            if p.grad is not None:
+                p.grad.detach().mul_(coef.to(p.grad.dtype))
+        return norm
+
+
+def _grad_or_zeros(param: nn.Parameter) -> torch.Tensor:
+    if param.grad is None:
+        param.grad = torch.zeros_like(param)
+    return param.grad

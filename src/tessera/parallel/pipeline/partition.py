@@ -1,0 +1,265 @@
+"""Graph sharding: cut the compute nodes into pp stages of balanced estimated time.
+
+Worked example (GPT-2 with 2 blocks, pp=2): the compute nodes run embed, block 0 (attention,
+residual add, MLP, add), block 1, final norm, LM head. A cut between two nodes is a candidate
+when as few activations cross it as anywhere (one here: the residual stream), so a stage ends
+at a block boundary *or* between a block's attention and its MLP, never inside attention.
+Among candidates a dynamic program picks the S - 1 cuts minimising the slowest stage's
+estimated time (forward + backward + recomputation + sending its boundary), subject to each
+stage's memory (weights, gradients and Adam states, plus in-flight activations) fitting the
+limit; ties go to fewer bytes crossing. With a large vocabulary the LM head is heavy, so the
+last stage gets fewer blocks than an equal-layer split would give it.
+
+Stage-aware recomputation: with a memory limit and ``recompute=None``, each stage takes the
+smallest ratio in ``RATIO_GRID`` that fits. Under 1F1B stage s holds S - s micro-batches in
+flight, so earlier stages end up recomputing more (Merak, section 4.3).
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+from tessera.parallel.pipeline.capture import ProxyGraph
+from tessera.parallel.pipeline.cost import DeviceRates, value_bytes
+
+RATIO_GRID = (0.0, 0.25, 0.5, 0.75, 1.0)
+STATE_FACTOR = 4  # fp32 AdamW: weight + gradient + two moments, in bytes of the weight
+
+
+class PartitionError(ValueError):
+    """No partition satisfies the request; the message names the rule."""
+
+
+@dataclass
+class Partition:
+    """Stage boundaries over ``graph.compute`` and each stage's estimates.
+
+    Attributes:
+        bounds: S + 1 compute indices; stage s runs ``compute[bounds[s]:bounds[s+1]]``.
+        recompute: per-stage recomputation ratio the estimates assume.
+        stage_time: estimated seconds of forward + backward (+ recompute) per micro-batch.
+        stage_memory: estimated peak bytes per stage.
+        crossing_bytes: bytes sent forward at each of the S - 1 boundaries per micro-batch.
+    """
+
+    bounds: list[int]
+    recompute: tuple[float, ...]
+    stage_time: list[float]
+    stage_memory: list[float]
+    crossing_bytes: list[int]
+
+    @property
+    def stages(self) -> int:
+        return len(self.bounds) - 1
+
+    @property
+    def balance(self) -> float:
+        """Max over mean estimated stage time (1.0 is perfect balance)."""
+        return max(self.stage_time) / (sum(self.stage_time) / len(self.stage_time))
+
+    def stage_of(self, graph: ProxyGraph) -> dict[str, int]:
+        """Stage index of every compute node."""
+        out = {}
+        for s in range(self.stages):
+            for name in graph.compute[self.bounds[s]:self.bounds[s + 1]]:
+                out[name] = s
+        return out
+
+
+class CostTable:
+    """Prefix sums over the compute nodes, so a stage [a, b) is priced in O(params)."""
+
+    def __init__(self, graph: ProxyGraph, rates: DeviceRates) -> None:
+        self.graph, self.rates = graph, rates
+        n = len(graph.compute)
+        self.fwd, self.bwd, self.act = [0.0] * (n + 1), [0.0] * (n + 1), [0.0] * (n + 1)
+        for i, name in enumerate(graph.compute):
+            cost = graph.nodes[name].cost
+            self.fwd[i + 1] = self.fwd[i] + cost.fwd_time(rates)
+            self.bwd[i + 1] = self.bwd[i] + cost.bwd_time(rates)
+            self.act[i + 1] = self.act[i] + cost.saved_bytes
+        self.cross_count, self.cross_bytes = _crossings(graph)
+        self.logits_bytes = value_bytes(graph.nodes[graph.output].node.meta.get("val"))
+        self.params = [(graph.param_bytes(p), min(u), max(u))
+                       for p, u in graph.param_users.items() if u]
+
+    def param_bytes(self, a: int, b: int) -> int:
+        return sum(size for size, lo, hi in self.params if lo < b and hi >= a)
+
+    def time(self, a: int, b: int, ratio: float, last: bool) -> float:
+        fwd = self.fwd[b] - self.fwd[a]
+        total = fwd * (1 + ratio) + self.bwd[b] - self.bwd[a]
+        if last:  # the loss: softmax over the logits, forward and backward
+            total += 3 * self.logits_bytes / self.rates.memory_bw
+        else:
+            total += self.cross_bytes[b] / self.rates.p2p_bw
+        return total
+
+    def memory(self, a: int, b: int, ratio: float, in_flight: int, last: bool) -> float:
+        act = (self.act[b] - self.act[a]) * (1 - ratio) + ratio * self.cross_bytes[a]
+        if last:
+            act += self.logits_bytes
+        return STATE_FACTOR * self.param_bytes(a, b) + in_flight * act
+
+
+def _crossings(graph: ProxyGraph) -> tuple[list[int], list[int]]:
+    """Number and bytes of activations crossing each cut c (between compute c-1 and c)."""
+    n = len(graph.compute)
+    index = graph.compute_index()
+    count, size = [0] * (n + 2), [0] * (n + 2)
+    for name in graph.compute:
+        node = graph.nodes[name].node
+        uses = [index[u.name] for u in node.users if u.name in index]
+        last = n if name == graph.output or any(u.op == "output" for u in node.users) else max(
+            uses, default=index[name])
+        lo, hi = index[name] + 1, last  # crosses cuts lo..hi
+        if hi >= lo:
+            nbytes = value_bytes(node.meta.get("val"))
+            count[lo] += 1
+            count[hi + 1] -= 1
+            size[lo] += nbytes
+            size[hi + 1] -= nbytes
+    for c in range(1, n + 1):
+        count[c] += count[c - 1]
+        size[c] += size[c - 1]
+    return count[:n + 1], size[:n + 1]
+
+
+def candidate_cuts(table: CostTable) -> list[int]:
+    """Interior cuts crossed by the fewest activations (and no more bytes than the least)."""
+    n = len(table.graph.compute)
+    interior = range(1, n)
+    if not interior:
+        return []
+    fewest = min(table.cross_count[c] for c in interior)
+    least = min(table.cross_bytes[c] for c in interior if table.cross_count[c] == fewest)
+    return [c for c in interior
+            if table.cross_count[c] == fewest and table.cross_bytes[c] <= least]
+
+
+def in_flight(stage: int, stages: int, micro_batches: int, schedule: str) -> int:
+    """Micro-batches whose activations stage ``stage`` holds at its peak."""
+    if schedule == "gpipe":
+        return micro_batches
+    return min(micro_batches, stages - stage)
+
+
+def partition(graph: ProxyGraph, stages: int, micro_batches: int = 1, schedule: str = "1f1b",
+              memory_limit: float | None = None, recompute: tuple[float, ...] | None = (0.0,),
+              rates: DeviceRates = DeviceRates(), cuts: list[int] | None = None) -> Partition:
+    """Split ``graph`` into ``stages`` stages of balanced estimated time.
+
+    Args:
+        graph: the captured model.
+        stages: number of pipeline stages (virtual stages under interleaving).
+        micro_batches: micro-batches per step (sets the in-flight activations).
+        schedule: "gpipe", "1f1b", "interleaved" or "scp".
+        memory_limit: bytes each stage may hold; None for no limit.
+        recompute: one ratio for every stage or one per stage; None chooses per stage the
+            smallest ratio that fits ``memory_limit`` (stage-aware recomputation).
+        rates: device speeds for turning FLOPs and bytes into seconds.
+        cuts: fixed interior cut positions (manual split points) instead of the search.
+
+    Raises:
+        PartitionError: when the model has fewer candidate cuts than stages - 1, or no split
+            fits the memory limit.
+    """
+    table = CostTable(graph, rates)
+    options = candidate_cuts(table) if cuts is None else sorted(cuts)
+    if len(options) < stages - 1:
+        raise PartitionError(f"pp={stages} stages need {stages - 1} cuts, but the graph has only "
+                             f"{len(options)} places where few activations cross; use pp <= "
+                             f"{len(options) + 1}")
+    if recompute is None and memory_limit is None:
+        raise PartitionError("recompute=None (stage-aware) needs a memory_limit to choose from")
+    points = [0] + options + [len(graph.compute)]
+    if cuts is not None:
+        return _evaluate(table, points, stages, micro_batches, schedule, memory_limit, recompute)
+    return _search(table, points, stages, micro_batches, schedule, memory_limit, recompute)
+
+
+def _stage_cost(table: CostTable, a: int, b: int, s: int, stages: int, micro_batches: int,
+                schedule: str, limit: float | None, recompute) -> tuple[float, float, float]:
+    """(time, memory, ratio) of stage s over [a, b); time is inf when nothing fits."""
+    last = s == stages - 1
+    flight = in_flight(s, stages, micro_batches, schedule)
+    if recompute is None:
+        choices = RATIO_GRID
+    else:
+        choices = (recompute[0] if len(recompute) == 1 else recompute[s],)
+    for ratio in choices:
+        mem = table.memory(a, b, ratio, flight, last)
+        if limit is None or mem <= limit:
+            return table.time(a, b, ratio, last), mem, ratio
+    return math.inf, table.memory(a, b, choices[-1], flight, last), choices[-1]
+
+
+def _search(table, points, stages, micro_batches, schedule, limit, recompute) -> Partition:
+    k = len(points)
+    # best[s][j]: (slowest stage, bytes crossed, previous point) covering points[0..j] in s+1
+    best = [[(math.inf, math.inf, -1)] * k for _ in range(stages)]
+    for j in range(1, k):
+        t, _, _ = _stage_cost(table, 0, points[j], 0, stages, micro_batches, schedule, limit,
+                              recompute)
+        best[0][j] = (t, 0, 0)
+    for s in range(1, stages):
+        for j in range(s + 1, k):
+            for i in range(s, j):
+                prev = best[s - 1][i]
+                if math.isinf(prev[0]):
+                    continue
+                t, _, _ = _stage_cost(table, points[i], points[j], s, stages, micro_batches,
+                                      schedule, limit, recompute)
+                cand = (max(prev[0], t), prev[1] + table.cross_bytes[points[i]], i)
+                if cand[:2] < best[s][j][:2]:
+                    best[s][j] = cand
+    if math.isinf(best[stages - 1][k - 1][0]):
+        raise PartitionError(f"no split into pp={stages} stages fits memory_limit="
+                             f"{limit:.3g} bytes per stage; raise the limit, recompute more, "
+                             "or use more stages")
+    chosen, j = [], k - 1
+    for s in range(stages - 1, -1, -1):
+        chosen.append(points[j])
+        j = best[s][j][2]
+    chosen.append(0)
+    return _evaluate(table, chosen[::-1], stages, micro_batches, schedule, limit, recompute)
+
+
+def _evaluate(table, bounds, stages, micro_batches, schedule, limit, recompute) -> Partition:
+    if len(bounds) != stages + 1:
+        raise PartitionError(f"{len(bounds) - 2} split points give {len(bounds) - 1} stages, "
+                             f"pp={stages} needs {stages - 1}")
+    times, mems, ratios = [], [], []
+    for s in range(stages):
+        t, m, r = _stage_cost(table, bounds[s], bounds[s + 1], s, stages, micro_batches,
+                              schedule, limit, recompute)
+        if math.isinf(t):
+            raise PartitionError(f"stage {s} needs {m:.3g} bytes, over memory_limit={limit:.3g}")
+        times.append(t)
+        mems.append(m)
+        ratios.append(r)
+    crossing = [table.cross_bytes[c] for c in bounds[1:-1]]
+    return Partition(list(bounds), tuple(ratios), times, mems, crossing)
+
+
+def layer_bounds(graph: ProxyGraph, stages: int) -> list[int]:
+    """Equal-layer split (the baseline): block boundaries at multiples of n_blocks / stages,
+    the embedding in the first stage and the head in the last."""
+    first: dict[int, int] = {}
+    for i, name in enumerate(graph.compute):
+        block = graph.nodes[name].block
+        if block is not None and block not in first:
+            first[block] = i
+    n_blocks = len(first)
+    if n_blocks < stages:
+        raise PartitionError(f"pp={stages} needs at least {stages} blocks, found {n_blocks}")
+    starts = [first[round(s * n_blocks / stages)] for s in range(1, stages)]
+    return [0] + starts + [len(graph.compute)]
+
+
+def evaluate_bounds(graph: ProxyGraph, bounds: list[int], micro_batches: int = 1,
+                    schedule: str = "1f1b", rates: DeviceRates = DeviceRates()) -> Partition:
+    """Estimates of a given split (e.g. :func:`layer_bounds`) without recomputation."""
+    table = CostTable(graph, rates)
+    return _evaluate(table, bounds, len(bounds) - 1, micro_batches, schedule, None, (0.0,))

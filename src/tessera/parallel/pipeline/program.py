@@ -1,0 +1,145 @@
+"""The pipeline as planned for one rank: partition, ownership, and runnable stages per shape.
+
+The partition is decided once, when the model is parallelised, on a graph captured at a
+nominal shape; it is kept as "which stage runs each graph node". Exported graphs bake in their
+shapes, so the runnable pieces are built (captured again, split by the same node names) the
+first time each micro-batch shape or train/eval mode is met, and cached.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from torch import nn
+
+from tessera.parallel.pipeline.capture import ProxyGraph, capture
+from tessera.parallel.pipeline.comm import TensorSpec
+from tessera.parallel.pipeline.partition import CostTable, Partition, candidate_cuts
+from tessera.parallel.pipeline.cost import DeviceRates
+from tessera.parallel.pipeline.split import boundaries, spec_of, split_graph
+from tessera.parallel.pipeline.stage import StageRunner
+
+
+@dataclass
+class Built:
+    """Runnable stages of this rank for one shape, and the boundary specs of every stage."""
+
+    graph: ProxyGraph
+    runners: dict[int, StageRunner]
+    in_specs: list[list[TensorSpec]]  # per virtual stage: what it receives
+    out_specs: list[list[TensorSpec]]  # per virtual stage: what it sends on
+
+
+def stage_groups(graph: ProxyGraph, stage_of: dict[str, int], n_stages: int) -> list[list[str]]:
+    """Compute-node names of each stage, in graph order."""
+    missing = [n for n in graph.compute if n not in stage_of]
+    if missing:
+        raise RuntimeError(f"the graph captured at this shape has nodes the partition does not "
+                           f"know ({', '.join(missing[:3])}...): the model's graph depends on "
+                           "the input shape")
+    groups: list[list[str]] = [[] for _ in range(n_stages)]
+    for name in graph.compute:
+        groups[stage_of[name]].append(name)
+    return groups
+
+
+def head_tail(graph: ProxyGraph, group: list[str], ratio: float) -> tuple[list[str], list[str]]:
+    """Split a stage's nodes so the head holds about ``ratio`` of its forward time.
+
+    The cut falls at a candidate cut (few activations crossing) nearest that fraction; with no
+    candidate inside the stage, any ratio > 0 recomputes the whole stage.
+    """
+    if ratio <= 0 or not group:
+        return [], group
+    if ratio >= 1:
+        return group, []
+    table = CostTable(graph, DeviceRates())
+    index = graph.compute_index()
+    a, b = index[group[0]], index[group[-1]] + 1
+    inside = [c for c in candidate_cuts(table) if a < c < b]
+    if not inside:
+        return group, []
+    target = table.fwd[a] + ratio * (table.fwd[b] - table.fwd[a])
+    cut = min(inside, key=lambda c: abs(table.fwd[c] - target))
+    return group[:cut - a], group[cut - a:]
+
+
+class PipelineProgram:
+    """Partition + this rank's stages, built lazily per micro-batch shape.
+
+    Args:
+        model: the user's model (its parameters are the stages' parameters).
+        graph: the graph the partition was made on.
+        partition: stage bounds over ``graph.compute`` (virtual stages).
+        ratios: recomputation ratio of each virtual stage.
+        local_stages: the virtual stages this rank runs.
+        autocast: context factory for mixed precision.
+    """
+
+    def __init__(self, model: nn.Module, graph: ProxyGraph, partition: Partition,
+                 ratios: list[float], local_stages: list[int], autocast) -> None:
+        self.model, self.ratios, self.local = model, ratios, local_stages
+        self.n_stages = partition.stages
+        self.stage_of = partition.stage_of(graph)
+        self.autocast = autocast
+        self._cache: dict[tuple, Built] = {}
+        self._seed_graph = graph
+
+    def get(self, shape: tuple[int, int], training: bool) -> Built:
+        """Stages for micro-batches of ``shape`` (batch, seq) in train or eval mode."""
+        key = (tuple(shape), training)
+        if key not in self._cache:
+            self._cache[key] = self._build(shape, training)
+        return self._cache[key]
+
+    def _build(self, shape: tuple[int, int], training: bool) -> Built:
+        seed = self._seed_graph
+        seed_shape = tuple(seed.nodes[seed.inputs[0]].node.meta["val"].shape)
+        if training and shape == seed_shape:
+            graph = seed  # the partitioning capture already has this shape (train mode)
+        else:
+            graph = self._capture(shape, training)
+        groups = stage_groups(graph, self.stage_of, self.n_stages)
+        # Each stage becomes one or two pieces: [head (recomputed), tail], empty ones dropped.
+        halves = [head_tail(graph, g, self.ratios[s] if training else 0.0)
+                  for s, g in enumerate(groups)]
+        piece_groups, first_piece = [], []
+        for head, tail in halves:
+            first_piece.append(len(piece_groups))
+            piece_groups += [g for g in (head, tail) if g]
+        pieces = split_graph(graph, piece_groups, self.model)
+        entering = boundaries(graph, piece_groups)
+        runners = {}
+        for s in self.local:
+            head, tail = halves[s]
+            own = iter(pieces[first_piece[s]:first_piece[s] + bool(head) + bool(tail)])
+            runners[s] = StageRunner(s, next(own) if head else None,
+                                     next(own) if tail else None, self.autocast)
+        in_specs = [[spec_of(graph, n) for n in entering[first_piece[s]]]
+                    for s in range(self.n_stages)]
+        out_specs = in_specs[1:] + [[]]
+        return Built(graph, runners, in_specs, out_specs)
+
+    def _capture(self, shape: tuple[int, int], training: bool) -> ProxyGraph:
+        was_training = self.model.training
+        self.model.train(training)  # dropout is baked into the export by mode
+        try:
+            return capture(self.model, *shape)
+        finally:
+            self.model.train(was_training)
+
+
+def nominal_seq_len(model: nn.Module, cap: int = 128) -> int:
+    """A sequence length for the partitioning capture: the model's maximum, capped."""
+    config = getattr(model, "config", None)
+    for name in ("max_seq_len", "n_positions", "max_position_embeddings"):
+        value = getattr(config, name, None)
+        if isinstance(value, int) and value > 0:
+            return min(value, cap)
+    return cap
+
+
+def capture_for_partition(model: nn.Module, micro_batch: int) -> ProxyGraph:
+    """The graph the partition is made on. Captured in training mode like the runtime graphs,
+    so the node names the partition refers to are the same."""
+    return capture(model, micro_batch, nominal_seq_len(model))

@@ -1,0 +1,115 @@
+"""Multi-rank pipeline checks, run by run_distributed from test_pipeline_parity.py.
+
+Each check compares a pipeline run with a single-device run of the same model, micro-batches
+and optimizer, computed in the same process (the reference needs no communication). Returned
+values are plain numbers so the test process asserts them.
+"""
+
+from __future__ import annotations
+
+import shutil
+from pathlib import Path
+
+import torch
+
+from tessera.mesh import Mesh
+from tessera.models import Transformer
+from tessera.models.config import preset
+from tessera.models.hf import build_hf_model, hf_config_from_reference
+from tessera.parallel import parallelize
+from tessera.parallel.pipeline import PipelineEngine
+from tessera.parallel.plan import Parallelized
+from tessera.strategy import Strategy
+from tessera.train.engine import Engine
+from tessera.train.optim import build_optimizer
+
+STEPS = 3
+# SEQ is the tiny presets' max_seq_len: the partitioning capture then has the run's shape and
+# is reused (one torch.export per run instead of two).
+MBS, SEQ = 2, 64
+
+
+def make_model(arch: str, n_layers: int = 4) -> torch.nn.Module:
+    torch.manual_seed(0)
+    if arch == "ref":
+        return Transformer(preset("tiny", n_layers=n_layers))
+    base = preset("tiny-llama" if arch == "llama" else "tiny", n_layers=n_layers)
+    return build_hf_model(arch, **hf_config_from_reference(arch, base))
+
+
+def micro_batches(step: int, count: int) -> list[dict[str, torch.Tensor]]:
+    g = torch.Generator().manual_seed(100 + step)
+    return [{"input_ids": torch.randint(0, 256, (MBS, SEQ), generator=g),
+             "labels": torch.randint(0, 256, (MBS, SEQ), generator=g)} for _ in range(count)]
+
+
+def _optimizer(module: torch.nn.Module) -> torch.optim.Optimizer:
+    return build_optimizer(module, 1e-2, 0.1, (0.9, 0.95), 1e-8, torch.device("cpu"))
+
+
+def parity(arch: str, text: str) -> dict[str, float]:
+    """Max |loss| and |grad| differences over STEPS AdamW steps, pipeline vs one device.
+
+    Every dp rank gets the same micro-batches, so the dp average equals the single-device
+    gradient and the comparison needs no gathering.
+    """
+    strategy = Strategy.parse(text)
+    n = strategy.grad_accum_steps
+    ref = make_model(arch)
+    ref_engine = Engine(Parallelized(ref, ref, None), Strategy(), torch.device("cpu"))
+    ref_opt = _optimizer(ref)
+    model = make_model(arch)
+    plan = parallelize(model, strategy, Mesh(strategy, "cpu"))
+    engine = PipelineEngine(plan, strategy, torch.device("cpu"))
+    opt = plan.build_optimizer(model, 1e-2, 0.1, (0.9, 0.95), 1e-8, torch.device("cpu"))
+    loss_diff = grad_diff = 0.0
+    for step in range(STEPS):
+        batches = micro_batches(step, n)
+        want, got = ref_engine.forward_backward(batches), engine.forward_backward(batches)
+        loss_diff = max(loss_diff, abs(float(want.loss) - float(got.loss)))
+        ref_norm = float(torch.nn.utils.clip_grad_norm_(ref.parameters(), 1.0))
+        norm = float(plan.clip_grad_norm(model, 1.0))
+        grad_diff = max(grad_diff, abs(ref_norm - norm), _grad_diff(plan.module, ref))
+        ref_opt.step(), opt.step()
+        ref_opt.zero_grad(), opt.zero_grad()
+    return {"loss": loss_diff, "grad": grad_diff, "loss_value": float(got.loss),
+            "keys": sorted(plan.module.state_dict()),
+            "timeline": [(k, s, m) for k, s, m, _ in engine.timeline.events]}
+
+
+def _grad_diff(stage: torch.nn.Module, ref: torch.nn.Module) -> float:
+    worst = 0.0
+    for name, param in stage.named_parameters():
+        assert param.grad is not None, f"{name} got no gradient"
+        worst = max(worst, (param.grad - ref.get_parameter(name).grad).abs().max().item())
+    return worst
+
+
+def checkpoint_round_trip(root: str) -> dict[str, list[float]]:
+    """pp=2 trains 3 steps and saves; pp=2 and pp=1 (dp=2) each resume and run step 4."""
+    from tessera.run import build_datasets, build_model, build_tokenizer
+    from tessera.testing import tiny_run_config
+    from tessera.train.trainer import Trainer
+
+    def train(out: Path, strategy: str, until=None, resume=False):
+        config = tiny_run_config(out, strategy, train={"max_steps": 4, "resume": resume,
+                                                               "eval_steps": 4, "eval_batches": 1},
+                                 model={"preset": "tiny", "n_layers": 4})
+        tokenizer = build_tokenizer(config)
+        train_ds, val_ds = build_datasets(config, tokenizer)
+        trainer = Trainer(build_model(config), config.train, train_ds, val_ds,
+                          strategy=config.strategy)
+        return trainer.train(until_step=until), trainer
+
+    root = Path(root)
+    torch.distributed.barrier()
+    first, _ = train(root / "pp2", "dp=1,tp=1,pp=2,mbs=2,gbs=8", until=3)
+    torch.distributed.barrier()
+    if torch.distributed.get_rank() == 0:
+        shutil.copytree(root / "pp2", root / "pp1")
+    torch.distributed.barrier()
+    on_pp2, _ = train(root / "pp2", "dp=1,tp=1,pp=2,mbs=2,gbs=8", resume=True)
+    on_pp1, trainer = train(root / "pp1", "dp=2,tp=1,pp=1,mbs=2,gbs=8", resume=True)
+    fresh, _ = train(root / "dp2", "dp=2,tp=1,pp=1,mbs=2,gbs=8", until=3)
+    return {"pp2_first": first.losses, "pp2_step4": on_pp2.losses, "pp1_step4": on_pp1.losses,
+            "dp2_first": fresh.losses, "eval_pp2": [l for _, l in on_pp2.eval_losses]}

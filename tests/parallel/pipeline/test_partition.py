@@ -1,0 +1,163 @@
+"""Capture on the meta device and the partitioner: costs, balance, memory limits, tied weights.
+
+All models here are built on the meta device: nothing is allocated, and a GPT-2 shaped model
+with a 50257-token vocabulary is captured and split in seconds.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch import nn
+
+from tessera.models import Transformer
+from tessera.models.config import preset
+from tessera.models.hf import build_hf_model, hf_config_from_reference
+from tessera.parallel.pipeline import capture, partition
+from tessera.parallel.pipeline.capture import CaptureError
+from tessera.parallel.pipeline.partition import (PartitionError, evaluate_bounds,
+                                                 layer_bounds)
+from tessera.parallel.pipeline.recompute import (ratios_from_first, stage_aware_ratios,
+                                                 strategy_text)
+
+
+@pytest.fixture(scope="module")
+def uniform():
+    with torch.device("meta"):
+        model = Transformer(preset("small", n_layers=12, vocab_size=256))
+    return capture(model, 1, 128)
+
+
+@pytest.fixture(scope="module")
+def big_vocab():
+    """GPT-2 shaped with 6 blocks and GPT-2's 50257-token vocabulary: a heavy LM head."""
+    with torch.device("meta"):
+        model = build_hf_model("gpt2", **hf_config_from_reference(
+            "gpt2", preset("gpt2", n_layers=6, max_seq_len=128)))
+    return capture(model, 1, 128)
+
+
+def test_meta_capture_prices_matmuls_from_shapes(uniform):
+    linear = [uniform.nodes[n] for n in uniform.compute if "linear" in n]
+    qkv = linear[0]  # (1, 128, 256) x (256 -> 256)
+    assert qkv.cost.fwd_flops == 2 * 128 * 256 * 256
+    assert qkv.cost.bwd_flops == 2 * qkv.cost.fwd_flops
+    assert qkv.cost.out_bytes == 128 * 256 * 4
+    assert {uniform.nodes[n].block for n in uniform.compute} >= set(range(12))
+
+
+def test_uniform_transformer_balances_within_ten_percent(uniform):
+    for pp in (2, 4):
+        part = partition(uniform, pp, micro_batches=8)
+        assert part.balance <= 1.10, (pp, part.balance)
+        assert part.crossing_bytes == [128 * 256 * 4] * (pp - 1)  # only the residual stream
+
+
+def test_heavy_lm_head_gets_fewer_blocks_than_an_equal_layer_split(big_vocab):
+    for pp in (2, 4):
+        ours = partition(big_vocab, pp, micro_batches=8)
+        equal = evaluate_bounds(big_vocab, layer_bounds(big_vocab, pp), micro_batches=8)
+        assert ours.balance < equal.balance, (pp, ours.balance, equal.balance)
+    assert partition(big_vocab, 2, micro_batches=8).balance <= 1.10
+
+
+def test_memory_limit_is_respected_and_moves_the_cuts(uniform):
+    free = partition(uniform, 4, micro_batches=8)
+    limit = 0.9 * max(free.stage_memory)
+    capped = partition(uniform, 4, micro_batches=8, memory_limit=limit)
+    assert max(capped.stage_memory) <= limit
+    assert capped.bounds != free.bounds
+    with pytest.raises(PartitionError, match="fits memory_limit"):
+        partition(uniform, 4, micro_batches=8, memory_limit=limit / 20)
+
+
+def test_stage_aware_recomputation_recomputes_more_on_earlier_stages(uniform):
+    free = partition(uniform, 4, micro_batches=8)
+    limit = 0.6 * max(free.stage_memory)
+    part = stage_aware_ratios(uniform, 4, micro_batches=8, memory_limit=limit)
+    assert max(part.stage_memory) <= limit
+    assert list(part.recompute) == sorted(part.recompute, reverse=True)
+    assert part.recompute[0] > part.recompute[-1]
+    assert strategy_text((1.0, 0.5, 0.0)) == "1/0.5/0"
+    assert ratios_from_first(1.0, 4) == (1.0, 1.0, 1.0, 0.0)
+    assert ratios_from_first(0.5, 3) == (0.5, 0.0, 0.0)
+
+
+def test_tied_weight_is_read_on_the_first_and_last_stage(big_vocab):
+    part = partition(big_vocab, 4, micro_batches=8)
+    stage_of = part.stage_of(big_vocab)
+    tied = {"transformer.wte.weight", "lm_head.weight"}
+    # The export lifts the shared tensor once, under one of its two names.
+    users = [{stage_of[big_vocab.compute[i]] for i in u}
+             for p, u in big_vocab.param_users.items() if big_vocab.nodes[p].fqn in tied and u]
+    assert users == [{0, 3}]
+
+
+def test_too_many_stages_are_refused_with_the_limit():
+    with torch.device("meta"):
+        model = Transformer(preset("tiny", n_layers=1))
+    graph = capture(model, 1, 16)
+    with pytest.raises(PartitionError, match=r"pp=9 stages need 8 cuts.*use pp <= "):
+        partition(graph, 9)
+
+
+class _DataDependent(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.embed = nn.Embedding(16, 8)
+
+    def forward(self, input_ids):
+        x = self.embed(input_ids)
+        if x.sum() > 0:  # a Python branch on a tensor value: not capturable
+            x = x * 2
+        return x
+
+
+def test_uncapturable_model_names_the_operation_and_the_way_out():
+    with pytest.raises(CaptureError) as err:
+        capture(_DataDependent(), 1, 4)
+    message = str(err.value)
+    assert "_DataDependent" in message and "if x.sum() > 0" in message
+    assert "torch.cond" in message and "pp=1" in message
+
+
+class _LongSkip(nn.Module):
+    """The embedding is added back after three layers: a skip over the middle stage."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.embed = nn.Embedding(32, 16)
+        self.layers = nn.ModuleList(nn.Linear(16, 16) for _ in range(3))
+        self.head = nn.Linear(16, 32)
+
+    def forward(self, input_ids):
+        e = self.embed(input_ids)
+        x = e
+        for layer in self.layers:
+            x = torch.tanh(layer(x))
+        return self.head(x + e)
+
+
+def test_a_skip_over_a_stage_passes_through_it_and_gradients_match():
+    from tessera.parallel.pipeline.split import split_graph
+
+    torch.manual_seed(0)
+    model, ids = _LongSkip(), torch.randint(0, 32, (2, 5))
+    graph = capture(model, 2, 5)
+    index = graph.compute_index()
+    cuts = [index[n.name] for n in graph.program.graph.nodes if n.name in ("linear_1", "linear_2")]
+    part = partition(graph, 3, cuts=cuts)
+    groups = [graph.compute[a:b] for a, b in zip(part.bounds, part.bounds[1:])]
+    pieces = split_graph(graph, groups, model)
+    embedding = next(n for n in graph.compute if n.startswith("embedding"))
+    assert embedding in pieces[1].inputs and embedding in pieces[1].outputs
+    x = []
+    for piece in pieces:
+        x = list(piece.module(*x, *[ids for _ in piece.batch]))
+    torch.testing.assert_close(x[0], model(ids), rtol=0, atol=0)
+    x[0].square().sum().backward()
+    got = {n: p.grad.clone() for n, p in model.named_parameters()}
+    model.zero_grad()
+    model(ids).square().sum().backward()
+    for name, param in model.named_parameters():
+        torch.testing.assert_close(got[name], param.grad, rtol=0, atol=0)
