@@ -1,0 +1,122 @@
+"""Unit checks of chunk memory that need no training run: states, size search, refusals."""
+
+from __future__ import annotations
+
+import random
+from pathlib import Path
+
+import pytest
+import torch
+from torch import nn
+
+from tessera.config import ConfigError, config_from_dict
+from tessera.memory import (LEGAL_TRANSITIONS, ChunkManager, DiskTierError,
+                            IllegalTransitionError, MemoryBudgetError, MemoryOptions,
+                            TensorState)
+from tessera.memory.chunk import Kind, pack, search_chunk_size, wasted_elements
+from tessera.memory.tiers import Tier, parse_bytes
+from tessera.memory.tracer import MemoryTracer
+
+S = TensorState
+
+
+def _manager(**options) -> ChunkManager:
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(8, 16), nn.Linear(16, 4))
+    return ChunkManager(model, MemoryOptions(**options), torch.device("cpu"))
+
+
+def test_every_legal_transition_runs_and_an_illegal_one_raises():
+    manager = _manager(chunk_size=1024)
+    slot = manager.chunks[0].slots[0]
+    assert slot.state is S.HOLD
+    # A walk that takes each of the 13 legal edges at least once.
+    walk = [S.COMPUTE, S.HOLD_AFTER_FWD, S.COMPUTE, S.HOLD_AFTER_BWD, S.COMPUTE, S.HOLD,
+            S.FREE, S.COMPUTE, S.HOLD_AFTER_FWD, S.FREE, S.HOLD, S.COMPUTE, S.HOLD_AFTER_FWD,
+            S.HOLD, S.COMPUTE, S.HOLD_AFTER_BWD, S.HOLD, S.COMPUTE, S.HOLD_AFTER_BWD, S.FREE]
+    for state in walk:
+        manager._set_state(slot, state)
+    assert set(manager.log.seen) == set(LEGAL_TRANSITIONS)
+    manager._set_state(slot, S.COMPUTE)
+    with pytest.raises(IllegalTransitionError, match="COMPUTE -> FREE"):
+        manager._set_state(slot, S.FREE)  # releasing a tensor in use would corrupt compute
+    assert slot.state is S.COMPUTE
+    illegal = [(a, b) for a in S for b in S if a is not b and (a, b) not in LEGAL_TRANSITIONS]
+    assert len(illegal) == 7  # 20 ordered pairs, 13 legal
+
+
+def test_parameters_are_views_into_chunks():
+    manager = _manager(chunk_size=1024)
+    chunk = manager.chunks[0]
+    payload = chunk.payload[Kind.PARAM]
+    for slot in chunk.slots:
+        assert slot.param.data.untyped_storage().data_ptr() == \
+            payload.untyped_storage().data_ptr()
+
+
+def test_size_search_minimises_waste_and_big_tensors_get_their_own_chunk():
+    rng = random.Random(3)
+    numels = [rng.choice([64, 4096, 16384, 300, 12288]) for _ in range(40)]
+    best = search_chunk_size(numels, world=2, align=64)
+    largest = -(-max(numels) // 64) * 64
+    brute = min(wasted_elements(numels, c, 2, 64) for c in range(largest, largest + 64 * 64, 64))
+    assert wasted_elements(numels, best, 2, 64) <= brute
+    chunks = pack([100, 5000, 100], capacity=1000, align=256)
+    assert chunks == [(1000, [0]), (5120, [1]), (1000, [2])]
+
+
+def test_budget_too_small_for_one_chunk_is_refused_naming_the_minimum():
+    with pytest.raises(MemoryBudgetError, match=r"needs at least \d+ bytes"):
+        _manager(chunk_size=1024, device_budget=1000)
+
+
+def test_tier_budget_is_enforced_and_accounted():
+    tier = Tier("device", torch.device("cpu"), budget=4096)
+    a = tier.allocate(512, torch.float32)
+    tier.nonmodel = 1024
+    with pytest.raises(MemoryBudgetError, match="exceed its budget of 4096"):
+        tier.allocate(512, torch.float32)
+    tier.free(a)
+    tier.allocate(512, torch.float32)
+    assert tier.peak <= 4096 and tier.used == 2048
+
+
+def test_disk_dir_missing_read_only_or_too_small_is_refused(tmp_path):
+    for directory, message in [(tmp_path / "missing", "does not exist"),
+                               (Path("/proc"), "not writable")]:
+        with pytest.raises(DiskTierError, match=message):
+            ChunkManager(nn.Linear(2, 2), MemoryOptions(disk_dir=str(directory)),
+                         torch.device("cpu"), offload=("cpu", "disk"))
+    from tessera.memory.tiers import check_disk_dir
+    with pytest.raises(DiskTierError, match="bytes free"):
+        check_disk_dir(tmp_path, need_bytes=10 ** 18)
+
+
+def test_tracer_next_use_and_reserve():
+    tracer = MemoryTracer(torch.device("cpu"))
+    for label, key, saved in [("a", 1, 100), ("b", 2, 300), ("c", 1, 50)]:
+        tracer.tick(label, 0)
+        tracer.access(key)
+        tracer.grow(id(label), saved)
+    tracer.end_iteration()
+    assert tracer.period == 3
+    assert tracer.next_use(1, 0) == 2 and tracer.next_use(1, 2) == 1  # wraps to next iteration
+    assert tracer.next_use(2, 1) == 3 and tracer.next_use(99, 0) == float("inf")
+    assert tracer.reserve(0) == 400  # moments 0 and 1: peak live 400 at moment 1
+
+
+def test_memory_config_section_is_checked():
+    base = {"strategy": "dp=1,mbs=1,gbs=1,memory=chunk,offload=cpu"}
+    config = config_from_dict({**base, "memory": {"device_budget": "2MiB"}})
+    assert config.memory.device_budget == 2 * 2 ** 20 and parse_bytes("1.5kb") == 1500
+    for raw, message in [
+        ({"memory": {"placement": "static"}}, "apply to strategy memory=chunk"),
+        ({"strategy": "dp=1,mbs=1,gbs=1,memory=chunk", "memory": {"placement": "static"}},
+         "needs offload=cpu"),
+        ({"strategy": "dp=1,mbs=1,gbs=1,memory=chunk,offload=cpu+disk"}, "needs memory.disk_dir"),
+        ({**base, "memory": {"device_budget": "lots"}}, "device_budget: must be bytes"),
+        ({"strategy": "dp=1,mbs=1,gbs=1,memory=chunk,offload=cpu,recompute=full"},
+         "memory=chunk with recompute is not built yet"),
+    ]:
+        with pytest.raises(ConfigError, match=message):
+            config_from_dict(raw)
