@@ -1,4 +1,4 @@
-"""The ``tessera`` command line: train, strategy, model; plan, profile and cluster when built."""
+"""The ``tessera`` command line: train, strategy, model, plan, profile, cluster, memory."""
 
 from __future__ import annotations
 
@@ -58,7 +58,8 @@ def train(args: tuple[str, ...], nproc: int | None, nnodes: int, node_rank: int,
     if resume:
         overrides.append("train.resume=true")
     try:
-        config = load_config(config_path, overrides)
+        config = load_config(config_path, overrides,
+                             world_size=None if nproc is None else nproc * nnodes)
         if nproc is None:
             nproc = max(1, config.strategy.world_size // nnodes)
         options = LaunchOptions(nproc, nnodes, node_rank, rdzv_endpoint, rdzv_backend,
@@ -134,21 +135,17 @@ def model_list() -> None:
     Console().print(table)
 
 
-def _register_optional_commands() -> None:
-    """Subsystems add their commands here as they land (planner, scheduler)."""
-    for module, names in (("tessera.planner.cli", ("plan_group", "profile_command")),
-                          ("tessera.cluster.cli", ("cluster_group",))):
-        try:
-            mod = __import__(module, fromlist=list(names))
-        except ModuleNotFoundError as err:
-            if err.name and err.name.startswith("tessera"):
-                continue  # that subsystem is not part of this build yet
-            raise
-        for name in names:
-            main.add_command(getattr(mod, name))
+def _register_subsystem_commands() -> None:
+    """plan, profile, cluster and memory live with their subsystems."""
+    from tessera.cluster.cli import cluster_group
+    from tessera.memory.cli import memory_group
+    from tessera.planner.cli import plan_group, profile_command
+
+    for command in (plan_group, profile_command, cluster_group, memory_group):
+        main.add_command(command)
 
 
-_register_optional_commands()
+_register_subsystem_commands()
 
 if __name__ == "__main__":
     main()

@@ -93,12 +93,14 @@ class TrainingArguments(_Section):
     max_steps: int = 100
     learning_rate: float = 1e-3
     min_lr_ratio: float = 0.1
+    lr_scheduler_type: Literal["cosine", "linear", "constant"] = "cosine"
     warmup_steps: int = 10
     weight_decay: float = 0.1
     adam_beta1: float = 0.9
     adam_beta2: float = 0.95
     adam_epsilon: float = 1e-8
     max_grad_norm: float = 1.0
+    collective_timeout_s: float = 600.0  # a collective waiting longer fails, naming itself
     nonfinite: Literal["stop", "skip"] = "stop"  # on NaN/inf gradients: stop the run or skip
     logging_steps: int = 10
     eval_steps: int = 0
@@ -138,8 +140,41 @@ class TrainingArguments(_Section):
         return value
 
 
+class MemorySection(_Section):
+    """Chunk memory (strategy memory=chunk): placement policy, budgets, disk, chunk size.
+
+    Budgets are bytes, as integers or text such as ``64MiB`` or ``1.5GB``.
+    """
+
+    placement: Literal["auto", "static"] = "auto"
+    device_budget: int | None = None
+    host_budget: int | None = None
+    disk_dir: str | None = None
+    chunk_size: int | None = None
+
+    @field_validator("device_budget", "host_budget", mode="before")
+    @classmethod
+    def _bytes(cls, value: Any) -> Any:
+        from tessera.memory.tiers import parse_bytes
+
+        try:
+            parsed = parse_bytes(value)
+        except ValueError:
+            raise ValueError(f"must be bytes, e.g. 67108864 or 64MiB; got {value!r}") from None
+        if parsed is not None and parsed < 1:
+            raise ValueError("must be >= 1 byte")
+        return parsed
+
+    @field_validator("chunk_size")
+    @classmethod
+    def _chunk_size(cls, value: int | None) -> int | None:
+        if value is not None and value < 1:
+            raise ValueError("must be >= 1 element")
+        return value
+
+
 class RunConfig(_Section):
-    """A whole training run: model, strategy, data and training arguments."""
+    """A whole training run: model, strategy, data, training arguments and chunk memory."""
 
     model_config = ConfigDict(extra="forbid", arbitrary_types_allowed=True)
 
@@ -147,6 +182,7 @@ class RunConfig(_Section):
     strategy: Strategy = Strategy()
     data: DataSection = DataSection()
     train: TrainingArguments = TrainingArguments()
+    memory: MemorySection = MemorySection()
 
     @field_validator("strategy", mode="before")
     @classmethod
@@ -175,7 +211,35 @@ class RunConfig(_Section):
             self.strategy.validate_for(model=model, seq_len=self.data.seq_len)
         except StrategyError as err:
             raise ValueError(f"strategy: {err}") from None
+        self._check_memory()
         return self
+
+    def _check_memory(self) -> None:
+        memory, strategy = self.memory, self.strategy
+        if strategy.memory != "chunk":
+            if memory != MemorySection():
+                raise ValueError(f"memory.* settings apply to strategy memory=chunk, got "
+                                 f"memory={strategy.memory}")
+            return
+        from tessera.memory.runtime import check_supported
+
+        try:
+            check_supported(strategy)
+        except NotImplementedError as err:
+            raise ValueError(f"strategy: {err}") from None
+        if memory.placement == "static" and "cpu" not in strategy.offload:
+            raise ValueError("memory.placement=static offloads optimizer states to the host: "
+                             "it needs offload=cpu in the strategy")
+        if "disk" in strategy.offload:
+            if memory.disk_dir is None:
+                raise ValueError("offload=disk needs memory.disk_dir")
+            from tessera.memory.tiers import check_disk_dir
+
+            check_disk_dir(Path(memory.disk_dir))  # missing or read-only: refused up front
+        elif memory.disk_dir is not None:
+            raise ValueError("memory.disk_dir is set but the strategy has no offload=disk")
+        if memory.host_budget is not None and "cpu" not in strategy.offload:
+            raise ValueError("memory.host_budget needs offload=cpu in the strategy")
 
     def to_dict(self) -> dict[str, Any]:
         """Plain data, with the strategy in its text form (round-trips through load)."""
@@ -187,9 +251,11 @@ class RunConfig(_Section):
 
 
 
-def load_config(path: str | Path | None = None, overrides: list[str] | tuple[str, ...] = ()
-                ) -> RunConfig:
+def load_config(path: str | Path | None = None, overrides: list[str] | tuple[str, ...] = (),
+                world_size: int | None = None) -> RunConfig:
     """Read a YAML config (or the defaults), apply ``key=value`` overrides, validate.
+
+    A strategy of ``auto,gbs=N[,field=value...]`` is planned for ``world_size`` devices.
 
     Raises:
         ConfigError: for a missing file, bad YAML, an unknown key, a wrong type or a rule
@@ -208,7 +274,22 @@ def load_config(path: str | Path | None = None, overrides: list[str] | tuple[str
             raise ConfigError(f"config file {path} must hold a mapping of sections")
     for item in overrides:
         _apply_override(raw, item)
+    text = raw.get("strategy")
+    if isinstance(text, str) and text.split(",")[0].strip() == "auto":
+        raw["strategy"] = _plan(raw, text, world_size)
     return config_from_dict(raw)
+
+
+def _plan(raw: dict[str, Any], text: str, world_size: int | None) -> str:
+    from tessera.train.auto import resolve_auto_text
+
+    if world_size is None:
+        raise ConfigError("strategy=auto needs the number of workers (tessera train --nproc N)")
+    probe = config_from_dict({**raw, "strategy": "dp=1,mbs=1,gbs=1"})  # validates the rest
+    try:
+        return resolve_auto_text(text, probe.model.build_config(), world_size).to_text()
+    except StrategyError as err:
+        raise ConfigError(f"strategy: {err}") from None
 
 
 def config_from_dict(raw: Mapping[str, Any]) -> RunConfig:

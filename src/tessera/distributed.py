@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import os
 from dataclasses import dataclass
+from datetime import timedelta
 
 import torch
 import torch.distributed as dist
@@ -36,8 +37,11 @@ def resolve_device_type(requested: str = "auto") -> str:
     return requested
 
 
-def init_distributed(device_type: str = "auto") -> WorkerContext:
+def init_distributed(device_type: str = "auto", timeout_s: float = 600.0) -> WorkerContext:
     """Initialise torch.distributed (gloo on CPU, NCCL on CUDA) unless already initialised.
+
+    Every collective (also on the mesh's sub-groups, which inherit it) fails after
+    ``timeout_s`` seconds instead of hanging.
 
     Under torchrun the rendezvous comes from its environment (RANK, WORLD_SIZE, MASTER_*).
     Without it, a single-process group is created so that one code path serves both cases.
@@ -55,11 +59,13 @@ def init_distributed(device_type: str = "auto") -> WorkerContext:
 
             os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
             os.environ.setdefault("MASTER_PORT", str(free_port()))
-            dist.init_process_group(backend_for(device_type), rank=0, world_size=1)
+            dist.init_process_group(backend_for(device_type), rank=0, world_size=1,
+                                    timeout=timedelta(seconds=timeout_s))
         else:
             rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
             dist.init_process_group(backend_for(device_type), store=_attempt_store(rank, world),
                                     rank=rank, world_size=world,
+                                    timeout=timedelta(seconds=timeout_s),
                                     device_id=device if device_type == "cuda" else None)
     return WorkerContext(dist.get_rank(), dist.get_world_size(), local_rank, device)
 
@@ -71,8 +77,6 @@ def _attempt_store(rank: int, world_size: int) -> dist.Store:
     a restarted rank can read the address that a dead rank of the previous attempt
     published, and time out connecting to it.
     """
-    from datetime import timedelta
-
     agent_hosts = os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True"
     store = dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), world_size,
                           is_master=not agent_hosts and rank == 0, timeout=timedelta(minutes=10))

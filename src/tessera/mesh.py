@@ -68,6 +68,7 @@ class Mesh:
             self.device_type, shape, mesh_dim_names=names)
         self.axis_names = names
         self._flat_tp: DeviceMesh | None = None
+        self._flat: dict[str, DeviceMesh] = {}
         if strategy.tp_mode == "2d":
             # The whole grid as one group, for collectives over all tp ranks (e.g. loss).
             self._flat_tp = self.device_mesh["tp_row", "tp_col"]._flatten("tp")
@@ -82,6 +83,18 @@ class Mesh:
     def group(self, axis: str) -> dist.ProcessGroup:
         """The process group of this rank along ``axis``."""
         return self.submesh(axis).get_group()
+
+    def flat_group(self, *axes: str) -> dist.ProcessGroup:
+        """One process group over several axes, e.g. ("dp", "sp"): all ranks holding the same
+        weights under sequence parallelism. The flattened group is built once (a collective:
+        every rank must call this) and cached."""
+        self._check_axes(axes)
+        if len(axes) == 1:
+            return self.group(axes[0])
+        name = "_".join(axes)
+        if name not in self._flat:
+            self._flat[name] = self.device_mesh[axes]._flatten(name)
+        return self._flat[name].get_group()
 
     def size(self, axis: str) -> int:
         """Number of ranks along ``axis``."""

@@ -80,5 +80,5 @@ def run_training(config: RunConfig) -> TrainResult:
     model = build_model(config, vocab_size=max(tokenizer.vocab_size,
                                                config.model.build_config().vocab_size))
     trainer = Trainer(model, config.train, train, val, strategy=config.strategy,
-                      run_info={"config": config.to_dict()})
+                      run_info={"config": config.to_dict()}, memory=config.memory)
     return trainer.train()

@@ -21,7 +21,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any, Mapping, Protocol
 
 TP_MODES = ("1d", "2d")
@@ -193,6 +193,12 @@ class Strategy:
             raise StrategyError(
                 f"tp={self.tp}: n_kv_heads={model.n_kv_heads} must divide or be divisible by tp"
             )
+        if self.tp_mode == "2d" and model.n_kv_heads % heads_split:
+            # 2d gives each grid column whole kv heads; it does not replicate them (1d does).
+            raise StrategyError(
+                f"tp={self.tp} (tp_mode=2d) splits key/value heads {heads_split} ways: "
+                f"n_kv_heads={model.n_kv_heads} is not divisible by {heads_split}"
+            )
         if model.n_layers < self.pp:
             raise StrategyError(f"pp={self.pp} stages need n_layers >= pp, got {model.n_layers}")
         if seq_len % self.sp:
@@ -201,6 +207,13 @@ class Strategy:
             raise StrategyError(
                 f"sp_mode=ulysses: n_heads={model.n_heads} must be divisible by sp*tp="
                 f"{self.sp * self.tp}"
+            )
+        kv_local = model.n_kv_heads // self.tp if model.n_kv_heads >= self.tp else 1
+        if (self.sp > 1 and self.sp_mode == "ulysses" and kv_local % self.sp
+                and self.sp % kv_local):
+            raise StrategyError(
+                f"sp_mode=ulysses: n_kv_heads per tp rank ({kv_local}) must divide or be "
+                f"divisible by sp={self.sp}"
             )
 
     # -------------------------------------------------------------------------- text form
@@ -265,29 +278,61 @@ class Strategy:
                     f"build of tessera (tracked in issue #{issue}); use "
                     f"{_FALLBACK[feature]}"
                 )
+        for test, what, issue in _COMBINATIONS_NOT_BUILT:
+            if test(self):
+                raise NotAvailableError(
+                    f"{what} together is not available yet in this build of tessera (each "
+                    f"runs alone; the composition is tracked in issue #{issue}): "
+                    f"{self.to_text()}")
+
+    def is_runnable(self, features: "Mapping[str, bool] | None" = None) -> bool:
+        """Whether :meth:`require_available` accepts this strategy."""
+        try:
+            self.require_available(features)
+        except NotAvailableError:
+            return False
+        return True
 
 
 # Runtimes built so far. Each later parallelism flips its entry when it lands.
 AVAILABLE: dict[str, bool] = {
-    "tensor parallelism": False,
-    "sequence parallelism": False,
-    "pipeline parallelism": False,
-    "sharded or chunked memory": False,
-    "offload": False,
+    "tensor parallelism": True,
+    "sequence parallelism": True,
+    "pipeline parallelism": True,
+    "ZeRO memory": False,
+    "chunked memory": True,
+    "offload": True,
 }
 
 _FEATURE_GATES = {
     "tensor parallelism": (lambda s: s.tp > 1, 4),
     "sequence parallelism": (lambda s: s.sp > 1, 5),
     "pipeline parallelism": (lambda s: s.pp > 1, 6),
-    "sharded or chunked memory": (lambda s: s.memory != "ddp", 3),
+    # zero1/2/3 as separate runtimes are not built; memory=chunk (ZeRO-sharded chunks) is.
+    "ZeRO memory": (lambda s: s.memory in ("zero1", "zero2", "zero3"), 3),
+    "chunked memory": (lambda s: s.memory == "chunk", 3),
     "offload": (lambda s: bool(s.offload), 3),
 }
+# Runtimes that exist alone but not yet together; refused before any worker starts, and
+# skipped by the planner's `available_only` search.
+_COMBINATIONS_NOT_BUILT = [
+    (lambda s: s.tp > 1 and s.sp > 1, "tensor (tp>1) and sequence (sp>1) parallelism", 5),
+    (lambda s: s.tp > 1 and s.pp > 1, "tensor (tp>1) and pipeline (pp>1) parallelism", 6),
+    (lambda s: s.sp > 1 and s.pp > 1, "sequence (sp>1) and pipeline (pp>1) parallelism", 6),
+    (lambda s: s.tp > 1 and s.memory != "ddp", "tensor parallelism and memory=chunk/ZeRO", 4),
+    (lambda s: s.sp > 1 and s.memory != "ddp", "sequence parallelism and memory=chunk/ZeRO", 5),
+    (lambda s: s.pp > 1 and s.memory != "ddp", "pipeline parallelism and memory=chunk/ZeRO", 6),
+    (lambda s: s.pp > 1 and s.precision == "fp16",
+     "pipeline parallelism and fp16 loss scaling (use bf16)", 6),
+    (lambda s: s.memory == "chunk" and any(s.recompute), "memory=chunk and recomputation", 3),
+]
+
 _FALLBACK = {
     "tensor parallelism": "tp=1",
     "sequence parallelism": "sp=1",
     "pipeline parallelism": "pp=1",
-    "sharded or chunked memory": "memory=ddp",
+    "ZeRO memory": "memory=ddp, or memory=chunk (chunks sharded ZeRO-style over dp)",
+    "chunked memory": "memory=ddp",
     "offload": "no offload",
 }
 
@@ -297,7 +342,8 @@ def _describe_gate(feature: str, s: Strategy) -> str:
         "tensor parallelism": f"tp={s.tp}, tp_mode={s.tp_mode}",
         "sequence parallelism": f"sp={s.sp}, sp_mode={s.sp_mode}",
         "pipeline parallelism": f"pp={s.pp}, schedule={s.schedule}",
-        "sharded or chunked memory": f"memory={s.memory}",
+        "ZeRO memory": f"memory={s.memory}",
+        "chunked memory": f"memory={s.memory}",
         "offload": f"offload={'+'.join(s.offload)}",
     }[feature]
 

@@ -1,4 +1,4 @@
-"""Test helper: run a function in N gloo processes.
+"""Test helpers: run a function in N gloo processes; tiny runs for parity tests.
 
 GPU-only tests carry ``@pytest.mark.gpu``; tests/conftest.py skips them without CUDA.
 
@@ -21,7 +21,9 @@ import os
 import pickle
 import queue
 import socket
+import time
 import traceback
+from datetime import timedelta
 from typing import Any, Callable
 
 import torch
@@ -39,11 +41,13 @@ def free_port() -> int:
 
 def run_distributed(fn: Callable[..., Any], world_size: int, args: tuple = (),
                     timeout: float = 180.0, backend: str = "gloo",
-                    env: dict[str, str] | None = None) -> list[Any]:
+                    env: dict[str, str] | None = None,
+                    collective_timeout_s: float | None = None) -> list[Any]:
     """Run ``fn(rank, world_size, *args)`` in ``world_size`` processes; return their results.
 
     Each worker gets torchrun's environment variables (RANK, WORLD_SIZE, LOCAL_RANK,
-    MASTER_ADDR, MASTER_PORT), one intra-op thread, and an initialised process group.
+    MASTER_ADDR, MASTER_PORT), one intra-op thread, and an initialised process group
+    (whose collectives time out after ``collective_timeout_s`` when given).
 
     Raises:
         DistributedTestError: with the first failing rank's traceback, or the ranks that had
@@ -54,7 +58,7 @@ def run_distributed(fn: Callable[..., Any], world_size: int, args: tuple = (),
     base_env = {"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(free_port()),
                 "WORLD_SIZE": str(world_size), "OMP_NUM_THREADS": "1", **(env or {})}
     procs = [ctx.Process(target=_worker, args=(fn, rank, world_size, args, backend, base_env,
-                                               results), daemon=True)
+                                               results, collective_timeout_s), daemon=True)
              for rank in range(world_size)]
     for proc in procs:
         proc.start()
@@ -68,13 +72,12 @@ def run_distributed(fn: Callable[..., Any], world_size: int, args: tuple = (),
 
 
 def _collect(procs: list, results: mp.Queue, world_size: int, timeout: float) -> list[Any]:
-    import time
-
     deadline = time.monotonic() + timeout
     outputs: dict[int, Any] = {}
     while len(outputs) < world_size:
         try:
-            rank, status, payload = results.get(timeout=max(0.1, min(1.0, deadline - time.monotonic())))
+            wait = max(0.1, min(1.0, deadline - time.monotonic()))
+            rank, status, payload = results.get(timeout=wait)
         except queue.Empty:
             dead = [r for r, p in enumerate(procs)
                     if not p.is_alive() and p.exitcode not in (0, None) and r not in outputs]
@@ -93,14 +96,17 @@ def _collect(procs: list, results: mp.Queue, world_size: int, timeout: float) ->
     return [outputs[r] for r in range(world_size)]
 
 
-def _worker(fn, rank, world_size, args, backend, env, results) -> None:
+def _worker(fn, rank, world_size, args, backend, env, results, collective_timeout_s) -> None:
+
     import torch.distributed as dist
 
     os.environ.update(env)
     os.environ.update({"RANK": str(rank), "LOCAL_RANK": str(rank)})
     torch.set_num_threads(1)
     try:
-        dist.init_process_group(backend, rank=rank, world_size=world_size)
+        timeout = {} if collective_timeout_s is None else {
+            "timeout": timedelta(seconds=collective_timeout_s)}
+        dist.init_process_group(backend, rank=rank, world_size=world_size, **timeout)
         # Plain pickle: torch's multiprocessing pickler would pass tensors through shared
         # memory that disappears when this process exits.
         results.put((rank, "ok", pickle.dumps(fn(rank, world_size, *args))))
@@ -109,3 +115,43 @@ def _worker(fn, rank, world_size, args, backend, env, results) -> None:
     finally:
         if dist.is_initialized():
             dist.destroy_process_group()
+
+
+def tiny_run_config(output_dir, strategy: str = "dp=1,tp=1,pp=1,mbs=4,gbs=8", **sections):
+    """A tiny-model run config that takes well under a second per step on one CPU core.
+
+    Args:
+        output_dir: the run's output folder.
+        strategy: Strategy text.
+        **sections: per-section overrides, e.g. ``train={"max_steps": 10}``.
+    """
+    from tessera.config import config_from_dict
+
+    raw = {
+        "model": {"preset": "tiny"},
+        "strategy": strategy,
+        "data": {"corpus": "stdlib", "seq_len": 32, "max_bytes": 200_000},
+        "train": {"output_dir": str(output_dir), "max_steps": 5, "learning_rate": 3e-3,
+                  "warmup_steps": 2, "logging_steps": 1, "progress": "off", "seed": 7},
+    }
+    for section, values in sections.items():
+        if isinstance(values, dict):
+            raw.setdefault(section, {}).update(values)
+        else:
+            raw[section] = values
+    return config_from_dict(raw)
+
+
+def train_tiny(out, strategy: str, steps: int = 5, until: int | None = None, **sections):
+    """Train :func:`tiny_run_config` in this process (a worker); returns (result, parameters)."""
+    from tessera.run import build_datasets, build_model, build_tokenizer
+    from tessera.train.trainer import Trainer
+
+    train = {"max_steps": steps, **sections.pop("train", {})}
+    config = tiny_run_config(out, strategy, train=train, **sections)
+    train_ds, val_ds = build_datasets(config, build_tokenizer(config))
+    trainer = Trainer(build_model(config), config.train, train_ds, val_ds,
+                      strategy=config.strategy)
+    result = trainer.train(until_step=until)
+    params = {k: v.detach().clone() for k, v in trainer.model.state_dict().items()}
+    return result, params

@@ -15,6 +15,8 @@ class TokenDataset(Dataset):
     Sample ``i`` is ``tokens[i*T : i*T + T]`` with labels shifted by one token.
     """
 
+    labels_shifted = True  # labels[t] is the token after input_ids[t]
+
     def __init__(self, tokens: np.ndarray, seq_len: int) -> None:
         if seq_len < 1:
             raise DataError(f"data.seq_len must be >= 1, got {seq_len}")
@@ -46,6 +48,10 @@ class TokenDataset(Dataset):
 class Subset(Dataset):
     """A contiguous range of another dataset's samples."""
 
+    @property
+    def labels_shifted(self) -> bool:
+        return getattr(self.base, "labels_shifted", False)
+
     def __init__(self, base: Dataset, start: int, stop: int) -> None:
         self.base, self.start, self.stop = base, start, stop
 
@@ -66,13 +72,20 @@ class GlobalBatchOrder:
     ``[s*gbs, (s+1)*gbs)``; data-parallel rank ``r`` of ``dp`` takes the ``r``-th contiguous
     slice of it. Resuming at step ``s`` therefore continues at the exact sample, whatever the
     data-parallel size was before.
+
+    When the global batch size changes at a resume, the stream continues at the sample
+    where it stopped: ``start_step`` and ``start_sample`` give the step and stream position of
+    the resume, and batch ``s`` is then positions ``start_sample + (s - start_step) * gbs``.
     """
 
-    def __init__(self, num_samples: int, global_batch_size: int, seed: int) -> None:
+    def __init__(self, num_samples: int, global_batch_size: int, seed: int,
+                 start_step: int = 0, start_sample: int | None = None) -> None:
         if num_samples < 1:
             raise DataError("the dataset is empty")
         self.num_samples, self.global_batch_size, self.seed = (
             num_samples, global_batch_size, seed)
+        self.start_step = start_step
+        self.start_sample = start_step * global_batch_size if start_sample is None else start_sample
         self._epoch, self._perm = -1, np.empty(0, dtype=np.int64)
 
     def _permutation(self, epoch: int) -> np.ndarray:
@@ -83,13 +96,17 @@ class GlobalBatchOrder:
 
     def global_batch(self, step: int) -> np.ndarray:
         """Sample indices of global batch ``step`` (length gbs)."""
-        positions = np.arange(step * self.global_batch_size,
-                              (step + 1) * self.global_batch_size)
+        first = self.samples_before(step)
+        positions = np.arange(first, first + self.global_batch_size)
         out = np.empty_like(positions)
         for epoch in np.unique(positions // self.num_samples):
             mask = positions // self.num_samples == epoch
             out[mask] = self._permutation(int(epoch))[positions[mask] % self.num_samples]
         return out
+
+    def samples_before(self, step: int) -> int:
+        """Stream position of the first sample of global batch ``step``."""
+        return self.start_sample + (step - self.start_step) * self.global_batch_size
 
     def rank_batch(self, step: int, dp_rank: int, dp_size: int) -> np.ndarray:
         """The slice of global batch ``step`` that data-parallel rank ``dp_rank`` trains on."""

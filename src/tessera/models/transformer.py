@@ -6,6 +6,12 @@ an output object with ``.logits``) go through the same code path.
 
 Shapes in comments: B batch, T sequence, C d_model, nh query heads, nkv key/value heads,
 hs head size, V vocabulary.
+
+Two hooks let parallelism work from the outside without changing the single-device path:
+``Transformer.forward(input_ids, position_ids)`` takes each token's position (a
+sequence-parallel rank holds a slice of the sequence, possibly reordered), and each
+``Attention.attention_fn`` can be swapped for another function with the signature of
+:func:`sdpa_attention` (e.g. ring attention over a process group).
 """
 
 from __future__ import annotations
@@ -48,16 +54,40 @@ def rope_tables(head_dim: int, seq_len: int, theta: float,
 
 
 def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """Rotate pairs (first half, second half) of each head: x is (B, T, n, hs)."""
+    """Rotate pairs (first half, second half) of each head: x is (B, T, n, hs).
+
+    cos and sin are (T, hs/2) shared by the batch, or (B, T, hs/2) per sample.
+    """
     half = x.shape[-1] // 2
     x1, x2 = x[..., :half].float(), x[..., half:].float()
-    cos, sin = cos[None, :, None, :], sin[None, :, None, :]  # (1, T, 1, hs/2)
+    if cos.dim() == 2:
+        cos, sin = cos[None], sin[None]  # (1, T, hs/2)
+    cos, sin = cos[:, :, None, :], sin[:, :, None, :]  # (B or 1, T, 1, hs/2)
     rotated = torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1)
     return rotated.type_as(x)
 
 
+def sdpa_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                   dropout_p: float = 0.0) -> torch.Tensor:
+    """The default attention function: causal softmax attention on one device.
+
+    Args:
+        q: (B, nh, T, hs); k, v: (B, nkv, T, hs), nh divisible by nkv.
+        dropout_p: attention dropout probability.
+
+    Returns:
+        (B, nh, T, hs).
+    """
+    return F.scaled_dot_product_attention(q, k, v, is_causal=True, dropout_p=dropout_p,
+                                          enable_gqa=q.shape[1] != k.shape[1])
+
+
 class Attention(nn.Module):
-    """Causal self-attention with optional grouped-query key/value heads and RoPE."""
+    """Causal self-attention with optional grouped-query key/value heads and RoPE.
+
+    ``attention_fn`` (default :func:`sdpa_attention`) computes softmax(q k^T) v; replacing it
+    is how sequence parallelism swaps in ring attention without editing this class.
+    """
 
     def __init__(self, config: ModelConfig) -> None:
         super().__init__()
@@ -69,6 +99,7 @@ class Attention(nn.Module):
         self.v_proj = nn.Linear(config.d_model, kv_dim, bias=config.bias)
         self.o_proj = nn.Linear(config.d_model, config.d_model, bias=config.bias)
         self.dropout = config.dropout
+        self.attention_fn = sdpa_attention
 
     def forward(self, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor] | None
                 ) -> torch.Tensor:
@@ -79,9 +110,8 @@ class Attention(nn.Module):
         if rope is not None:
             q, k = apply_rope(q, *rope), apply_rope(k, *rope)
         q, k, v = (t.transpose(1, 2) for t in (q, k, v))  # (B, n, T, hs)
-        y = F.scaled_dot_product_attention(
-            q, k, v, is_causal=True, dropout_p=self.dropout if self.training else 0.0,
-            enable_gqa=q.shape[1] != k.shape[1])  # (B, nh, T, hs)
+        y = self.attention_fn(q, k, v, dropout_p=self.dropout if self.training else 0.0)
+        # y: (B, nh, T, hs)
         return self.o_proj(y.transpose(1, 2).reshape(B, T, -1))
 
 
@@ -172,16 +202,29 @@ class Transformer(nn.Module):
             self.rope_cos.copy_(cos)
             self.rope_sin.copy_(sin)
 
-    def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
+    def forward(self, input_ids: torch.Tensor, position_ids: torch.Tensor | None = None
+                ) -> torch.Tensor:
+        """Logits (B, T, V) of token ids (B, T).
+
+        Args:
+            input_ids: (B, T) token ids.
+            position_ids: (B, T) position of each token; default 0..T-1. A sequence-parallel
+                rank passes the positions of the slice it holds.
+        """
         B, T = input_ids.shape
         if T > self.config.max_seq_len:
             raise ValueError(f"sequence length {T} exceeds max_seq_len={self.config.max_seq_len}")
         x = self.embed(input_ids)  # (B, T, C)
         rope = None
-        if self.pos_embed is not None:
-            x = x + self.pos_embed(torch.arange(T, device=input_ids.device))
+        if position_ids is None:
+            positions = torch.arange(T, device=input_ids.device)  # (T,)
+            rope_at = slice(0, T)
         else:
-            rope = (self.rope_cos[:T], self.rope_sin[:T])
+            positions = rope_at = position_ids  # (B, T)
+        if self.pos_embed is not None:
+            x = x + self.pos_embed(positions)
+        else:
+            rope = (self.rope_cos[rope_at], self.rope_sin[rope_at])  # (T or B x T, hs/2)
         x = self.drop(x)
         for block in self.blocks:
             x = block(x, rope)

@@ -8,6 +8,8 @@ parallelism adds its step here; a Strategy asking for one that is not built yet 
 
 from __future__ import annotations
 
+from typing import Any
+
 from torch import nn
 
 from tessera.mesh import Mesh
@@ -19,17 +21,51 @@ from tessera.strategy import Strategy
 __all__ = ["Parallelized", "parallelize"]
 
 
-def parallelize(model: nn.Module, strategy: Strategy, mesh: Mesh) -> Parallelized:
+def parallelize(model: nn.Module, strategy: Strategy, mesh: Mesh,
+                memory: Any = None) -> Parallelized:
     """Lay ``model`` out under ``strategy`` on ``mesh``.
 
     The model's parameters must already be on the mesh's device. The returned ``module`` may
     wrap ``model`` (e.g. DistributedDataParallel); ``model`` keeps its parameter names, so
-    checkpoints stay in the single-device layout.
+    checkpoints stay in the single-device layout. ``memory`` holds the chunk-memory options
+    (the config's ``memory:`` section) used when ``strategy.memory == "chunk"``.
     """
     strategy.require_available()
+    if strategy.memory == "chunk":  # refused before any step changes the model (issue 3)
+        from tessera.memory.runtime import check_supported
+
+        check_supported(strategy)
     plan = Parallelized(module=model, model=model, loss_group=mesh.group("dp"))
+    if strategy.tp > 1:
+        # Tensor parallel (1d Megatron / 2d Optimus, see parallel/tensor/): layers replaced by
+        # the model's policy, parameters become DTensor shards, loss over sharded logits.
+        from tessera.parallel.tensor import apply_tensor_parallel
+
+        apply_tensor_parallel(plan, strategy, mesh)
+    if strategy.sp > 1:
+        # Sequence parallel: attention swapped for ring/rsa/ulysses, each rank's loss over its
+        # own tokens, loss group widened to dp x sp (see parallel/sequence/).
+        from tessera.parallel.sequence import apply_sequence_parallel
+
+        apply_sequence_parallel(plan, strategy, mesh)
+    if strategy.pp > 1:
+        # Pipeline (issue 6): the model is captured with torch.export and cut into stages;
+        # stage-aware recomputation and dp gradient averaging run inside the PipelineEngine.
+        from tessera.parallel.pipeline import apply_pipeline
+
+        apply_pipeline(plan, strategy, mesh)
+        return plan
     if apply_recompute(model, strategy.stage_recompute(mesh.rank("pp"))):
         plan.features.append("recompute")
+    if strategy.memory == "chunk":
+        # Chunk memory (issue 3): parameters, gradients and Adam states move into chunks,
+        # sharded ZeRO-style over dp, which replaces the data-parallel wrap below.
+        from tessera.memory import apply_chunk_memory
+
+        apply_chunk_memory(model, strategy, mesh, memory).attach(plan)
+        return plan
+    if strategy.tp > 1:
+        return plan  # DDP cannot take DTensor shards: tensor/data_parallel.py averages them
     plan.module = wrap_data_parallel(plan.module, mesh)
     if plan.module is not model:
         plan.features.append("data_parallel")

@@ -10,7 +10,7 @@ The Engine and Trainer only ever call these, so they do not change as parallelis
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Callable
+from typing import Any, Callable
 
 import torch
 import torch.distributed as dist
@@ -54,6 +54,14 @@ class Parallelized:
         loss_group: ranks whose losses average to the global loss (the dp group, plus the
             sp group under sequence parallelism).
         features: names of the steps applied, in order (for logs and tests).
+        build_optimizer: when set, the Trainer builds its optimizer with this instead of
+            :func:`tessera.train.optim.build_optimizer` (same signature); chunk memory
+            returns its HybridAdam here.
+        grad_scaler: when set, the fp16 loss scaler the Engine uses instead of GradScaler
+            (same ``scale``/``unscale_``/``step``/``update`` interface).
+        memory: the chunk-memory runtime when memory=chunk (statistics, timeline).
+        pipeline: this rank's pipeline stages and schedule when pp > 1 (run by
+            :class:`tessera.parallel.pipeline.PipelineEngine`).
     """
 
     module: nn.Module
@@ -62,6 +70,10 @@ class Parallelized:
     forward_loss: Callable[[nn.Module, Batch], torch.Tensor] = default_forward_loss
     clip_grad_norm: Callable[[nn.Module, float], torch.Tensor] = default_clip_grad_norm
     features: list[str] = field(default_factory=list)
+    build_optimizer: Callable[..., torch.optim.Optimizer] | None = None
+    grad_scaler: Any = None
+    memory: Any = None
+    pipeline: Any = None
 
     def loss(self, batch: Batch) -> torch.Tensor:
         return self.forward_loss(self.module, batch)

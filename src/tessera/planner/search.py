@@ -29,7 +29,7 @@ from tessera.planner.model_spec import describe_model
 from tessera.planner.simulator import Estimate, SimOptions, estimate, lower_bound
 from tessera.planner.space import (DISK_OPTION, MEMORY_OPTIONS, layouts, micro_batch_sizes,
                                    raw_space_size, recompute_options, schedules)
-from tessera.strategy import AVAILABLE, Strategy, StrategyError
+from tessera.strategy import Strategy, StrategyError
 
 FIXABLE = ("dp", "tp", "tp_mode", "pp", "sp", "sp_mode", "micro_batch_size", "schedule",
            "recompute", "memory", "offload")
@@ -122,9 +122,9 @@ def search(model: Any, cluster: Cluster | str, global_batch_size: int, *,
     _check_args(global_batch_size, n, cluster, top_k)
     precision = precision or default_precision(cluster)
     cluster.device.peak(precision)  # refuses an unsupported precision early, by name
-    constraints = _constraints(fixed, available_only)
+    constraints = _constraints(fixed)
     state = _Search(model, cluster, global_batch_size, precision, constraints, options,
-                    exhaustive, allow_disk, top_k)
+                    exhaustive, allow_disk, top_k, runnable_only=available_only)
     state.run(n, max_mbs)
     results = sorted(state.best, key=lambda e: e.step_time)
     infeasible = None
@@ -146,7 +146,7 @@ def _check_args(gbs: int, n: int, cluster: Cluster, top_k: int) -> None:
         raise PlannerError(f"top_k must be >= 1, got {top_k}")
 
 
-def _constraints(fixed: Mapping[str, Any] | None, available_only: bool) -> dict[str, Any]:
+def _constraints(fixed: Mapping[str, Any] | None) -> dict[str, Any]:
     out: dict[str, Any] = {}
     for key, value in (fixed or {}).items():
         name = {"mbs": "micro_batch_size"}.get(key, key)
@@ -157,13 +157,6 @@ def _constraints(fixed: Mapping[str, Any] | None, available_only: bool) -> dict[
         out["recompute"] = Strategy(recompute=out["recompute"]).recompute
     if "offload" in out:
         out["offload"] = Strategy(memory="chunk", offload=out["offload"]).offload
-    if available_only:
-        gates = {"tensor parallelism": ("tp", 1), "sequence parallelism": ("sp", 1),
-                 "pipeline parallelism": ("pp", 1), "sharded or chunked memory": ("memory", "ddp"),
-                 "offload": ("offload", ())}
-        for feature, (name, value) in gates.items():
-            if not AVAILABLE.get(feature, False):
-                out.setdefault(name, value)
     return out
 
 
@@ -172,15 +165,16 @@ class _Search:
 
     def __init__(self, model: ModelConfig, cluster: Cluster, gbs: int, precision: str,
                  fixed: dict, options: SimOptions | None, exhaustive: bool, allow_disk: bool,
-                 top_k: int) -> None:
+                 top_k: int, runnable_only: bool = False) -> None:
         self.model, self.cluster, self.gbs, self.precision = model, cluster, gbs, precision
         self.fixed, self.options, self.exhaustive, self.top_k = fixed, options, exhaustive, top_k
         self.memory_options = list(MEMORY_OPTIONS) + ([DISK_OPTION] if allow_disk else [])
+        self.runnable_only = runnable_only  # keep what Strategy.require_available accepts
         self.cache: dict = {}
         self.seen: set[tuple[float, float]] = set()
         self.heap: list[tuple[float, int, Estimate]] = []
         self.evaluated = 0
-        self.pruned = {"dominated": 0, "memory": 0, "bound": 0, "invalid": 0}
+        self.pruned = {"dominated": 0, "memory": 0, "bound": 0, "invalid": 0, "not built": 0}
         self.shortfall: tuple[float, Strategy | None] = (float("inf"), None)
 
     @property
@@ -255,6 +249,9 @@ class _Search:
 
     def _try(self, s: Strategy) -> bool:
         self.evaluated += 1
+        if self.runnable_only and not s.is_runnable():
+            self.pruned["not built"] += 1  # the runtime of this build would refuse it
+            return False
         dev = self.cluster.device
         mem = device_memory(self.model, s, self.model.max_seq_len, dev.reserved_bytes,
                             dev.flash_attention).total

@@ -33,6 +33,12 @@ from torch.distributed.checkpoint.state_dict import (StateDictOptions, get_state
                                                      set_state_dict)
 
 META = "meta.json"
+# Pipeline stages (a model with ``flat_optimizer_state = True``) hold different parameters in
+# their optimizer's "group 0": index keys ("param_groups.0.lr") would collide across stages
+# (DCP keeps one rank's copy of an equal key), so they save optimizer state flattened, keyed
+# by parameter name, which loads at any pp. Loading follows what the checkpoint holds.
+_FLAT = StateDictOptions(flatten_optimizer_state_dict=True)
+_INDEXED = StateDictOptions()
 LATEST = "latest"
 
 
@@ -58,7 +64,8 @@ def save_checkpoint(root: Path, step: int, model: nn.Module, optimizer: torch.op
         shutil.rmtree(partial, ignore_errors=True)
         partial.mkdir(parents=True)
     dist.barrier()
-    model_sd, optim_sd = get_state_dict(model, optimizer)
+    flat = getattr(model, "flat_optimizer_state", False)
+    model_sd, optim_sd = get_state_dict(model, optimizer, options=_FLAT if flat else _INDEXED)
     dcp.save({"model": model_sd, "optim": optim_sd}, checkpoint_id=str(partial))
     (partial / "rng").mkdir(exist_ok=True)
     torch.save(_rng_state(), partial / "rng" / f"rank_{rank}.pt")
@@ -179,15 +186,25 @@ def load_checkpoint(path: Path, model: nn.Module, optimizer: torch.optim.Optimiz
     if problem[0]:
         raise CheckpointError(problem[0])
     meta = read_meta(path)
-    model_sd, optim_sd = get_state_dict(model, optimizer)
+    flat = _saved_flat(path)
+    model_sd, optim_sd = get_state_dict(model, optimizer, options=_FLAT if flat else _INDEXED)
     state = {"model": model_sd, "optim": optim_sd}
     dcp.load(state, checkpoint_id=str(path))
     set_state_dict(model, optimizer, model_state_dict=state["model"],
-                   optim_state_dict=state["optim"], options=StateDictOptions(strict=True))
+                   optim_state_dict=state["optim"],
+                   options=StateDictOptions(strict=True, flatten_optimizer_state_dict=flat))
     rng_file = path / "rng" / f"rank_{dist.get_rank()}.pt"
     if rng_file.is_file():  # absent when resuming on more ranks than were saved
         _set_rng_state(torch.load(rng_file, weights_only=False))
     return meta
+
+
+def _saved_flat(path: Path) -> bool:
+    """Whether a checkpoint keys optimizer hyperparameters by parameter name (see _FLAT)."""
+    keys = dcp.FileSystemReader(str(path)).read_metadata().state_dict_metadata
+    prefix = "optim.param_groups."
+    return any(k.startswith(prefix) and not k[len(prefix):].split(".")[0].isdigit()
+               for k in keys)
 
 
 def _rng_state() -> dict[str, Any]:

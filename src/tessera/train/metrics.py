@@ -19,7 +19,7 @@ _GPU_PEAKS = {
 
 
 def measure_matmul_flops(device: torch.device, dtype: torch.dtype = torch.float32,
-                         size: int = 512, repeats: int = 8) -> float:
+                         size: int = 256, repeats: int = 32) -> float:
     """Achieved FLOP/s of a square matmul on ``device``: the CPU's practical peak."""
     a = torch.randn(size, size, device=device, dtype=dtype)
     b = torch.randn(size, size, device=device, dtype=dtype)

@@ -22,17 +22,35 @@ def build_optimizer(model: nn.Module, lr: float, weight_decay: float,
     return torch.optim.AdamW(groups, lr=lr, betas=betas, eps=eps, fused=fused)
 
 
-def warmup_cosine(step: int, warmup_steps: int, total_steps: int, min_ratio: float) -> float:
-    """LR multiplier: linear warm-up to 1, then cosine decay to ``min_ratio`` at total_steps."""
+SCHEDULES = ("cosine", "linear", "constant")
+
+
+def lr_multiplier(step: int, warmup_steps: int, total_steps: int, min_ratio: float,
+                  kind: str = "cosine") -> float:
+    """LR multiplier at ``step``: linear warm-up to 1, then a decay to ``min_ratio``.
+
+    ``kind`` is "cosine" (half-cosine decay), "linear" (straight line) or "constant"
+    (no decay after warm-up); the decay reaches ``min_ratio`` at ``total_steps``.
+    """
     if warmup_steps and step < warmup_steps:
         return (step + 1) / warmup_steps
+    if kind == "constant":
+        return 1.0
     span = max(1, total_steps - warmup_steps)
     progress = min(1.0, (step - warmup_steps) / span)
-    return min_ratio + (1 - min_ratio) * 0.5 * (1 + math.cos(math.pi * progress))
+    shape = 0.5 * (1 + math.cos(math.pi * progress)) if kind == "cosine" else 1.0 - progress
+    return min_ratio + (1 - min_ratio) * shape
+
+
+def warmup_cosine(step: int, warmup_steps: int, total_steps: int, min_ratio: float) -> float:
+    """LR multiplier: linear warm-up to 1, then cosine decay to ``min_ratio`` at total_steps."""
+    return lr_multiplier(step, warmup_steps, total_steps, min_ratio, "cosine")
 
 
 def build_scheduler(optimizer: torch.optim.Optimizer, warmup_steps: int, total_steps: int,
-                    min_ratio: float) -> torch.optim.lr_scheduler.LambdaLR:
-    """A LambdaLR over :func:`warmup_cosine`; its state dict resumes the position."""
+                    min_ratio: float, kind: str = "cosine") -> torch.optim.lr_scheduler.LambdaLR:
+    """A LambdaLR over :func:`lr_multiplier`; its state dict resumes the position."""
+    if kind not in SCHEDULES:
+        raise ValueError(f"lr_scheduler_type must be one of {', '.join(SCHEDULES)}, got {kind!r}")
     return torch.optim.lr_scheduler.LambdaLR(
-        optimizer, lambda step: warmup_cosine(step, warmup_steps, total_steps, min_ratio))
+        optimizer, lambda step: lr_multiplier(step, warmup_steps, total_steps, min_ratio, kind))

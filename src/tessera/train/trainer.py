@@ -26,6 +26,7 @@ from tessera.distributed import WorkerContext, init_distributed
 from tessera.mesh import Mesh
 from tessera.models.hf import flops_per_token as generic_flops_per_token
 from tessera.parallel import parallelize
+from tessera.parallel.pipeline.engine import PipelineEngine
 from tessera.strategy import Strategy
 from tessera.train import checkpoint as ckpt
 from tessera.train.engine import Engine
@@ -37,6 +38,20 @@ from tessera.train.progress import ProgressReporter
 # Created by a scheduler (or a person) to make a run checkpoint and exit at its next logging
 # step; `--resume` continues it, possibly on a different number of workers.
 PAUSE_FILE = "PAUSE"
+
+
+class CollectiveError(RuntimeError):
+    """A collective failed or timed out; names this rank, the operation and the step."""
+
+
+def _is_communication_failure(err: RuntimeError) -> bool:
+    text = str(err)
+    return any(sign in text for sign in ("Timed out", "timed out", "Connection closed by peer",
+                                         "Connection reset by peer", "NCCL"))
+
+
+def _first_line(err: BaseException) -> str:
+    return str(err).strip().splitlines()[0][:300]
 
 
 class NonFiniteError(FloatingPointError):
@@ -65,28 +80,41 @@ class Trainer:
         strategy: the parallel layout; its world size must equal the number of workers.
         run_info: extra JSON-ready facts stored in checkpoints (e.g. the run config).
         callbacks: functions called with each metrics record (rank 0 only).
+        data_collator: turns a list of samples into a batch (default: stack equal lengths).
+        memory: chunk-memory options (the config's ``memory:`` section) for memory=chunk.
     """
 
     def __init__(self, model: nn.Module, args: TrainingArguments, train_dataset: Dataset,
                  eval_dataset: Dataset | None = None, strategy: Strategy | None = None,
                  run_info: dict[str, Any] | None = None,
-                 callbacks: Sequence[Callable[[dict[str, Any]], None]] = ()) -> None:
+                 callbacks: Sequence[Callable[[dict[str, Any]], None]] = (),
+                 data_collator: Callable[[list], dict[str, torch.Tensor]] | None = None,
+                 memory: Any = None) -> None:
         self.args, self.strategy = args, strategy or Strategy()
         self.train_dataset, self.eval_dataset = train_dataset, eval_dataset
+        self.data_collator = data_collator or collate
+        self.stop_requested = False  # set on rank 0 (e.g. by a callback) to pause like PAUSE
         self.run_info, self.callbacks = run_info or {}, list(callbacks)
         self.strategy.require_available()
-        self.ctx: WorkerContext = init_distributed(args.device)
+        self.ctx: WorkerContext = init_distributed(
+            args.device, timeout_s=args.collective_timeout_s)
+        self.phase = "set-up"  # what the ranks are doing together, for error messages
         self.mesh = Mesh(self.strategy, self.ctx.device.type)
         self.model = model.to(self.ctx.device)
         self.model_meta = describe_model(self.model)
-        self.plan = parallelize(self.model, self.strategy, self.mesh)
+        self.plan = parallelize(self.model, self.strategy, self.mesh, memory=memory)
         self.wrapped = self.plan.module
-        self.optimizer = build_optimizer(
+        # A layout that keeps parameters in its own storage (chunk memory) brings its optimizer.
+        self.optimizer = (self.plan.build_optimizer or build_optimizer)(
             self.model, args.learning_rate, args.weight_decay, (args.adam_beta1, args.adam_beta2),
             args.adam_epsilon, self.ctx.device)
         self.scheduler = build_scheduler(self.optimizer, args.warmup_steps, args.max_steps,
-                                         args.min_lr_ratio)
-        self.engine = Engine(self.plan, self.strategy, self.ctx.device)
+                                         args.min_lr_ratio, args.lr_scheduler_type)
+        # pp > 1: the pipeline engine runs the schedule over this rank's stages.
+        engine_cls = PipelineEngine if self.strategy.pp > 1 else Engine
+        self.engine = engine_cls(self.plan, self.strategy, self.ctx.device)
+        if self.plan.grad_scaler is not None:
+            self.engine.scaler = self.plan.grad_scaler
         self.order = GlobalBatchOrder(len(train_dataset), self.strategy.global_batch_size,
                                       args.seed)
         self.step = 0
@@ -113,6 +141,7 @@ class Trainer:
         window: list[torch.Tensor] = []
         try:
             while self.step < stop:
+                self.phase = "forward/backward with the data-parallel gradient all-reduce"
                 window.append(self._train_step())
                 self.step += 1
                 throughput.add(self.strategy.global_batch_size * self._seq_len())
@@ -131,6 +160,14 @@ class Trainer:
             if result.checkpoint is None or not result.checkpoint.endswith(
                     ckpt.step_dirname(self.step)):
                 result.checkpoint = str(self.save())
+        except RuntimeError as err:
+            if not _is_communication_failure(err):
+                raise
+            raise CollectiveError(
+                f"rank {self.ctx.rank}: {self.phase} at step {self.step + 1} failed: "
+                f"{_first_line(err)}. A peer rank is stalled or has died; its log says which "
+                f"(timeout: train.collective_timeout_s={self.args.collective_timeout_s:g})"
+            ) from err
         finally:
             progress.close()
         result.step = self.step
@@ -142,8 +179,10 @@ class Trainer:
         Checked at logging steps only, where the step already synchronises, so that a pause
         costs nothing on the other steps. The file is consumed so a resume runs on.
         """
+        self.phase = "the pause-flag all-reduce of a logging step"
         pause_file = Path(self.args.output_dir) / PAUSE_FILE
-        flag = torch.tensor([float(self.ctx.is_main and pause_file.exists())],
+        wanted = self.stop_requested or pause_file.exists()
+        flag = torch.tensor([float(self.ctx.is_main and wanted)],
                             device=self.ctx.device)
         dist.all_reduce(flag, op=dist.ReduceOp.MAX)
         if flag.item() and self.ctx.is_main:
@@ -154,6 +193,7 @@ class Trainer:
         """Mean loss over ``args.eval_batches`` batches of the evaluation set (all dp ranks)."""
         if self.eval_dataset is None or len(self.eval_dataset) == 0:
             raise ValueError("evaluate() needs an eval_dataset")
+        self.phase = "evaluation and its loss all-reduce"
         self.wrapped.eval()
         dp, dp_rank = self.mesh.size("dp"), self.mesh.rank("dp")
         per_rank = max(1, self.strategy.micro_batch_size)
@@ -161,7 +201,7 @@ class Trainer:
         for b in range(self.args.eval_batches):
             start = (b * dp + dp_rank) * per_rank
             indices = [(start + i) % len(self.eval_dataset) for i in range(per_rank)]
-            batch = collate([self.eval_dataset[i] for i in indices])
+            batch = self.data_collator([self.eval_dataset[i] for i in indices])
             losses.append(self.engine.evaluate(batch))
         self.wrapped.train()
         loss = torch.stack(losses).mean()
@@ -170,8 +210,9 @@ class Trainer:
 
     def save(self) -> Path:
         """Write a checkpoint of the current step (all ranks call this)."""
+        self.phase = "the checkpoint save (barriers and shard writes)"
         meta = {"model": self.model_meta, "strategy": self.strategy.to_text(),
-                "samples_consumed": self.step * self.strategy.global_batch_size,
+                "samples_consumed": self.order.samples_before(self.step),
                 "scheduler": self.scheduler.state_dict(), "run": self.run_info}
         return ckpt.save_checkpoint(self.ckpt_root, self.step, self.wrapped, self.optimizer,
                                     meta)
@@ -190,13 +231,31 @@ class Trainer:
         meta = ckpt.load_checkpoint(latest, self.wrapped, self.optimizer)
         self.scheduler.load_state_dict(meta["scheduler"])
         self.step = int(meta["step"])
+        # Continue the sample stream where it stopped, also when gbs changed (a resize).
+        self.order = GlobalBatchOrder(
+            len(self.train_dataset), self.strategy.global_batch_size, self.args.seed,
+            start_step=self.step, start_sample=int(meta["samples_consumed"]))
+        self._apply_learning_rate()
         return True
+
+    def _apply_learning_rate(self) -> None:
+        """Use this run's learning_rate after a resume (a scheduler may rescale it with gbs).
+
+        The schedule's position comes from the checkpoint; only its peak changes, so an
+        unchanged config resumes with exactly the rates it would have had.
+        """
+        factor = self.scheduler.lr_lambdas[0](self.scheduler.last_epoch)
+        self.scheduler.base_lrs = [self.args.learning_rate] * len(self.optimizer.param_groups)
+        for group in self.optimizer.param_groups:
+            group["initial_lr"] = self.args.learning_rate
+            group["lr"] = self.args.learning_rate * factor
 
     # ---------------------------------------------------------------------------- private
     def _train_step(self) -> torch.Tensor:
         indices = self.order.rank_batch(self.step, self.mesh.rank("dp"), self.mesh.size("dp"))
         mbs = self.strategy.micro_batch_size
-        micro_batches = [collate([self.train_dataset[int(i)] for i in indices[j: j + mbs]])
+        micro_batches = [self.data_collator([self.train_dataset[int(i)]
+                                             for i in indices[j: j + mbs]])
                          for j in range(0, len(indices), mbs)]
         result = self.engine.forward_backward(micro_batches)
         scaler = self.engine.scaler
@@ -231,6 +290,7 @@ class Trainer:
 
     def _log(self, window: list[torch.Tensor], throughput: Throughput,
              result: TrainResult) -> dict[str, Any]:
+        self.phase = "the loss all-reduce of a logging step"
         # One all-reduce per logging window rather than per step keeps the step free of syncs.
         losses = torch.stack(window)
         dist.all_reduce(losses, op=dist.ReduceOp.AVG, group=self.plan.loss_group)

@@ -1,0 +1,76 @@
+"""``strategy: auto``: ask the planner for the fastest layout this build can run here."""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from tessera.strategy import Strategy, StrategyError
+
+# Device-name fragments (as torch reports them) to planner presets.
+_GPU_PRESETS = (("H200", "h200"), ("H100", "h100-80gb"), ("A100-SXM4-80GB", "a100-80gb"),
+                ("A100 80GB", "a100-80gb"), ("A100", "a100-40gb"), ("V100", "v100-32gb"))
+
+
+def local_cluster(world_size: int) -> str:
+    """Planner shorthand for the devices this job runs on (one node)."""
+    if torch.cuda.is_available():
+        name = torch.cuda.get_device_name(0)
+        for fragment, preset in _GPU_PRESETS:
+            if fragment in name:
+                return f"{preset}:{world_size}x1"
+        raise StrategyError(f"strategy=auto: no planner preset for GPU {name!r}; give a "
+                            "Strategy explicitly or describe the device in a cluster YAML")
+    return f"cpu:{world_size}x1"
+
+
+def plan_strategy(model: nn.Module, world_size: int, global_batch_size: int,
+                  precision: str) -> Strategy:
+    """The planner's top strategy among those the runtime supports (AVAILABLE).
+
+    Raises:
+        StrategyError: when nothing fits, with the planner's explanation.
+    """
+    from tessera.planner import search
+
+    config = getattr(model, "config", None)
+    if config is None:
+        raise StrategyError("strategy=auto needs a model with a .config (reference or Hugging "
+                            "Face) to describe it to the planner")
+    result = search(config, local_cluster(world_size), global_batch_size, devices=world_size,
+                    available_only=True, precision=precision, top_k=1)
+    if not result.results:
+        raise StrategyError(f"strategy=auto: nothing fits on {world_size} device(s): "
+                            f"{result.infeasible}")
+    return result.best.strategy
+
+
+def resolve_auto_text(text: str, model_config, world_size: int) -> Strategy:
+    """Resolve ``auto[,field=value...]`` (e.g. ``auto,gbs=64,precision=bf16``) for a job.
+
+    The fields after ``auto`` are held fixed; ``gbs`` is required, since the batch size is a
+    training decision and not the planner's.
+    """
+    from tessera.planner import search
+    from tessera.strategy import TEXT_ALIASES
+
+    fixed: dict[str, object] = {}
+    for item in text.split(",")[1:]:
+        if "=" not in item:
+            raise StrategyError(f"strategy {text!r}: {item!r} is not key=value")
+        key, value = (part.strip() for part in item.split("=", 1))
+        fixed[TEXT_ALIASES.get(key, key)] = value
+    if "global_batch_size" not in fixed:
+        raise StrategyError(f"strategy {text!r}: auto needs the global batch size, e.g. "
+                            "'auto,gbs=64'")
+    gbs = int(fixed.pop("global_batch_size"))
+    precision = str(fixed.pop("precision", "fp32"))
+    parsed = Strategy.from_mapping({**fixed, "global_batch_size": gbs}) if fixed else None
+    fixed_values = {k: getattr(parsed, k) for k in fixed} if parsed else {}
+    result = search(model_config, local_cluster(world_size), gbs, devices=world_size,
+                    available_only=True, precision=precision, fixed=fixed_values or None,
+                    top_k=1)
+    if not result.results:
+        raise StrategyError(f"strategy=auto: nothing fits on {world_size} device(s): "
+                            f"{result.infeasible}")
+    return result.best.strategy

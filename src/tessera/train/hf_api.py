@@ -1,0 +1,261 @@
+"""A Trainer with the Hugging Face Trainer's interface, on tessera's runtime.
+
+A Hugging Face training script changes in two lines::
+
+    from tessera import Trainer, TrainingArguments      # was: from transformers import ...
+    args = TrainingArguments(output_dir="out", per_device_train_batch_size=8,
+                             strategy="auto")           # added: how to lay the job out
+    trainer = Trainer(model=model, args=args, train_dataset=train, eval_dataset=val,
+                      data_collator=collator, callbacks=[...])
+    trainer.train(); trainer.evaluate(); trainer.save_model()
+
+and runs under ``torchrun --nproc-per-node N script.py`` (or alone, as one worker).
+
+Labels follow Hugging Face's convention: ``labels`` (or ``input_ids`` when absent) line up with
+the inputs and the model predicts position t+1 from t. tessera's own datasets hold labels
+already shifted; batches from any other dataset are shifted here, which gives exactly the loss
+a Hugging Face model computes internally.
+"""
+
+from __future__ import annotations
+
+import math
+from pathlib import Path
+from typing import Any, Callable, Literal, Sequence
+
+import torch
+import torch.distributed as dist
+from pydantic import field_validator
+from torch import nn
+from torch.utils.data import Dataset
+
+from tessera.config import TrainingArguments as CoreArguments
+from tessera.config import _Section
+from tessera.data.dataset import collate
+from tessera.strategy import Strategy, StrategyError
+from tessera.train.trainer import Trainer as CoreTrainer
+from tessera.train.trainer import TrainResult
+
+
+class TrainingArguments(_Section):
+    """Hugging Face ``TrainingArguments`` names, plus ``strategy``.
+
+    Unknown names are refused (naming the key) rather than ignored. ``max_steps=-1`` trains
+    for ``num_train_epochs``. ``strategy`` is Strategy text, "auto" (the planner picks the
+    fastest layout the runtime can run), or None (data parallel over all workers).
+    """
+
+    output_dir: str = "runs/trainer"
+    strategy: str | None = None
+    per_device_train_batch_size: int = 8
+    per_device_eval_batch_size: int = 8
+    gradient_accumulation_steps: int = 1
+    num_train_epochs: float = 3.0
+    max_steps: int = -1
+    learning_rate: float = 5e-5
+    weight_decay: float = 0.0
+    adam_beta1: float = 0.9
+    adam_beta2: float = 0.999
+    adam_epsilon: float = 1e-8
+    max_grad_norm: float = 1.0
+    lr_scheduler_type: Literal["linear", "cosine", "constant"] = "linear"
+    warmup_steps: int = 0
+    warmup_ratio: float = 0.0
+    logging_steps: int = 500
+    eval_strategy: Literal["no", "steps", "epoch"] = "no"
+    eval_steps: int | None = None
+    save_strategy: Literal["no", "steps", "epoch"] = "steps"
+    save_steps: int = 500
+    save_total_limit: int | None = None
+    seed: int = 42
+    bf16: bool = False
+    fp16: bool = False
+    report_to: str | list[str] = "none"
+    resume_from_checkpoint: str | None = None
+    disable_tqdm: bool = False
+
+    @field_validator("report_to")
+    @classmethod
+    def _only_local_reports(cls, value: str | list[str]) -> str | list[str]:
+        names = [value] if isinstance(value, str) else value
+        if any(n not in ("none", "jsonl") for n in names):
+            raise ValueError("tessera writes metrics.jsonl in output_dir; other reporters "
+                             "(wandb, tensorboard, ...) are not supported: use 'none'")
+        return value
+
+    @field_validator("per_device_train_batch_size", "per_device_eval_batch_size",
+                     "gradient_accumulation_steps", "logging_steps")
+    @classmethod
+    def _positive(cls, value: int) -> int:
+        if value < 1:
+            raise ValueError("must be >= 1")
+        return value
+
+    @property
+    def precision(self) -> str:
+        if self.bf16 and self.fp16:
+            raise StrategyError("bf16 and fp16 are both set: choose one")
+        return "bf16" if self.bf16 else "fp16" if self.fp16 else "fp32"
+
+
+def shift_for_next_token(batch: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """Turn a Hugging Face-style batch into tessera's: inputs t predict labels t+1.
+
+    (B, T) input_ids and labels (or input_ids as labels) become (B, T-1) inputs and the
+    labels one position later; positions masked out by ``attention_mask`` are ignored (-100).
+    """
+    input_ids = batch["input_ids"]
+    labels = batch.get("labels", input_ids).clone()
+    if "attention_mask" in batch:
+        labels[batch["attention_mask"] == 0] = -100
+    return {"input_ids": input_ids[:, :-1], "labels": labels[:, 1:]}
+
+
+def hf_collator(user_collator: Callable[[list], dict] | None, shift: bool
+                ) -> Callable[[list], dict]:
+    """The user's collator (or tensor stacking), then the next-token shift when ``shift``."""
+    def collate_and_shift(samples: list) -> dict[str, torch.Tensor]:
+        samples = [{k: torch.as_tensor(v) for k, v in s.items()} for s in samples]
+        batch = dict(user_collator(samples) if user_collator else collate(samples))
+        return shift_for_next_token(batch) if shift else batch
+    return collate_and_shift
+
+
+class Trainer:
+    """Hugging Face-style front for :class:`tessera.train.trainer.Trainer`.
+
+    Args:
+        model: any causal LM returning logits or an output with ``.logits``.
+        args: :class:`TrainingArguments`.
+        train_dataset: map-style dataset of ``{"input_ids", ["labels"], ["attention_mask"]}``.
+        eval_dataset: same kind, optional.
+        data_collator: pads/stacks samples into a batch (as in Hugging Face).
+        callbacks: Hugging Face-style callback objects (``on_log``, ``on_evaluate``,
+            ``on_train_begin``, ``on_train_end``, ``on_save``) or plain functions of a record.
+    """
+
+    def __init__(self, model: nn.Module, args: TrainingArguments | None = None,
+                 train_dataset: Dataset | None = None, eval_dataset: Dataset | None = None,
+                 data_collator: Callable[[list], dict] | None = None,
+                 callbacks: Sequence[Any] = ()) -> None:
+        if train_dataset is None:
+            raise ValueError("Trainer needs a train_dataset")
+        self.args = args or TrainingArguments()
+        self.state = TrainerState()
+        self.control = TrainerControl()
+        self._hf_callbacks = [c for c in callbacks if not callable(c)]
+        plain = [c for c in callbacks if callable(c)]
+        self._core_args, strategy = self._translate(model, train_dataset)
+        self.state.max_steps = self._core_args.max_steps
+        self._core = CoreTrainer(model, self._core_args, train_dataset, eval_dataset,
+                                 strategy=strategy, callbacks=[self._dispatch, *plain],
+                                 data_collator=hf_collator(data_collator, shift=not getattr(
+                                     train_dataset, "labels_shifted", False)))
+        self.model = self._core.model
+
+    # ------------------------------------------------------------------------------- API
+    def train(self, resume_from_checkpoint: str | bool | None = None) -> TrainResult:
+        """Train; ``resume_from_checkpoint`` is a checkpoint folder or True (the newest)."""
+        resume = resume_from_checkpoint or self.args.resume_from_checkpoint
+        if resume:
+            self._core.args = self._core.args.model_copy(update={
+                "resume": True, "resume_from": None if resume is True else str(resume)})
+        self._each("on_train_begin")
+        result = self._core.train()
+        self.state.global_step = result.step
+        self._each("on_train_end")
+        return result
+
+    def evaluate(self) -> dict[str, float]:
+        """``{"eval_loss": ...}`` over the evaluation set (all data-parallel ranks)."""
+        metrics = {"eval_loss": self._core.evaluate()}
+        self._each("on_evaluate", metrics=metrics)
+        return metrics
+
+    def save_model(self, output_dir: str | None = None) -> Path:
+        """Write the full (unsharded) weights for ``from_pretrained`` or reloading."""
+        from tessera.train.export import save_full_model
+
+        return save_full_model(self._core, Path(output_dir or self.args.output_dir))
+
+    # --------------------------------------------------------------------------- helpers
+    def _translate(self, model: nn.Module, train_dataset: Dataset
+                   ) -> tuple[CoreArguments, Strategy]:
+        a = self.args
+        world = dist.get_world_size() if dist.is_initialized() else _env_world_size()
+        strategy = resolve_strategy(a.strategy, model, world, a.per_device_train_batch_size,
+                                    a.gradient_accumulation_steps, a.precision)
+        steps_per_epoch = max(1, len(train_dataset) // strategy.global_batch_size)
+        max_steps = a.max_steps if a.max_steps > 0 else math.ceil(
+            a.num_train_epochs * steps_per_epoch)
+        every = {"no": 0, "steps": None, "epoch": steps_per_epoch}
+        eval_steps = every[a.eval_strategy]
+        save_steps = every[a.save_strategy]
+        core = CoreArguments(
+            output_dir=a.output_dir, max_steps=max_steps, learning_rate=a.learning_rate,
+            min_lr_ratio=0.0, lr_scheduler_type=a.lr_scheduler_type,
+            warmup_steps=a.warmup_steps or math.ceil(a.warmup_ratio * max_steps),
+            weight_decay=a.weight_decay, adam_beta1=a.adam_beta1, adam_beta2=a.adam_beta2,
+            adam_epsilon=a.adam_epsilon, max_grad_norm=a.max_grad_norm,
+            logging_steps=a.logging_steps,
+            eval_steps=(a.eval_steps or a.logging_steps) if eval_steps is None else eval_steps,
+            save_steps=a.save_steps if save_steps is None else save_steps, seed=a.seed,
+            progress="off" if a.disable_tqdm else "auto")
+        return core, strategy
+
+    def _dispatch(self, record: dict[str, Any]) -> None:
+        self.state.log_history.append(record)
+        self.state.global_step = record["step"]
+        hook = "on_evaluate" if "eval_loss" in record else "on_log"
+        self._each(hook, **({"metrics": record} if hook == "on_evaluate" else {"logs": record}))
+        if self.control.should_training_stop:
+            self._core.stop_requested = True
+
+    def _each(self, hook: str, **kwargs: Any) -> None:
+        for callback in self._hf_callbacks:
+            method = getattr(callback, hook, None)
+            if method is not None:
+                result = method(self.args, self.state, self.control, **kwargs)
+                if isinstance(result, TrainerControl):
+                    self.control = result
+
+
+class TrainerState:
+    """What callbacks see: step counters and the log history (rank 0)."""
+
+    def __init__(self) -> None:
+        self.global_step = 0
+        self.max_steps = 0
+        self.log_history: list[dict[str, Any]] = []
+
+
+class TrainerControl:
+    """What callbacks may ask for: ``should_training_stop`` pauses with a checkpoint."""
+
+    def __init__(self) -> None:
+        self.should_training_stop = False
+
+
+def resolve_strategy(text: str | None, model: nn.Module, world: int, per_device: int,
+                     accumulation: int, precision: str) -> Strategy:
+    """The Strategy for a run: given text, "auto" (planned), or data parallel over ``world``."""
+    gbs = per_device * accumulation * world
+    if text is None:
+        strategy = Strategy(dp=world, micro_batch_size=per_device, global_batch_size=gbs,
+                            precision=precision)
+    elif text.strip() == "auto":
+        from tessera.train.auto import plan_strategy
+
+        strategy = plan_strategy(model, world, gbs, precision)
+    else:
+        strategy = Strategy.parse(text)
+        if precision != "fp32" and strategy.precision != precision:
+            raise StrategyError(f"strategy says precision={strategy.precision} but the "
+                                f"arguments ask for {precision} (bf16/fp16 flags)")
+    return strategy.validate_for(world_size=world)
+
+
+def _env_world_size() -> int:
+    import os
+
+    return int(os.environ.get("WORLD_SIZE", "1"))
