@@ -48,3 +48,16 @@ def test_bad_files(tmp_path):
     bad.write_text("- a list\n")
     with pytest.raises(ConfigError, match="must hold a mapping"):
         load_config(bad)
+
+
+def test_auto_strategy_is_planned_for_the_workers():
+    base = ["model.preset=tiny", "data.seq_len=32"]
+    config = load_config(None, [*base, "strategy=auto,gbs=16"], world_size=2)
+    assert config.strategy.world_size == 2 and config.strategy.global_batch_size == 16
+    config.strategy.require_available()
+    with pytest.raises(ConfigError, match="needs the number of workers"):
+        load_config(None, [*base, "strategy=auto,gbs=16"])
+    with pytest.raises(ConfigError, match="auto needs the global batch size"):
+        load_config(None, [*base, "strategy=auto"], world_size=2)
+    with pytest.raises(ConfigError, match="unknown strategy field 'dq'"):
+        load_config(None, [*base, "strategy=auto,gbs=16,dq=2"], world_size=2)

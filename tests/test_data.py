@@ -66,3 +66,13 @@ def test_dp_ranks_partition_the_global_batch():
 def test_tokenize_corpus_separates_documents():
     tokens = tokenize_corpus([b"ab", b"cd"], ByteTokenizer())
     assert bytes(tokens.tolist()) == b"ab\n\ncd\n\n"
+
+
+def test_batch_order_continues_at_the_sample_when_gbs_changes():
+    before = GlobalBatchOrder(num_samples=50, global_batch_size=4, seed=1)
+    stream = np.concatenate([before.global_batch(s) for s in range(10)])  # 40 samples
+    # Two steps at gbs=4 (8 samples), then a resume at step 2 with gbs=8.
+    after = GlobalBatchOrder(50, 8, 1, start_step=2, start_sample=8)
+    assert after.samples_before(2) == 8 and after.samples_before(4) == 24
+    assert after.global_batch(2).tolist() == stream[8:16].tolist()
+    assert after.global_batch(3).tolist() == stream[16:24].tolist()

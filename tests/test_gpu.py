@@ -7,8 +7,7 @@ import pytest
 import torch
 
 from tessera.testing import run_distributed
-
-from test_training import _train
+from tessera.testing import train_tiny as _train
 
 
 def _cuda_run(rank, world_size, root):

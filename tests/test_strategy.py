@@ -1,3 +1,5 @@
+import re
+
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
@@ -77,13 +79,30 @@ def test_validate_for_world_and_model():
 
 def test_unbuilt_features_are_refused_not_ignored():
     Strategy.parse("dp=4,mbs=1,gbs=4").require_available()
-    for text, feature in [("tp=2", "tensor parallelism"), ("sp=2", "sequence parallelism"),
-                          ("pp=2", "pipeline parallelism"),
-                          ("dp=2,mbs=1,gbs=2,memory=zero2", "sharded or chunked memory")]:
-        with pytest.raises(NotAvailableError, match=f"{feature} .* is not available yet"):
-            Strategy.parse(text).require_available()
+    Strategy.parse("sp=2").require_available()  # sequence parallelism landed (issue 5)
+    Strategy.parse("tp=2").require_available()  # tensor parallelism landed (issue 4)
+    Strategy.parse("pp=2").require_available()  # pipeline parallelism landed (issue 6)
+    Strategy.parse("dp=2,mbs=1,gbs=2,memory=chunk").require_available()  # issue 3
+    with pytest.raises(NotAvailableError, match=r"ZeRO memory \(memory=zero2\) is not "
+                                                r"available yet.*use memory=ddp, or memory=chunk"):
+        Strategy.parse("dp=2,mbs=1,gbs=2,memory=zero2").require_available()
     # Once a runtime lands, its gate opens.
-    Strategy(tp=2).require_available({"tensor parallelism": True})
+    Strategy(dp=2, global_batch_size=2, memory="zero2").require_available({"ZeRO memory": True})
+
+
+@pytest.mark.parametrize("text, fragment", [
+    ("tp=2,sp=2", "tensor (tp>1) and sequence (sp>1) parallelism together"),
+    ("tp=2,pp=2", "tensor (tp>1) and pipeline (pp>1) parallelism together"),
+    ("sp=2,pp=2", "sequence (sp>1) and pipeline (pp>1) parallelism together"),
+    ("dp=2,tp=2,mbs=1,gbs=2,memory=chunk", "tensor parallelism and memory=chunk/ZeRO"),
+    ("pp=2,precision=fp16", "fp16 loss scaling"),
+    ("memory=chunk,recompute=full", "memory=chunk and recomputation"),
+])
+def test_compositions_not_built_are_refused_by_name(text, fragment):
+    strategy = Strategy.parse(text)
+    assert not strategy.is_runnable()
+    with pytest.raises(NotAvailableError, match=f"{re.escape(fragment)}.*not available yet"):
+        strategy.require_available()
 
 
 @settings(max_examples=200, deadline=None)

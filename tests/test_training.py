@@ -14,25 +14,13 @@ from pathlib import Path
 import pytest
 import torch
 
-from tessera.run import build_datasets, build_model, build_tokenizer
-from tessera.testing import run_distributed
-from tessera.train.trainer import Trainer
-
-from conftest import tiny_run_config
+from tessera.testing import run_distributed, train_tiny
+from tessera.train.checkpoint import read_meta
 
 FP32_PARITY = dict(rtol=0, atol=1e-5)
 
 
-def _train(out: Path, strategy: str, steps: int = 5, until: int | None = None, **sections):
-    train = {"max_steps": steps, **sections.pop("train", {})}
-    config = tiny_run_config(out, strategy, train=train, **sections)
-    tokenizer = build_tokenizer(config)
-    train_ds, val_ds = build_datasets(config, tokenizer)
-    model = build_model(config)
-    trainer = Trainer(model, config.train, train_ds, val_ds, strategy=config.strategy)
-    result = trainer.train(until_step=until)
-    params = {k: v.detach().clone() for k, v in trainer.model.state_dict().items()}
-    return result, params
+_train = train_tiny
 
 
 def _single_process_runs(rank, world_size, root):
@@ -49,6 +37,10 @@ def _single_process_runs(rank, world_size, root):
     shutil.copytree(root / "resumed", root / "resumed_dp2")
     out["second_half"], out["resumed_params"] = _train(
         root / "resumed", "dp=1,mbs=4,gbs=8", steps=10, train={"resume": True})
+    _train(root / "resize", "dp=1,mbs=4,gbs=8", steps=10, until=4)
+    resized, _ = _train(root / "resize", "dp=1,mbs=4,gbs=16", steps=10,
+                        train={"resume": True, "learning_rate": 6e-3})
+    out["resized_meta"] = read_meta(Path(resized.checkpoint))
     (root / "paused").mkdir()
     (root / "paused" / "PAUSE").touch()
     out["paused"], _ = _train(root / "paused", "dp=1,mbs=4,gbs=8", steps=10,
@@ -140,3 +132,11 @@ def test_a_pause_file_checkpoints_and_stops_at_the_next_logging_step(runs):
     assert paused.paused and paused.step == 2 and len(paused.losses) == 2
     assert paused.checkpoint.endswith("step_00000002")
     assert not runs["pause_file_left"]  # consumed, so a resume runs on
+
+
+@pytest.mark.slow
+def test_resume_with_a_new_batch_size_and_learning_rate(runs):
+    meta = runs["resized_meta"]
+    assert meta["step"] == 10
+    assert meta["samples_consumed"] == 4 * 8 + 6 * 16  # the stream went on at sample 32
+    assert meta["scheduler"]["base_lrs"] == [6e-3, 6e-3]  # the resumed run's learning rate
