@@ -138,13 +138,14 @@ class Trainer:
         writer = MetricsWriter(Path(self.args.output_dir) / "metrics.jsonl"
                                if self.ctx.is_main else None)
         throughput = self._throughput()
+        tokens_per_step = self.strategy.global_batch_size * self._seq_len()
         window: list[torch.Tensor] = []
         try:
             while self.step < stop:
                 self.phase = "forward/backward with the data-parallel gradient all-reduce"
                 window.append(self._train_step())
                 self.step += 1
-                throughput.add(self.strategy.global_batch_size * self._seq_len())
+                throughput.add(tokens_per_step)
                 if self.step % self.args.logging_steps == 0 or self.step == stop:
                     record = self._log(window, throughput, result)
                     window = []
