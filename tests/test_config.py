@@ -1,3 +1,5 @@
+import re
+
 import pytest
 
 from tessera.config import ConfigError, load_config
@@ -61,3 +63,14 @@ def test_auto_strategy_is_planned_for_the_workers():
         load_config(None, [*base, "strategy=auto"], world_size=2)
     with pytest.raises(ConfigError, match="unknown strategy field 'dq'"):
         load_config(None, [*base, "strategy=auto,gbs=16,dq=2"], world_size=2)
+
+
+@pytest.mark.parametrize("override, fragment", [
+    ("=,", "the key '' is empty"),
+    ("train..max_steps=3", "has an empty part"),
+    ("train.output_dir=[unclosed", "is not a valid YAML scalar"),
+])
+def test_malformed_overrides_are_refused(override, fragment):
+    # Found by tests/test_fuzz_inputs.py: these escaped as raw YAML errors.
+    with pytest.raises(ConfigError, match=re.escape(fragment)):
+        load_config(None, [override])

@@ -305,6 +305,8 @@ def _apply_override(raw: dict[str, Any], item: str) -> None:
         raise ConfigError(f"override {item!r} is not key=value (e.g. train.max_steps=50)")
     key, text = item.split("=", 1)
     parts = key.strip().split(".")
+    if not all(parts):
+        raise ConfigError(f"override {item!r}: the key {key!r} is empty or has an empty part")
     node = raw
     for part in parts[:-1]:
         child = node.setdefault(part, {})
@@ -314,7 +316,11 @@ def _apply_override(raw: dict[str, Any], item: str) -> None:
     # The strategy keeps its own text form; everything else is read as a YAML scalar, except
     # YAML 1.1's yes/no/on/off, which stay words (progress=off is not progress=False).
     literal = parts == ["strategy"] or text.strip().lower() in _YAML_BOOL_WORDS
-    node[parts[-1]] = text if literal else yaml.safe_load(text)
+    try:
+        node[parts[-1]] = text if literal else yaml.safe_load(text)
+    except yaml.YAMLError:
+        raise ConfigError(f"override {item!r}: the value {text!r} is not a valid YAML "
+                          "scalar (quote it)") from None
 
 
 _YAML_BOOL_WORDS = {"yes", "no", "on", "off", "y", "n"}

@@ -16,6 +16,10 @@ ACTIVATIONS = ("gelu", "swiglu")
 POSITIONS = ("learned", "rope")
 
 
+_INT_FIELDS = ("vocab_size", "n_layers", "d_model", "n_heads", "n_kv_heads", "d_ff",
+               "max_seq_len")
+
+
 class ModelConfigError(ValueError):
     """A model configuration breaks a rule; the message names the field."""
 
@@ -61,6 +65,10 @@ class ModelConfig:
     init_std: float = 0.02
 
     def __post_init__(self) -> None:
+        for name in _INT_FIELDS:  # types first: the defaults below compute with them
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int):
+                raise ModelConfigError(f"model.{name} must be an integer, got {value!r}")
         if self.n_kv_heads == 0:
             object.__setattr__(self, "n_kv_heads", self.n_heads)
         if self.d_ff == 0:

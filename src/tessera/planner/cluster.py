@@ -199,8 +199,11 @@ def load_cluster(path: str) -> Cluster:
     try:
         with open(path, encoding="utf-8") as handle:
             values = yaml.safe_load(handle)
-    except OSError as err:
-        raise ClusterError(f"cannot read cluster file {path!r}: {err.strerror}") from None
+    except (OSError, ValueError) as err:  # ValueError: e.g. a NUL byte in the path
+        raise ClusterError(f"cannot read cluster file {path!r}: "
+                           f"{getattr(err, 'strerror', None) or err}") from None
+    except yaml.YAMLError as err:
+        raise ClusterError(f"cluster file {path!r} is not valid YAML: {err}") from None
     if not isinstance(values, Mapping):
         raise ClusterError(f"cluster file {path!r} must hold a mapping")
     return Cluster.from_mapping(values)
