@@ -3,7 +3,11 @@
 from __future__ import annotations
 
 import pytest
+from hypothesis import settings
 
+# Property tests explore the same examples on every run: CI stays reproducible.
+settings.register_profile("tessera", derandomize=True)
+settings.load_profile("tessera")
 
 
 def pytest_collection_modifyitems(config, items):
