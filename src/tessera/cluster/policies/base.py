@@ -4,7 +4,9 @@ from __future__ import annotations
 
 from abc import ABC, abstractmethod
 from dataclasses import dataclass
-from typing import NamedTuple
+from typing import Callable, Hashable, NamedTuple
+
+import heapq
 
 import numpy as np
 
@@ -141,4 +143,25 @@ def gang_fill(view: ClusterView, order, keep_running: bool = False) -> dict[int,
         if j not in counts and want <= free:
             counts[j] = want
             free -= want
+    return counts
+
+
+def grow_by_marginal_gain(counts: dict, free: int, delta: Callable[[Hashable, int], float],
+                          limit: Callable[[Hashable], int]) -> dict:
+    """Hand out ``free`` GPUs one at a time to the job whose next GPU helps most.
+
+    ``counts`` maps each job to the GPUs it holds (all start at 1); ``delta(j, n)`` is the
+    change in the objective from ``n`` to ``n + 1`` GPUs (negative is better); a job never
+    exceeds ``limit(j)``. Returns ``counts``, updated in place.
+    """
+    heap = [(delta(j, counts[j]), j) for j in counts if counts[j] < limit(j)]
+    heapq.heapify(heap)
+    while free > 0 and heap:
+        gain, j = heapq.heappop(heap)
+        if gain >= 0:
+            break
+        counts[j] += 1
+        free -= 1
+        if counts[j] < limit(j):
+            heapq.heappush(heap, (delta(j, counts[j]), j))
     return counts

@@ -8,11 +8,10 @@ global batch stays the one the user chose, so more GPUs mean a smaller per-GPU b
 
 from __future__ import annotations
 
-import heapq
-
 import numpy as np
 
-from tessera.cluster.policies.base import ClusterView, Policy, Schedule
+from tessera.cluster.policies.base import (ClusterView, Policy, Schedule,
+                                          grow_by_marginal_gain)
 
 
 class Optimus(Policy):
@@ -36,17 +35,7 @@ class Optimus(Policy):
         if ids.size == 0:
             return {}
         times, limit = self._times(view, ids)
-        counts = np.ones(ids.size, dtype=np.int64)
-        free = view.cluster.gpus - ids.size
-        heap = [(times[i, 2] - times[i, 1], i) for i in range(ids.size) if limit[i] > 1]
-        heapq.heapify(heap)
-        while free > 0 and heap:
-            neg_gain, i = heapq.heappop(heap)
-            if neg_gain >= 0:
-                break
-            counts[i] += 1
-            free -= 1
-            n = counts[i]
-            if n < limit[i]:
-                heapq.heappush(heap, (times[i, n + 1] - times[i, n], i))
-        return view.place({int(j): int(c) for j, c in zip(ids, counts)})
+        counts = grow_by_marginal_gain(
+            dict.fromkeys(range(ids.size), 1), view.cluster.gpus - ids.size,
+            delta=lambda i, n: times[i, n + 1] - times[i, n], limit=lambda i: limit[i])
+        return view.place({int(ids[i]): int(c) for i, c in counts.items()})

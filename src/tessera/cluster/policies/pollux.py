@@ -14,11 +14,10 @@ re-allocates; the noise scale comes from the fitted model, not from live gradien
 
 from __future__ import annotations
 
-import heapq
-
 import numpy as np
 
-from tessera.cluster.policies.base import ClusterView, Policy, Schedule
+from tessera.cluster.policies.base import (ClusterView, Policy, Schedule,
+                                          grow_by_marginal_gain)
 
 BATCH_STEPS = 16  # candidate batch sizes per job, log-spaced between base and max batch
 
@@ -44,7 +43,7 @@ class PolluxLike(Policy):
                                   b[np.arange(max_n), best]])
 
     def schedule(self, view: ClusterView) -> Schedule:
-        jobs, total = view.jobs, view.cluster.gpus
+        total = view.cluster.gpus
         max_n = min(total, 64)
         tables, counts, free = {}, {}, total
         for j in (int(x) for x in view.active):
@@ -56,16 +55,8 @@ class PolluxLike(Policy):
         def inv(j: int, n: int) -> float:
             return base[j] / tables[j][0][n]
 
-        heap = [(inv(j, 2) - inv(j, 1), j) for j in counts if max_n >= 2]
-        heapq.heapify(heap)
-        while free > 0 and heap:
-            delta, j = heapq.heappop(heap)
-            if delta >= 0:
-                break
-            counts[j] += 1
-            free -= 1
-            if counts[j] < max_n:
-                heapq.heappush(heap, (inv(j, counts[j] + 1) - inv(j, counts[j]), j))
+        grow_by_marginal_gain(counts, free, delta=lambda j, n: inv(j, n + 1) - inv(j, n),
+                              limit=lambda j: max_n)
         counts = self._sticky(view, counts, tables)
         batch = {j: int(tables[j][1][n]) for j, n in counts.items()}
         return view.place(counts, batch)
