@@ -31,14 +31,25 @@ def plan_strategy(model: nn.Module, world_size: int, global_batch_size: int,
     Raises:
         StrategyError: when nothing fits, with the planner's explanation.
     """
-    from tessera.planner import search
-
     config = getattr(model, "config", None)
     if config is None:
         raise StrategyError("strategy=auto needs a model with a .config (reference or Hugging "
                             "Face) to describe it to the planner")
-    result = search(config, local_cluster(world_size), global_batch_size, devices=world_size,
-                    available_only=True, precision=precision, top_k=1)
+    return best_runnable(config, world_size, global_batch_size, precision)
+
+
+def best_runnable(model_config, world_size: int, global_batch_size: int, precision: str,
+                  fixed: dict | None = None) -> Strategy:
+    """The fastest strategy that fits and that this build's runtime runs.
+
+    Raises:
+        StrategyError: when nothing fits, with the planner's explanation.
+    """
+    from tessera.planner import search
+
+    result = search(model_config, local_cluster(world_size), global_batch_size,
+                    devices=world_size, available_only=True, precision=precision,
+                    fixed=fixed or None, top_k=1)
     if not result.results:
         raise StrategyError(f"strategy=auto: nothing fits on {world_size} device(s): "
                             f"{result.infeasible}")
@@ -51,7 +62,6 @@ def resolve_auto_text(text: str, model_config, world_size: int) -> Strategy:
     The fields after ``auto`` are held fixed; ``gbs`` is required, since the batch size is a
     training decision and not the planner's.
     """
-    from tessera.planner import search
     from tessera.strategy import TEXT_ALIASES
 
     fixed: dict[str, object] = {}
@@ -67,10 +77,4 @@ def resolve_auto_text(text: str, model_config, world_size: int) -> Strategy:
     precision = str(fixed.pop("precision", "fp32"))
     parsed = Strategy.from_mapping({**fixed, "global_batch_size": gbs}) if fixed else None
     fixed_values = {k: getattr(parsed, k) for k in fixed} if parsed else {}
-    result = search(model_config, local_cluster(world_size), gbs, devices=world_size,
-                    available_only=True, precision=precision, fixed=fixed_values or None,
-                    top_k=1)
-    if not result.results:
-        raise StrategyError(f"strategy=auto: nothing fits on {world_size} device(s): "
-                            f"{result.infeasible}")
-    return result.best.strategy
+    return best_runnable(model_config, world_size, gbs, precision, fixed_values)
