@@ -6,32 +6,30 @@ Prints one JSON line per figure: {"name", "value", "unit", "compared_against"}.
    candidate counts before and after pruning.
 2. Accuracy at scale: predicted TFLOP/s per GPU against published measured runs (the table and
    its sources are in docs/planner.md and in PUBLISHED below).
-3. Local validation: ``tessera profile`` measures this machine, then plain PyTorch training steps
-   (tessera.models.Transformer, AdamW, torch DDP over gloo with 1, 2 and 4 CPU processes,
-   OMP_NUM_THREADS=1) are timed and compared with the simulator's prediction for the same
-   data-parallel strategy. local_best_pick_gap: for each (model, global batch) the strategy with
-   the lowest predicted time is looked up among the measured ones and its measured time divided
-   by the measured fastest.
+3. Local validation (tessera.planner.validation): ``tessera profile`` measures this machine for
+   4 (and, without --quick, 8) CPU workers; then real tessera training steps (the Trainer,
+   every runnable strategy of a list mixing dp, tp 1d/2d, pp schedules, sp ring/ulysses,
+   recomputation and memory=chunk; OMP_NUM_THREADS=1) are timed, median of several steps
+   after warm-up, slowest rank, and compared with the simulator's prediction from that
+   profile. local_best_pick_gap: for each worker count, the measured step of the strategy
+   predicted fastest over the measured fastest. A predicted-against-measured scatter plot is
+   written (--plot, or OUT_DIR/planner_scatter.png).
 
-Usage: python benchmarks/bench_planner.py [--quick] [--out-dir DIR]
+Usage: python benchmarks/bench_planner.py [--quick] [--out-dir DIR] [--plot PATH]
 """
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import os
-import socket
 import statistics
-import tempfile
 import time
 
 os.environ.setdefault("OMP_NUM_THREADS", "1")
 
-import torch  # noqa: E402
-
-from tessera.models.config import ModelConfig  # noqa: E402
-from tessera.planner import estimate, search  # noqa: E402
+from tessera.planner import estimate, save_cluster, search  # noqa: E402
 from tessera.planner.published import SOURCES, validate_published  # noqa: E402
 from tessera.strategy import Strategy  # noqa: E402
 
@@ -68,164 +66,150 @@ def bench_published() -> None:
 
 
 # ---------------------------------------------------------------------------- local validation
-def local_configs(quick: bool) -> list[dict]:
-    """Data-parallel runs of the reference model: model shape, world size, mbs, gbs."""
-    models = {
-        "gpt-l2-d128": dict(n_layers=2, d_model=128, n_heads=4, vocab_size=256, max_seq_len=128),
-        "gpt-l4-d256": dict(n_layers=4, d_model=256, n_heads=8, vocab_size=256, max_seq_len=128),
-        "llama-l4-d256": dict(n_layers=4, d_model=256, n_heads=8, n_kv_heads=4, vocab_size=512,
-                              max_seq_len=256, norm="rmsnorm", activation="swiglu",
-                              position="rope", tie_embeddings=False, bias=False),
-    }
-    plan = [("gpt-l2-d128", 8, (8, 4, 2, 1)), ("gpt-l4-d256", 8, (8, 4, 2, 1)),
-            ("llama-l4-d256", 4, (4, 2, 1))]
-    if quick:
-        plan = [("gpt-l2-d128", 8, (4, 2)), ("gpt-l4-d256", 8, (4, 1)),
-                ("llama-l4-d256", 4, (1,))]
-    out = []
-    for name, gbs, mbs_list in plan:
-        for world in (1, 2, 4):
-            for mbs in mbs_list:
-                if gbs % (mbs * world) == 0:
-                    out.append(dict(model=name, config=models[name], world=world, mbs=mbs,
-                                    gbs=gbs))
-    return out
+def bench_local(quick: bool, out_dir: str | None, plot: str | None) -> None:
+    """Profile this machine, time real tessera training steps, compare with the simulator."""
+    from tessera.planner.validation import (candidate_strategies, measure_strategies,
+                                            validation_model)
 
-
-def _free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
-
-
-def _train_worker(rank: int, world: int, port: int, configs: list[dict], steps: int,
-                  out_dir: str) -> None:
-    import torch.distributed as dist
-    from torch.nn.parallel import DistributedDataParallel as DDP
-
-    from tessera.models import Transformer
-
-    torch.set_num_threads(1)
-    if world > 1:
-        dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank,
-                                world_size=world)
-    times = []
-    for index, cfg in enumerate(configs):
-        torch.manual_seed(index)
-        config = ModelConfig(**cfg["config"])
-        model = Transformer(config)
-        if world > 1:
-            model = DDP(model)
-        opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
-        accum = cfg["gbs"] // (cfg["mbs"] * world)
-        seq = config.max_seq_len
-        data = torch.randint(0, config.vocab_size, (accum, cfg["mbs"], seq + 1))
-        per_step = []
-        for step in range(steps + 2):
-            if world > 1:
-                dist.barrier()
-            start = time.perf_counter()
-            opt.zero_grad(set_to_none=True)
-            for micro in range(accum):
-                batch = data[micro]
-                sync = world == 1 or micro == accum - 1
-                ctx = model.no_sync() if not sync else _nullcontext()
-                with ctx:
-                    logits = model(batch[:, :-1])
-                    loss = torch.nn.functional.cross_entropy(
-                        logits.reshape(-1, logits.shape[-1]), batch[:, 1:].reshape(-1))
-                    (loss / accum).backward()
-            opt.step()
-            elapsed = torch.tensor([time.perf_counter() - start])
-            if world > 1:
-                dist.all_reduce(elapsed, op=dist.ReduceOp.MAX)
-            if step >= 2:  # two warm-up steps
-                per_step.append(float(elapsed))
-        # The minimum: the machine may be shared, and other load only ever adds time.
-        times.append(min(per_step))
-    if rank == 0:
-        with open(os.path.join(out_dir, f"times_{world}.json"), "w") as handle:
-            json.dump(times, handle)
-    if world > 1:
-        dist.destroy_process_group()
-
-
-class _nullcontext:
-    def __enter__(self):
-        return self
-
-    def __exit__(self, *exc):
-        return False
-
-
-def measure_local(configs: list[dict], steps: int) -> list[float]:
-    """Measured median step time of each config (each world size in one set of processes)."""
-    import torch.multiprocessing as mp
-
-    measured: dict[int, float] = {}
-    with tempfile.TemporaryDirectory() as tmp:
-        for world in sorted({c["world"] for c in configs}):
-            idx = [i for i, c in enumerate(configs) if c["world"] == world]
-            subset = [configs[i] for i in idx]
-            mp.spawn(_train_worker, args=(world, _free_port(), subset, steps, tmp),
-                     nprocs=world, join=True)
-            with open(os.path.join(tmp, f"times_{world}.json")) as handle:
-                for i, t in zip(idx, json.load(handle)):
-                    measured[i] = t
-    return [measured[i] for i in range(len(configs))]
-
-
-def bench_local(quick: bool, out_dir: str | None) -> None:
-    from tessera.planner.cluster import save_cluster
-    from tessera.planner.profile import profile_cluster
-
-    start = time.perf_counter()
-    cluster = profile_cluster(workers=4, quick=quick)
-    profile_s = time.perf_counter() - start
-    if out_dir:
-        save_cluster(cluster, os.path.join(out_dir, "local_cluster.yaml"))
-    configs = local_configs(quick)
-    measured = measure_local(configs, steps=4 if quick else 6)
+    model = validation_model()
     rows = []
-    for cfg, meas in zip(configs, measured):
-        model = ModelConfig(**cfg["config"])
-        s = Strategy(dp=cfg["world"], micro_batch_size=cfg["mbs"], global_batch_size=cfg["gbs"])
-        pred = estimate(model, cluster.with_devices(cfg["world"], 1), s).step_time
-        rows.append(dict(model=cfg["model"], strategy=s.to_text(), measured_s=meas,
-                         predicted_s=pred, error=(pred - meas) / meas))
-        emit(f"local/{cfg['model']}/{s.to_text()}", round(pred, 4), "s predicted step",
-             f"measured {meas:.4f} s (torch DDP, gloo, {cfg['world']} CPU processes)",
-             error=round((pred - meas) / meas, 4))
-    errors = [abs(r["error"]) for r in rows]
-    emit("local_mean_abs_error", round(statistics.mean(errors), 4), "fraction",
-         f"{len(rows)} data-parallel configs measured here; target <= 0.10",
-         max_abs_error=round(max(errors), 4), profile_s=round(profile_s, 1))
-    gaps = []
-    for key in sorted({(r["model"], r["strategy"].split("gbs=")[1]) for r in rows}):
-        group = [r for r in rows if (r["model"], r["strategy"].split("gbs=")[1]) == key]
-        pick = min(group, key=lambda r: r["predicted_s"])
-        best = min(group, key=lambda r: r["measured_s"])
-        gaps.append(pick["measured_s"] / best["measured_s"])
-        emit(f"local_pick/{key[0]}", round(pick["measured_s"] / best["measured_s"], 4),
-             "ratio", f"picked {pick['strategy']}, measured fastest {best['strategy']}")
-    emit("local_best_pick_gap", round(max(gaps), 4), "ratio (worst group)",
-         "measured fastest of the same model and batch; target <= 1.05",
-         mean_gap=round(statistics.mean(gaps), 4))
+    for world in (4,) if quick else (4, 8):
+        strategies = candidate_strategies(world)
+        if not strategies:
+            continue
+        cluster, profile_s = _profile(world, quick)
+        profiled_share = cluster.compute_share()
+        load = os.getloadavg()[0]
+        measured, contention = measure_strategies(world, strategies, steps=5 if quick else 7,
+                                                  warmup=1 if quick else 2)
+        load = max(load, os.getloadavg()[0])
+        cluster = with_contention(cluster, contention)
+        if out_dir:
+            save_cluster(cluster, os.path.join(out_dir, f"local_cluster_{world}.yaml"))
+        emit(f"local_contention_{world}w", round(contention["concurrency"][world], 4),
+             "compute share per worker", "probed between the timed rounds (profile: "
+             f"{profiled_share:.4f})", sync_penalty_s={g: round(v, 6) for g, v in
+                                                      contention["sync_penalty"].items()})
+        for strategy, meas in zip(strategies, measured):
+            pred = estimate(model, cluster, strategy)
+            error = (pred.step_time - meas["measured_s"]) / meas["measured_s"]
+            rows.append(dict(world=world, strategy=strategy.to_text(), family=_family(strategy),
+                             measured_s=meas["measured_s"], predicted_s=pred.step_time,
+                             error=error, steps_s=meas["steps_s"],
+                             breakdown={k: v for k, v in pred.breakdown.items() if v}))
+            emit(f"local/{world}w/{strategy.to_text()}", round(pred.step_time, 4),
+                 "s predicted step",
+                 f"measured {meas['measured_s']:.4f} s (median step, slowest rank, "
+                 f"{world} CPU workers)", error=round(error, 4))
+        emit(f"local_profile_{world}w_s", round(profile_s, 1), "s",
+             "tessera profile" + (" --quick" if quick else ""),
+             load_average_1min=round(load, 2), cpus=os.cpu_count())
+    _summarise(rows)
     if out_dir:
         with open(os.path.join(out_dir, "local_rows.json"), "w") as handle:
             json.dump(rows, handle, indent=1)
+    if plot and rows:
+        write_scatter(rows, plot, f"load average {os.getloadavg()[0]:.1f} on "
+                                  f"{os.cpu_count()} CPUs")
+        emit("local_scatter_plot", plot, "path", "predicted against measured step time")
+
+
+def _profile(world: int, quick: bool):
+    from tessera.planner.profile import profile_cluster
+
+    start = time.perf_counter()
+    cluster = profile_cluster(workers=world, quick=quick)
+    return cluster, time.perf_counter() - start
+
+
+def with_contention(cluster, contention: dict):
+    """The profiled cluster with its contention figures replaced by those probed during the
+    timed run (the shared machine's load drifts between the profile and the run)."""
+    return dataclasses.replace(
+        cluster, concurrency={**cluster.concurrency, **contention["concurrency"]},
+        sync_penalty={**cluster.sync_penalty, **contention["sync_penalty"]})
+
+
+def _family(s: Strategy) -> str:
+    """The strategy's parallelism in a few letters, for the plot's legend."""
+    parts = [name for name, on in (("tp2d" if s.tp_mode == "2d" else "tp", s.tp > 1),
+                                   ("sp", s.sp > 1), ("pp", s.pp > 1)) if on]
+    if s.memory == "chunk":
+        parts.append("chunk")
+    return "+".join(parts) or "dp"
+
+
+def _summarise(rows: list[dict]) -> None:
+    if not rows:
+        return
+    errors = [abs(r["error"]) for r in rows]
+    emit("local_mean_abs_error", round(statistics.mean(errors), 4), "fraction",
+         f"{len(rows)} strategies measured here; target <= 0.10, max <= 0.25; no constant "
+         "is fitted to these runs (all come from tessera profile)",
+         local_max_abs_error=round(max(errors), 4), strategies=len(rows),
+         families=sorted({r["family"] for r in rows}))
+    emit("local_max_abs_error", round(max(errors), 4), "fraction", "target <= 0.25")
+    gaps = []
+    for world in sorted({r["world"] for r in rows}):
+        group = [r for r in rows if r["world"] == world]
+        pick = min(group, key=lambda r: r["predicted_s"])
+        best = min(group, key=lambda r: r["measured_s"])
+        gaps.append(pick["measured_s"] / best["measured_s"])
+        emit(f"local_pick/{world}w", round(gaps[-1], 4), "ratio",
+             f"picked {pick['strategy']}, measured fastest {best['strategy']}")
+    emit("local_best_pick_gap", round(max(gaps), 4), "ratio (worst worker count)",
+         "measured step of the predicted fastest over the measured fastest; target <= 1.05")
+
+
+def write_scatter(rows: list[dict], path: str, note: str) -> None:
+    """Predicted against measured step time, one marker per strategy, on log axes."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(7, 6))
+    for family in sorted({r["family"] for r in rows}):
+        for world, marker in ((4, "o"), (8, "s")):
+            pts = [r for r in rows if r["family"] == family and r["world"] == world]
+            if pts:
+                ax.scatter([r["measured_s"] for r in pts], [r["predicted_s"] for r in pts],
+                           marker=marker, label=f"{family} ({world} workers)")
+    values = [v for r in rows for v in (r["measured_s"], r["predicted_s"])]
+    lo, hi = min(values) / 1.3, max(values) * 1.3
+    ax.plot([lo, hi], [lo, hi], "k-", lw=1, label="predicted = measured")
+    for band, style in ((0.10, "--"), (0.25, ":")):
+        ax.plot([lo, hi], [lo * (1 + band), hi * (1 + band)], "k" + style, lw=0.7,
+                label=f"+/- {band:.0%}")
+        ax.plot([lo, hi], [lo * (1 - band), hi * (1 - band)], "k" + style, lw=0.7)
+    ax.set(xscale="log", yscale="log", xlim=(lo, hi), ylim=(lo, hi),
+           xlabel="measured step time (s, median, slowest rank)",
+           ylabel="predicted step time (s, tessera profile + simulator)",
+           title=f"tessera planner on this machine ({note})")
+    ax.legend(fontsize=7, loc="upper left")
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--quick", action="store_true", help="fewer configs (< 3 minutes)")
-    parser.add_argument("--out-dir", default=None, help="also write rows and the profile here")
+    parser.add_argument("--quick", action="store_true",
+                        help="4 workers only, fewer steps (about 4 minutes on an idle machine)")
+    parser.add_argument("--out-dir", default=None,
+                        help="also write the rows, the profiled clusters and the plot here")
+    parser.add_argument("--plot", default=None,
+                        help="scatter plot path (default: OUT_DIR/planner_scatter.png)")
     parser.add_argument("--skip-local", action="store_true", help="no local measurement")
     args = parser.parse_args()
+    if args.out_dir:
+        os.makedirs(args.out_dir, exist_ok=True)
+    plot = args.plot or (os.path.join(args.out_dir, "planner_scatter.png") if args.out_dir
+                         else None)
     bench_plan_time()
     bench_published()
     if not args.skip_local:
-        bench_local(args.quick, args.out_dir)
+        bench_local(args.quick, args.out_dir, plot)
 
 
 if __name__ == "__main__":

@@ -20,6 +20,12 @@ def test_profile_two_workers_round_trip(tmp_path):
     save_cluster(cluster, str(path))
     again = load_cluster(str(path))
     assert again.matmul_table == cluster.matmul_table
+    # The contention and fixed-overhead measurements are written and read back.
+    assert set(again.sync_penalty) == {2} and again.sync_penalty[2] >= 0
+    assert again.sync_penalty == cluster.sync_penalty
+    assert 0 < again.compute_share() <= 1
+    assert again.device.overheads == cluster.device.overheads
+    assert again.device.overheads["layer_fwd"] + again.device.overheads["layer_bwd"] > 0
     rate = matmul_rate(again, 512, 512, 512, "fp32")
     assert 1e8 < rate <= again.device.peak("fp32") * 1.01
     est = estimate(preset("tiny"), again, Strategy(dp=2, micro_batch_size=2,

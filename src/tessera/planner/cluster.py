@@ -56,6 +56,10 @@ class Cluster:
         concurrency: measured fraction of a lone worker's matmul rate that each of g workers
             gets when all run at once, ``{g: fraction}`` (profile; it sees other load on the
             machine too). Preferred over ``compute_slots`` when present.
+        sync_penalty: measured extra seconds of one blocking collective in a group of g
+            workers while every worker computes between collectives, ``{g: seconds}``
+            (profile). With more workers than cores, a collective waits until each member
+            has been scheduled again; idle-machine fits (``collectives``) do not see this.
     """
 
     device: DeviceSpec
@@ -66,6 +70,7 @@ class Cluster:
     collectives: Mapping[str, Mapping[int, CollectiveFit]] = field(default_factory=dict)
     compute_slots: int | None = None
     concurrency: Mapping[int, float] = field(default_factory=dict)
+    sync_penalty: Mapping[int, float] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
         for key in ("devices_per_node", "nodes"):
@@ -91,9 +96,18 @@ class Cluster:
     def compute_share(self, workers_per_node: int | None = None) -> float:
         """Fraction of one device's compute each worker gets when workers share cores."""
         workers = workers_per_node or self.devices_per_node
+        if self.concurrency:
+            return self.concurrency[_nearest(self.concurrency, workers)]
         if self.compute_slots is None or workers <= self.compute_slots:
             return 1.0
         return self.compute_slots / workers
+
+    def sync_seconds(self, group_size: int) -> float:
+        """Measured extra seconds of one blocking collective of ``group_size`` workers under
+        load (0 without a measurement, or for a group of one)."""
+        if group_size <= 1 or not self.sync_penalty:
+            return 0.0
+        return self.sync_penalty[_nearest(self.sync_penalty, group_size)]
 
     # --------------------------------------------------------------------------- serialise
     def to_dict(self) -> dict[str, Any]:
@@ -104,6 +118,8 @@ class Cluster:
             out["compute_slots"] = self.compute_slots
         if self.concurrency:
             out["concurrency"] = {int(g): float(v) for g, v in self.concurrency.items()}
+        if self.sync_penalty:
+            out["sync_penalty"] = {int(g): float(v) for g, v in self.sync_penalty.items()}
         if self.matmul_table:
             out["matmul"] = [{"m": m, "n": n, "k": k, "flops_per_s": float(v)}
                              for (m, n, k), v in self.matmul_table]
@@ -118,7 +134,7 @@ class Cluster:
         """Build from a YAML mapping. ``device`` is a preset name or a full device mapping,
         optionally with ``device_overrides`` applied on top of a preset."""
         known = {"name", "devices_per_node", "nodes", "device", "device_overrides", "matmul",
-                 "collectives", "compute_slots", "concurrency"}
+                 "collectives", "compute_slots", "concurrency", "sync_penalty"}
         unknown = sorted(set(values) - known)
         if unknown:
             raise ClusterError(f"unknown cluster field(s) {', '.join(unknown)}; "
@@ -139,8 +155,21 @@ class Cluster:
                    nodes=values.get("nodes", 1), name=values.get("name", ""),
                    matmul_table=matmul, collectives=collectives,
                    compute_slots=values.get("compute_slots"),
-                   concurrency={int(g): float(v)
-                                for g, v in (values.get("concurrency") or {}).items()})
+                   concurrency=_by_size(values, "concurrency"),
+                   sync_penalty=_by_size(values, "sync_penalty"))
+
+
+def _nearest(table: Mapping[int, float], size: int) -> int:
+    """The measured group size closest to ``size`` (the larger one on a tie)."""
+    return min(table, key=lambda g: (abs(g - size), -g))
+
+
+def _by_size(values: Mapping[str, Any], key: str) -> dict[int, float]:
+    """A ``{group size: number}`` table of a cluster mapping, checked."""
+    try:
+        return {int(g): float(v) for g, v in (values.get(key) or {}).items()}
+    except (AttributeError, TypeError, ValueError) as err:
+        raise ClusterError(f"cluster.{key} must map group sizes to numbers: {err}") from None
 
 
 def _device(spec: Any, overrides: Mapping[str, Any]) -> DeviceSpec:

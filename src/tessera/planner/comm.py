@@ -19,6 +19,10 @@ bandwidth per device is the NIC's). A profiled cluster's measured fits replace t
 for groups inside a node; for a group size that was not measured, the measured bus bandwidth
 of the nearest size is used (bus bandwidth = algorithm bandwidth x wire factor, NCCL-tests).
 
+On a profiled CPU cluster every blocking collective inside the node also pays the measured
+sync penalty of its group size (:meth:`Cluster.sync_seconds`): with more workers than cores, a
+collective completes only once every member has been scheduled again.
+
 Rank order on the mesh is tp (fastest), sp, dp, pp (slowest), as in Megatron-LM, so tensor
 parallel groups are the most local.
 """
@@ -73,7 +77,7 @@ def collective_time(cluster: Cluster, op: str, nbytes: float, group: Group) -> f
     inside = group.inside_node(cluster.devices_per_node)
     fits = cluster.collectives.get(op, {})
     if inside and fits:
-        return _from_fits(fits, op, nbytes, g)
+        return _from_fits(fits, op, nbytes, g) + cluster.sync_seconds(g)
     link = cluster.device.intra if inside else cluster.device.inter
     return _STEPS[op](g) * link.latency + _WIRE[op](g) * nbytes / link.bandwidth
 
@@ -94,7 +98,8 @@ def summa_time(cluster: Cluster, m: float, n: float, k: float, count: int, q: in
 
     Each of the q steps broadcasts an ``(m/q, k/q)`` block along the row and a ``(k/q, n/q)``
     block along the column; a pipelined broadcast costs about an all-gather of the same data,
-    so each device moves ``(m k + k n) / q`` elements per product.
+    so each device moves ``(m k + k n) / q`` elements per product. The runtime issues it as
+    q broadcasts per operand, so each product pays 2 q collective latencies, not 2.
     """
     if q <= 1:
         return 0.0
@@ -104,4 +109,10 @@ def summa_time(cluster: Cluster, m: float, n: float, k: float, count: int, q: in
     b_bytes = k * n / q * nbytes_el
     per = collective_time(cluster, "all_gather", a_bytes, row) + collective_time(
         cluster, "all_gather", b_bytes, col)
+    per += (q - 1) * (call_time(cluster, row) + call_time(cluster, col))
     return count * per
+
+
+def call_time(cluster: Cluster, group: Group) -> float:
+    """Seconds of one tiny blocking collective (latency, and the sync penalty if measured)."""
+    return collective_time(cluster, "all_reduce", 4.0, group)

@@ -15,7 +15,9 @@ holds ``s_loc = seq / sp`` positions, with tensor parallelism of degree ``t``:
 - Element-wise kernels (norms, residual adds, activation, rope): memory traffic of about
   ``n * (14 h + c f)`` elements forward (c = 2 for gelu, 5 for swiglu's silu-and-multiply) and
   twice that backward, at ``memory_efficiency`` of memory bandwidth.
-- A fixed ``kernel_overhead`` per kernel: about 16 kernels per layer forward, 32 backward.
+- Fixed per-layer seconds: the profiled ``overheads`` (Python and launches of a tiny reference
+  layer) when the device has them, else ``kernel_overhead`` for about 16 kernels forward and 32
+  backward.
 
 Recomputing a layer costs its forward again.
 """
@@ -114,8 +116,10 @@ def layer_time(cluster: Cluster, model: ModelConfig, b: int, seq: int, tp: int, 
     c_f = 5 if model.activation == "swiglu" else 2
     elem_bytes = n * (14 * model.d_model + c_f * model.d_ff) / tp * bytes_per_element(precision)
     t_elem = elem_bytes / (device.memory_bandwidth * device.memory_efficiency)
-    fwd += t_elem + KERNELS_FWD * device.kernel_overhead
-    bwd += BWD_ELEMENTWISE_FACTOR * t_elem + KERNELS_BWD * device.kernel_overhead
+    fixed = device.overheads
+    fwd += t_elem + fixed.get("layer_fwd", KERNELS_FWD * device.kernel_overhead)
+    bwd += BWD_ELEMENTWISE_FACTOR * t_elem + fixed.get("layer_bwd",
+                                                       KERNELS_BWD * device.kernel_overhead)
     return LayerTime(fwd / share, bwd / share)
 
 
@@ -131,8 +135,10 @@ def head_time(cluster: Cluster, model: ModelConfig, b: int, seq: int, tp: int, s
     # 2 backward (softmax minus one-hot, cast).
     t_loss = n * vocab * 4 * 3 / (device.memory_bandwidth * device.memory_efficiency)
     share = cluster.compute_share()
-    fwd = t_mm + t_loss + 6 * device.kernel_overhead
-    bwd = 2 * t_mm + t_loss * 2 / 3 + 10 * device.kernel_overhead
+    # A profiled device's model overhead covers embedding, head and loss; it is charged here.
+    fixed = device.overheads
+    fwd = t_mm + t_loss + fixed.get("model_fwd", 6 * device.kernel_overhead)
+    bwd = 2 * t_mm + t_loss * 2 / 3 + fixed.get("model_bwd", 10 * device.kernel_overhead)
     return LayerTime(fwd / share, bwd / share)
 
 
@@ -143,10 +149,11 @@ def embedding_time(cluster: Cluster, model: ModelConfig, b: int, seq: int, tp: i
     bw = device.memory_bandwidth * device.memory_efficiency
     n = b * seq // sp
     el = bytes_per_element(precision)
-    fwd = 3 * n * model.d_model * el / bw + 4 * device.kernel_overhead
+    launches = 0.0 if device.overheads else device.kernel_overhead  # else in head_time
+    fwd = 3 * n * model.d_model * el / bw + 4 * launches
     # The embedding gradient is a dense (V, h) tensor: zeroed, then scattered into.
     bwd = (2 * model.vocab_size * model.d_model / tp * 4 + 2 * n * model.d_model * el) / bw
-    bwd += 6 * device.kernel_overhead
+    bwd += 6 * launches
     share = cluster.compute_share()
     return LayerTime(fwd / share, bwd / share)
 
@@ -155,7 +162,10 @@ def optimizer_time(cluster: Cluster, params: float, n_tensors: int) -> float:
     """One Adam(W) update of ``params`` parameters held in ``n_tensors`` tensors."""
     device = cluster.device
     traffic = params * device.optimizer_bytes_per_param
-    # foreach kernels still pay a small per-tensor cost for each of their ~12 passes.
-    per_tensor = 12 * n_tensors * device.kernel_overhead * 0.1
+    if "optim_fixed" in device.overheads:  # profiled; a layer holds ~12 tensors
+        per_tensor = (device.overheads["optim_fixed"]
+                      + device.overheads.get("optim_layer", 0.0) * n_tensors / 12)
+    else:  # foreach kernels still pay a small per-tensor cost for each of their ~12 passes
+        per_tensor = 12 * n_tensors * device.kernel_overhead * 0.1
     return (traffic / (device.memory_bandwidth * device.memory_efficiency) + per_tensor
             ) / cluster.compute_share()

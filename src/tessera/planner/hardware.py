@@ -29,6 +29,10 @@ GIB = 2**30
 TF = 1e12
 
 
+OVERHEAD_KEYS = ("layer_fwd", "layer_bwd", "model_fwd", "model_bwd", "optim_fixed",
+                 "optim_layer", "chunk_layer")
+
+
 class HardwareError(ValueError):
     """A device or link description is malformed; the message names the field."""
 
@@ -78,6 +82,13 @@ class DeviceSpec:
         optimizer_bytes_per_param: memory traffic of one Adam update per parameter; a fused
             fp32 AdamW reads p, g, m, v and writes p, m, v (28 bytes); unfused kernels and
             mixed-precision copies make it larger, so the default is 48 and profile measures it.
+        overheads: measured fixed seconds of the training step's Python and kernel launches,
+            which dominate small models on a CPU (``tessera profile`` times a tiny reference
+            transformer): ``layer_fwd``/``layer_bwd`` per transformer layer and micro-batch,
+            ``model_fwd``/``model_bwd`` for embedding, head and loss per micro-batch,
+            ``optim_fixed`` per step and ``optim_layer`` per layer per step (clipping and
+            AdamW), ``chunk_layer`` per layer and micro-batch for the memory=chunk runtime's
+            hooks and copies. Empty: ``kernel_overhead`` times a kernel count is used instead.
     """
 
     name: str
@@ -97,9 +108,15 @@ class DeviceSpec:
     reserved_bytes: float = 2 * GIB
     flash_attention: bool = True
     optimizer_bytes_per_param: float = 48.0
+    overheads: Mapping[str, float] = dataclasses.field(default_factory=dict)
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "peak_flops", dict(self.peak_flops))
+        object.__setattr__(self, "overheads", dict(self.overheads))
+        unknown = sorted(set(self.overheads) - set(OVERHEAD_KEYS))
+        if unknown or any(not v >= 0 for v in self.overheads.values()):
+            raise HardwareError(f"device.overheads: keys must be among {', '.join(OVERHEAD_KEYS)} "
+                                f"with values >= 0; got {dict(self.overheads)}")
         if not self.peak_flops or any(not v > 0 for v in self.peak_flops.values()):
             raise HardwareError(f"device {self.name!r}: peak_flops needs positive values")
         for name in ("memory_bytes", "memory_bandwidth", "host_bandwidth", "disk_bandwidth"):

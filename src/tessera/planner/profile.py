@@ -11,7 +11,12 @@ What is measured, each with one thread per worker (as training workers run, OMP_
   group size 2..workers, fitted as latency + bytes / bandwidth by least squares;
 - how much of an all_reduce hides under a concurrent matmul (the overlap efficiency);
 - the matmul rate each of g workers gets when g run at once (more workers than cores, or other
-  load on a shared machine, show up here).
+  load on a shared machine, show up here);
+- the extra time of a blocking collective in groups of g while every worker computes between
+  collectives (the sync penalty: a member that shares a core with busy workers answers late);
+- the fixed Python and kernel-launch seconds of a training step of a tiny reference
+  transformer (per layer, per model, per optimizer step), where FLOPs are negligible, and
+  what the memory=chunk runtime adds per layer (a one-worker Trainer, chunk against ddp).
 """
 
 from __future__ import annotations
@@ -19,6 +24,7 @@ from __future__ import annotations
 import dataclasses
 import os
 import socket
+import statistics
 import tempfile
 import time
 from typing import Callable
@@ -96,6 +102,70 @@ def measure_memory(n: int = 1 << 22) -> tuple[float, float, float]:
     return bandwidth, adam_bytes, overhead
 
 
+def measure_overheads(rounds: int = 7) -> dict[str, float]:
+    """Fixed seconds of a training step of the reference transformer at a size where the
+    arithmetic is negligible (d_model 8, 4 tokens): the same modules, autograd graph, loss,
+    clipping and AdamW as a real step, so what remains is per-op Python and launch cost.
+    One and five layers separate the per-layer part from the rest; the two are timed in
+    alternation and the fastest of ``rounds`` kept, so a burst of other load hits neither."""
+    deep = 5  # five layers against one: the per-layer part is a difference of 4 layers
+    steps = {depth: _tiny_step(depth) for depth in (1, deep)}
+    best = {depth: [float("inf")] * 3 for depth in steps}
+    for _ in range(rounds):
+        for depth, parts in steps.items():
+            times = [_timeit(fn, 0.02, 1) for fn in parts]
+            best[depth] = [min(a, b) for a, b in zip(best[depth], times)]
+    (f1, fb1, o1), (f5, fb5, o5) = best[1], best[deep]
+    b1, b5 = max(0.0, fb1 - f1), max(0.0, fb5 - f5)
+    layer = {"layer_fwd": max(0.0, f5 - f1) / (deep - 1),
+             "layer_bwd": max(0.0, b5 - b1) / (deep - 1),
+             "optim_layer": max(0.0, o5 - o1) / (deep - 1)}
+    return {**layer, "model_fwd": max(0.0, f1 - layer["layer_fwd"]),
+            "model_bwd": max(0.0, b1 - layer["layer_bwd"]),
+            "optim_fixed": max(0.0, o1 - layer["optim_layer"])}
+
+
+def _tiny_step(n_layers: int) -> tuple[Callable[[], object], ...]:
+    """(forward + loss, forward + loss + backward, clip + AdamW + zero_grad) of a tiny
+    reference transformer of ``n_layers`` layers."""
+    from tessera.models import Transformer
+    from tessera.models.config import ModelConfig
+
+    torch.manual_seed(0)
+    model = Transformer(ModelConfig(n_layers=n_layers, d_model=8, n_heads=2, vocab_size=16,
+                                    max_seq_len=4))
+    ids = torch.randint(0, 16, (1, 5))
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
+
+    def forward():
+        logits = model(ids[:, :-1])
+        return F.cross_entropy(logits.reshape(-1, 16), ids[:, 1:].reshape(-1))
+
+    def forward_backward():
+        forward().backward()
+
+    def optimizer():
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        opt.step()
+        opt.zero_grad(set_to_none=False)
+
+    forward_backward()
+    return forward, forward_backward, optimizer
+
+
+def measure_chunk_overhead(n_layers: int = 4) -> float:
+    """Seconds per layer and micro-batch that the ``memory=chunk`` runtime (its hooks, chunk
+    copies and placement) adds over ``memory=ddp``: one worker training a tiny reference
+    transformer with each, through the tessera Trainer."""
+    from tessera.planner.validation import measure_strategies
+    from tessera.strategy import Strategy
+
+    model = dict(n_layers=n_layers, d_model=8, n_heads=2, vocab_size=16, max_seq_len=4)
+    runs = [Strategy.parse(f"dp=1,mbs=1,gbs=1,memory={mem}") for mem in ("ddp", "chunk")]
+    rows, _ = measure_strategies(1, runs, steps=7, warmup=2, model=model)
+    return max(0.0, rows[1]["measured_s"] - rows[0]["measured_s"]) / n_layers
+
+
 def _free_port() -> int:
     with socket.socket() as sock:
         sock.bind(("127.0.0.1", 0))
@@ -127,8 +197,10 @@ def _worker(rank: int, world: int, port: int, quick: bool, out_dir: str) -> None
             dist.barrier()
     overlap = _overlap(dist, quick) if world >= 2 else 0.5
     concurrency = {g: _concurrent_rate(dist, rank, g) for g in range(1, world + 1)}
+    penalty = {g: _sync_penalty(dist, rank, world, g) for g in range(2, world + 1)}
     if rank == 0:
-        torch.save({"results": results, "overlap": overlap, "concurrency": concurrency},
+        torch.save({"results": results, "overlap": overlap, "concurrency": concurrency,
+                    "sync_penalty": penalty},
                    os.path.join(out_dir, "coll.pt"))
     dist.destroy_process_group()
 
@@ -205,21 +277,68 @@ def _overlap(dist, quick: bool) -> float:
     return float(max(0.0, min(1.0, hidden / min(t_ar, t_mm_total))))
 
 
-def _concurrent_rate(dist, rank: int, g: int) -> float:
-    """Mean matmul FLOP/s of ranks 0..g-1 computing at the same time (the others wait)."""
+def _concurrent_rate(dist, rank: int, g: int, windows: int = 5) -> float:
+    """Mean matmul FLOP/s of ranks 0..g-1 computing at the same time (the others wait); the
+    median of ``windows`` windows of 30 products, so a burst of other load counts once."""
     a = torch.randn(384, 384)
-    calls = 60
-    dist.barrier()
-    rate = 0.0
-    if rank < g:
-        a @ a
-        start = time.perf_counter()
-        for _ in range(calls):
+    calls = 30
+    rates = []
+    for _ in range(windows):
+        dist.barrier()
+        rate = 0.0
+        if rank < g:
             a @ a
-        rate = calls * 2.0 * 384**3 / (time.perf_counter() - start)
-    total = torch.tensor([rate], dtype=torch.float64)
-    dist.all_reduce(total)
-    return float(total.item()) / g
+            start = time.perf_counter()
+            for _ in range(calls):
+                a @ a
+            rate = calls * 2.0 * 384**3 / (time.perf_counter() - start)
+        total = torch.tensor([rate], dtype=torch.float64)
+        dist.all_reduce(total)
+        rates.append(float(total.item()) / g)
+    return statistics.median(rates)
+
+
+def _sync_penalty(dist, rank: int, world: int, g: int, rounds: int = 40) -> float:
+    """Extra seconds per tiny all_reduce in groups of ``g`` (ranks 0..g-1, g..2g-1, ...)
+    when every worker computes ~1 ms between collectives, over the same loop without them.
+    What remains after the idle latency is the wait for members that share a busy core."""
+    group, size = partition_group(dist, rank, world, g)
+    return sync_penalty_of(dist, group, size, rounds)
+
+
+def partition_group(dist, rank: int, world: int, g: int):
+    """This rank's group when ranks are cut into consecutive groups of ``g`` (every rank
+    creates every group, as torch.distributed requires); returns (group, its size)."""
+    members = [list(range(s, min(s + g, world))) for s in range(0, world, g)]
+    groups = [dist.new_group(m) for m in members]
+    index = next(i for i, m in enumerate(members) if rank in m)
+    return groups[index], len(members[index])
+
+
+def sync_penalty_of(dist, group, size: int, rounds: int = 40, repeats: int = 3) -> float:
+    """The sync penalty measured in ``group`` (see :func:`_sync_penalty`); every rank calls."""
+    a, flag = torch.randn(160, 160), torch.zeros(1)
+
+    def loop(sync: bool) -> float:
+        dist.barrier()
+        start = time.perf_counter()
+        for _ in range(rounds):
+            for _ in range(4):
+                a @ a
+            if sync and size > 1:
+                dist.all_reduce(flag, group=group)
+        return time.perf_counter() - start
+
+    loop(True)
+    free = statistics.median(loop(False) for _ in range(repeats))
+    synced = statistics.median(loop(True) for _ in range(repeats))
+    return _agree(dist, max(0.0, (synced - free) / rounds))
+
+
+def concurrent_share(dist, rank: int, world: int, windows: int = 3) -> float:
+    """Matmul rate of each of ``world`` workers computing at once over one alone."""
+    return min(1.0, _concurrent_rate(dist, rank, world, windows)
+               / _concurrent_rate(dist, rank, 1, windows))
 
 
 def _agree(dist, value: float) -> float:
@@ -241,9 +360,10 @@ def _fit(points: list[tuple[int, float]]) -> CollectiveFit:
     return CollectiveFit(latency=latency, bandwidth=1.0 / slope)
 
 
-def measure_collectives(workers: int, quick: bool) -> tuple[dict, float, dict]:
-    """Spawn ``workers`` gloo processes; return fits by op and group size, the overlap, and
-    the compute share each of g concurrent workers gets (relative to one alone)."""
+def measure_collectives(workers: int, quick: bool) -> tuple[dict, float, dict, dict]:
+    """Spawn ``workers`` gloo processes; return fits by op and group size, the overlap, the
+    compute share each of g concurrent workers gets (relative to one alone), and the sync
+    penalty by group size."""
     import torch.multiprocessing as mp
 
     with tempfile.TemporaryDirectory() as tmp:
@@ -253,7 +373,7 @@ def measure_collectives(workers: int, quick: bool) -> tuple[dict, float, dict]:
             for op, by_size in data["results"].items()}
     solo = data["concurrency"][1]
     shares = {g: min(1.0, rate / solo) for g, rate in data["concurrency"].items()}
-    return fits, data["overlap"], shares
+    return fits, data["overlap"], shares, data["sync_penalty"]
 
 
 def profile_cluster(workers: int | None = None, quick: bool = False,
@@ -275,19 +395,23 @@ def profile_cluster(workers: int | None = None, quick: bool = False,
         log("attention, memory bandwidth, optimizer, kernel overhead ...")
         attention = measure_attention(peak)
         bandwidth, adam_bytes, overhead = measure_memory()
+        log("fixed per-layer and per-step overheads of a tiny reference transformer ...")
+        overheads = measure_overheads()
     finally:
         torch.set_num_threads(threads)
     log(f"collectives over gloo with {workers} workers ...")
-    fits, overlap, shares = measure_collectives(workers, quick)
+    fits, overlap, shares, penalty = measure_collectives(workers, quick)
+    log("memory=chunk runtime overhead (one worker, tiny reference transformer) ...")
+    overheads["chunk_layer"] = measure_chunk_overhead()
     base = local_cpu(workers)
     device = dataclasses.replace(
         base, peak_flops={"fp32": peak, "bf16": peak}, memory_bandwidth=bandwidth,
         attention_efficiency=attention, kernel_overhead=overhead,
         optimizer_bytes_per_param=adam_bytes, overlap_efficiency=overlap,
-        memory_bytes=_memory_per_worker(workers))
+        memory_bytes=_memory_per_worker(workers), overheads=overheads)
     return Cluster(device=device, devices_per_node=workers, nodes=1, name=f"local-cpu:{workers}x1",
                    matmul_table=tuple(table), collectives=fits, compute_slots=os.cpu_count() or 1,
-                   concurrency=shares)
+                   concurrency=shares, sync_penalty=penalty)
 
 
 def _memory_per_worker(workers: int) -> float:

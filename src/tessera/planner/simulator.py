@@ -172,6 +172,8 @@ def _stage_costs(model: ModelConfig, cl: Cluster, s: Strategy, groups, opt: SimO
         if i == s.pp - 1:
             h = head_time(cl, model, b, seq, s.tp, s.sp, s.precision)
             fwd, bwd = fwd + h.forward, bwd + h.backward
+            if s.tp > 1:  # vocab-parallel cross-entropy: max, sum of exp, target logit
+                extra_tp += 3 * comm.call_time(cl, groups["tp"])
         n_rec = recomputed_layers(s.stage_recompute(i), layers)
         rec = n_rec * lt.forward
         tp = layers * (tp_f + tp_b) + n_rec * tp_f + extra_tp
@@ -197,7 +199,9 @@ def _tp_comm(model: ModelConfig, cl: Cluster, s: Strategy, groups) -> tuple[floa
         # Megatron: one all-reduce after attention and one after the MLP, and their
         # conjugates in backward.
         ar = _tp_allreduce(model, cl, s, groups)
-        return 2 * ar, 2 * ar
+        # Row-parallel biases sum their gradient over the group: two small all-reduces.
+        bias = 2 * comm.call_time(cl, groups["tp"]) if model.bias else 0.0
+        return 2 * ar, 2 * ar + bias
     q = math.isqrt(s.tp)
     el = bytes_per_element(s.precision)
     n = s.micro_batch_size * model.max_seq_len / s.sp
@@ -222,7 +226,7 @@ def _sp_comm(model: ModelConfig, cl: Cluster, s: Strategy, groups, lt: LayerTime
     if s.sp_mode == "ulysses":
         # Four all-to-alls forward (q, k, v in; output back) and four backward.
         nbytes = n_loc * (2 * model.d_model + 2 * kv) / heads_split * el
-        t = comm.collective_time(cl, "all_to_all", nbytes, group)
+        t = 4 * comm.collective_time(cl, "all_to_all", nbytes / 4, group)
         return t, t
     # Ring: sp - 1 steps passing this rank's K and V blocks; backward also passes dK, dV.
     step = comm.collective_time(cl, "p2p", n_loc * 2 * kv / heads_split * el, group)
@@ -243,24 +247,44 @@ def _pipeline(s: Strategy, stages: list[_Stage], m: int, cl: Cluster, model: Mod
         nbytes = n * model.d_model * bytes_per_element(s.precision)
         nbytes /= s.tp if s.tp_mode == "2d" else 1
         p2p = comm.collective_time(cl, "p2p", nbytes, comm.Group(2, groups["pp"].stride))
-    times = []
+    recs = []
     for i, st in enumerate(stages):
         rec = st.rec
         if s.schedule == "scp" and s.pp > 1:
             recomputing = 0 if i == s.pp - 1 else max(0, m - (s.pp - 1 - i)) / m
             rec = max(0.0, rec * recomputing - p2p)
-        times.append(st.fwd + st.bwd + rec + st.comm)
-    crit = max(range(len(times)), key=times.__getitem__)
+        recs.append(rec)
     v = INTERLEAVE_CHUNKS if s.schedule == "interleaved" else 1
-    fill = (sum(times) - times[crit]) / v
-    pipe = m * times[crit] + fill
-    st = stages[crit]
-    rec_share = times[crit] - st.fwd - st.bwd - st.comm
     pp_comm = (m + s.pp - 1) * 2 * p2p * v if s.pp > 1 else 0.0
-    parts = {"compute": m * (st.fwd + st.bwd), "recompute": m * rec_share,
-             "tp_comm": m * st.tp_comm, "sp_comm": m * st.sp_comm, "bubble": fill,
-             "pp_comm": pp_comm}
-    return pipe + pp_comm, parts
+    pipe, parts = _schedule(stages, recs, m, v, cl.compute_share())
+    return pipe + pp_comm, {**parts, "pp_comm": pp_comm}
+
+
+def _schedule(stages: list[_Stage], recs: list[float], m: int, v: int, share: float
+              ) -> tuple[float, dict[str, float]]:
+    """Pipeline time of ``m`` micro-batches over the stages (``recs``: their recomputation).
+
+    Workers that share cores (a CPU, ``share`` < 1): the stage times are at the contended
+    rate. A pipeline's waiting stages free their cores for the others, so the time is the
+    longer of the critical path at a lone worker's rate and the mean stage work at the
+    contended rate. With a core per worker (share 1) this is the usual pipeline formula.
+    """
+    lone = [share * (st.fwd + st.bwd + rec) + st.comm for st, rec in zip(stages, recs)]
+    crit = max(range(len(lone)), key=lone.__getitem__)
+    fill = (sum(lone) - lone[crit]) / v
+    critical_path = m * lone[crit] + fill
+    busy = [st.fwd + st.bwd + rec + st.comm for st, rec in zip(stages, recs)]
+    if critical_path >= m * sum(busy) / len(busy):
+        st = stages[crit]
+        return critical_path, {
+            "compute": m * share * (st.fwd + st.bwd), "recompute": m * share * recs[crit],
+            "tp_comm": m * st.tp_comm, "sp_comm": m * st.sp_comm, "bubble": fill}
+    n = len(stages)
+    parts = {"compute": m * sum(st.fwd + st.bwd for st in stages) / n,
+             "recompute": m * sum(recs) / n,
+             "tp_comm": m * sum(st.tp_comm for st in stages) / n,
+             "sp_comm": m * sum(st.sp_comm for st in stages) / n, "bubble": 0.0}
+    return sum(parts.values()), parts
 
 
 def _data_parallel(model: ModelConfig, cl: Cluster, s: Strategy, groups, stages: list[_Stage],
@@ -277,7 +301,13 @@ def _data_parallel(model: ModelConfig, cl: Cluster, s: Strategy, groups, stages:
     bw = cl.device.memory_bandwidth * cl.device.memory_efficiency
     sync = 0.0
     if group.size > 1:
-        if s.memory == "ddp":
+        if s.memory == "ddp" and s.tp > 1:
+            # Tensor-parallel shards are averaged one parameter at a time, each all-reduce
+            # blocking in its gradient hook (DDP cannot bucket DTensors): no overlap.
+            tensors = 12 * max(1, model.n_layers // s.pp) + 4
+            sync = (comm.collective_time(cl, "all_reduce", p * g_b, group)
+                    + (tensors - 1) * comm.call_time(cl, group))
+        elif s.memory == "ddp":
             ar = comm.collective_time(cl, "all_reduce", p * g_b, group)
             last = comm.collective_time(cl, "all_reduce", min(p * g_b, DDP_BUCKET_BYTES), group)
             sync = max(last, ar - ovl * st.bwd) + 2 * p * g_b / bw  # bucket copies
@@ -300,7 +330,17 @@ def _data_parallel(model: ModelConfig, cl: Cluster, s: Strategy, groups, stages:
         optim = (p / shard) * cl.device.optimizer_bytes_per_param / HOST_ADAM_BANDWIDTH
     else:
         optim = optimizer_time(cl, p / shard, n_tensors)
-    return {"dp_comm": sync, "optimizer": optim, "offload": offload}
+    return {"dp_comm": sync, "optimizer": optim, "offload": offload,
+            "chunk_runtime": _chunk_runtime(cl, s, model)}
+
+
+def _chunk_runtime(cl: Cluster, s: Strategy, model: ModelConfig) -> float:
+    """Profiled cost of the memory=chunk runtime (hooks, chunk copies) over a step."""
+    per_layer = cl.device.overheads.get("chunk_layer", 0.0)
+    if s.memory != "chunk" or not per_layer:
+        return 0.0
+    layers = max(1, model.n_layers // s.pp)
+    return s.grad_accum_steps * per_layer * layers / cl.compute_share()
 
 
 def _offload_time(cl: Cluster, s: Strategy, p_shard: float, bwd: float) -> float:
