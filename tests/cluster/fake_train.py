@@ -2,9 +2,10 @@
 
 It reads the overrides real mode passes (strategy, train.max_steps, train.output_dir) and
 ``--nproc``; keeps its step in ``checkpoint.json``; appends ``metrics.jsonl`` records with
-``step``, ``loss``, ``tokens_per_s`` and the ``dp`` it ran with; stops with a checkpoint when a
-``PAUSE`` file appears. ``fake.crash_at=K`` makes it exit 3 on reaching step K (once, or on
-every launch with ``fake.crash_always=1``); ``fake.step_s`` sets its step time.
+``step``, ``loss``, ``tokens_per_s`` and the ``dp``, ``gbs`` and ``lr`` it ran with; stops
+with a checkpoint when a ``PAUSE`` file appears. ``fake.crash_at=K`` makes it exit 3 on
+reaching step K (once, or on every launch with ``fake.crash_always=1``); ``fake.step_s`` sets
+its step time.
 """
 
 import json
@@ -29,6 +30,7 @@ def main(argv: list[str]) -> int:
         step += 1
         with open(out / "metrics.jsonl", "a") as f:
             f.write(json.dumps({"step": step, "loss": 1.0 / step, "dp": nproc, "time": time.time(),
+                                "gbs": gbs, "lr": float(opts.get("train.learning_rate", 0)),
                                 "tokens_per_s": gbs * 4 * nproc / step_s}) + "\n")
         marker = out / "crashed"
         if step == crash_at and (opts.get("fake.crash_always") or not marker.exists()):

@@ -57,8 +57,8 @@ def test_pollux_grows_batch_and_gpus_for_a_lone_job(models):
     assert held(r, 0).max() > 1
 
 
-def test_ones_starts_jobs_on_one_gpu_and_grows_them(models):
-    r = run(models, [JobSpec("a", 0, "cifar10", 4, 512)], ONES(), gpus=16)
+def test_ones_artifact_starts_jobs_on_one_gpu_and_grows_them(models):
+    r = run(models, [JobSpec("a", 0, "cifar10", 4, 512)], ONES.artifact(), gpus=16)
     counts = held(r, 0)
     assert counts[0] == 1 and counts.max() > 1
     assert counts.max() <= 16  # cap_factor 4 x requested 4
@@ -66,7 +66,7 @@ def test_ones_starts_jobs_on_one_gpu_and_grows_them(models):
 
 def test_ones_resizes_at_most_once_per_epoch(models):
     jobs = [JobSpec(f"j{i}", 90 * i, "cifar10", 2, 256) for i in range(6)]
-    r = run(models, jobs, ONES(), gpus=8)
+    r = run(models, jobs, ONES(max_epoch_s=None), gpus=8)
     epochs_total = models.models[models.index("cifar10")].target_progress / 50048
     # every change after the first start needs an epoch of progress since the previous one
     assert np.all(r.restarts - 1 <= np.ceil(epochs_total) + 1)

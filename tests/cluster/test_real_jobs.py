@@ -45,6 +45,11 @@ def test_a_good_file_is_read_with_defaults_merged(tmp_path):
      "override train.max_steps is set by the scheduler"),
     ("- {name: a, devices: 1, gbs: 8, steps: 0}", "steps must be >= 1"),
     ("- {name: a, devices: 1, gbs: 8, steps: 2, gpus: 1}", "unknown key(s) gpus"),
+    ("- {name: a, devices: 1, gbs: 8, steps: 2, max_gbs: 4}", "max_gbs=4 must be >= gbs=8"),
+    ("- {name: a, devices: 1, gbs: 8, steps: 2, max_gbs: 16, lr: -1}",
+     "lr must be a positive number"),
+    ("- {name: a, devices: 1, gbs: 8, steps: 2, max_gbs: 16, overrides: [train.bogus=1]}",
+     "cannot read the learning rate to scale with gbs"),
     ("- {name: a, devices: 1, gbs: 8, steps: 2}\n  - {name: a, devices: 1, gbs: 8, steps: 2}",
      "job 2 ('a'): duplicate job name"),
 ])

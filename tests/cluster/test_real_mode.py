@@ -22,16 +22,16 @@ from tessera.cluster.policies import Assignment, ClusterSpec, Policy, make_polic
 from tessera.cluster.real_executor import RealExecutor
 from tessera.cluster.realjobs import RealJob
 from tessera.cluster.realmode import RealConfig, RealRunner, order_jobs
+from tessera.cluster.real_executor import train_command
 from tessera.cluster.simulator import SchedulingError
 
 FAKE = str(Path(__file__).with_name("fake_train.py"))
 FAST = RealConfig(round_s=0.5, poll_s=0.05, restart_s=1.0, max_time=60)
 
 
-def fake_command(job: RealJob, devices: int, out: Path) -> list[str]:
-    return [sys.executable, FAKE, *job.overrides,
-            f"strategy={job.strategy(devices).to_text()}", f"train.max_steps={job.steps}",
-            f"train.output_dir={out}", "--nproc", str(devices), "--resume"]
+def fake_command(job: RealJob, devices: int, out: Path, gbs: int, max_steps: int) -> list[str]:
+    real = train_command(job, devices, out, gbs, max_steps)
+    return [sys.executable, FAKE, *real[real.index("train") + 1:]]
 
 
 def records(out: Path) -> list[dict]:
@@ -87,13 +87,15 @@ class RecordingLauncher:
 
 @pytest.mark.parametrize("policy", ["optimus", "ones"])
 def test_policies_resize_jobs_and_no_step_is_repeated_or_skipped(tmp_path, policy):
+    # b (unmeasured: ideal scaling at the prior) gains more from the third device than a can
+    # (at most 60 steps left), so Optimus shrinks a when b arrives whatever the machine load.
     jobs = [RealJob("a", 1, 8, 60, 2, epoch_steps=5),
-            RealJob("b", 1, 8, 30, 2, arrival=1.0, epoch_steps=5)]
+            RealJob("b", 1, 8, 90, 2, arrival=1.0, epoch_steps=5)]
     result, measured = run(tmp_path, jobs, policy)
-    assert result.steps == [60, 30] and not any(result.failed)
+    assert result.steps == [60, 90] and not any(result.failed)
     assert np.isfinite(result.sim.finish).all()
     assert result.sim.resizes.sum() >= 1  # at least one job ran on two device counts
-    for name, steps in (("a", 60), ("b", 30)):
+    for name, steps in (("a", 60), ("b", 90)):
         logged = records(tmp_path / name)
         assert [r["step"] for r in logged] == list(range(1, steps + 1))
     dps = {r["dp"] for r in records(tmp_path / "a")} | {r["dp"] for r in records(tmp_path / "b")}
@@ -118,6 +120,52 @@ def test_a_crash_is_retried_and_an_incurable_job_fails_alone(tmp_path):
     # The crashed step (logged, not checkpointed) is trained again after the retry.
     flaky = [r["step"] for r in records(tmp_path / "flaky")]
     assert flaky == [1, 2, 3, 4, 5, *range(5, 21)]
+
+
+class GrowBatch(Policy):
+    """One device at batch 4 for the first second, then two devices at batch 16."""
+
+    name = "grow"
+
+    def schedule(self, view):
+        if view.time < 1.0:
+            return {0: Assignment(np.array([0]), 4)}
+        return {0: Assignment(np.array([0, 1]), 16)}
+
+
+def test_a_resize_changes_the_batch_and_trains_the_same_samples(tmp_path):
+    # 40 steps at gbs 4 = 160 samples; after the switch to gbs 16 the job runs only as many
+    # steps as the remaining samples need, with the learning rate scaled 4x.
+    job = RealJob("a", 1, 4, 40, 2, max_gbs=16, lr=1e-3, overrides=("fake.step_s=0.1",))
+    result, _ = run(tmp_path, [job], GrowBatch(), devices=2)
+    logged = records(tmp_path / "a")
+    steps = [r["step"] for r in logged]
+    assert steps == list(range(1, len(steps) + 1)) and not result.failed[0]
+    gbs = [r["gbs"] for r in logged]
+    k = gbs.index(16)  # steps trained at gbs 4 before the switch
+    assert 0 < k < 40 and set(gbs[:k]) == {4} and set(gbs[k:]) == {16}
+    assert len(steps) == k + -(-(160 - 4 * k) // 16)  # the remaining samples, rounded up
+    assert {r["lr"] for r in logged[:k]} == {1e-3} and {r["lr"] for r in logged[k:]} == {4e-3}
+    assert {r["dp"] for r in logged[k:]} == {2} and result.steps == [len(steps)]
+
+
+def test_ones_chooses_a_batch_once_and_keeps_it_while_the_count_holds(tmp_path):
+    # Measured jobs have efficiency 1, so ONES takes the largest batch allowed on both devices;
+    # later rounds keep the count and must keep the running batch too (no relaunch).
+    job = RealJob("a", 1, 4, 120, 2, max_gbs=16, lr=1e-3, epoch_steps=5)
+    result, _ = run(tmp_path, [job], "ones", devices=2)
+    logged = records(tmp_path / "a")
+    assert {(r["gbs"], r["dp"], r["lr"]) for r in logged} == {(16, 2, 4e-3)}
+    assert [r["step"] for r in logged] == list(range(1, 31)) and result.steps == [30]
+    assert result.sim.restarts.tolist() == [1]  # one launch, never relaunched
+
+
+def test_run_shape_fits_the_policy_batch_to_the_devices():
+    job = RealJob("a", 1, 8, 10, 2, max_gbs=32)
+    assert job.run_shape(3, 32) == (3, 30)  # a multiple of the device count
+    assert job.run_shape(3, 8) == (2, 8)  # gbs itself cannot split 3 ways: 2 devices
+    assert job.run_shape(4, 100) == (4, 32) and job.run_shape(2, 1) == (2, 8)  # clamped
+    assert RealJob("b", 1, 8, 10, 2).run_shape(3, 32) == (2, 8)  # max_gbs = gbs: fixed batch
 
 
 class DoubleBooker(Policy):

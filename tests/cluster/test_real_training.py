@@ -69,6 +69,37 @@ def test_a_resized_job_continues_exactly_from_its_checkpoint(tmp_path):
     assert executor.runs[0].resizes == 1 and executor.runs[0].launches == 2
 
 
+@pytest.mark.slow
+def test_a_resize_with_a_new_batch_resumes_at_its_samples_with_the_scaled_rate(tmp_path):
+    # 2 devices at gbs 4, then 1 device at gbs 8 (the policy's choice, up to max_gbs): the job
+    # trains 40 x 4 = 160 samples in all, resuming the stream at the checkpoint's samples.
+    job = RealJob("grow", 2, 4, 40, 2, max_gbs=8, lr=1e-3,
+                  overrides=(*TINY, "train.lr_scheduler_type=constant"))
+    executor = RealExecutor((job,), LocalLauncher(2), tmp_path, Measurements(),
+                            threads_per_device=1)
+    ckpts = tmp_path / "grow" / "checkpoints"
+    executor.apply({0: Assignment(np.array([0, 1]), 4)}, 0.0)
+    wait(executor, lambda: executor.runs[0].step >= 3)
+    executor.apply({0: Assignment(np.array([0]), 8)}, 0.0)  # pause -> checkpoint -> relaunch
+    paused = read_meta(list_complete(ckpts)[-1])
+    wait(executor, lambda: executor.runs[0].finished)
+
+    k = paused["step"]
+    assert 3 <= k < 40 and paused["strategy"] == "dp=2,tp=1,pp=1,mbs=2,gbs=4"
+    assert paused["samples_consumed"] == 4 * k
+    n = k + -(-(160 - 4 * k) // 8)  # the remaining samples at gbs 8, rounded up
+    final = read_meta(list_complete(ckpts)[-1])
+    assert final["step"] == n and final["strategy"] == "dp=1,tp=1,pp=1,mbs=2,gbs=8"
+    assert final["samples_consumed"] == 4 * k + 8 * (n - k)  # none skipped or repeated
+    assert sorted(losses(tmp_path / "grow")) == list(range(1, n + 1))
+    records = [json.loads(x) for x in (tmp_path / "grow" / "metrics.jsonl").read_text()
+               .splitlines() if '"loss"' in x]
+    lr = {r["step"]: r["lr"] for r in records}
+    # Linear scaling: the rate doubles with the batch (constant schedule after 2 warm-up steps).
+    assert lr[k] == pytest.approx(1e-3) and lr[k + 1] == pytest.approx(2e-3)
+    assert executor.runs[0].resizes == 1 and executor.runs[0].launches == 2
+
+
 def tessera(*args: str, timeout: float = 300) -> subprocess.CompletedProcess:
     return subprocess.run([sys.executable, "-m", "tessera.cli", *args], capture_output=True,
                           text=True, timeout=timeout)

@@ -25,6 +25,7 @@ class JobProgress:
         throughput: recent samples per second at the current allocation.
         finished: the job reached its target.
         failed: the job crashed and will not be retried; ``error`` says why.
+        step: optimizer steps done (batches may differ between launches).
     """
 
     job: int
@@ -34,6 +35,7 @@ class JobProgress:
     finished: bool = False
     failed: bool = False
     error: str = ""
+    step: int = 0
 
 
 class Executor(Protocol):

@@ -15,8 +15,11 @@ also uses the mean of its last 5 measurements), and fits the simulator's through
   (additive), since nothing measured separates compute from communication.
 * before any measurement: ideal scaling with ``prior_sample_s`` seconds per sample.
 
-Statistical efficiency is 1 (the batch size does not change in real mode, see
-:mod:`tessera.cluster.realjobs`), so a job's work is ``steps * gbs`` samples.
+Step times measured at another batch (a job may run between its ``gbs`` and ``max_gbs``, see
+:mod:`tessera.cluster.realjobs`) are scaled to the job's ``gbs`` per sample before they are kept.
+Statistical efficiency is 1 (no gradient statistics are measured), so a job's work is
+``steps * gbs`` samples at any batch, and a policy sees no statistical cost in a larger batch:
+``max_gbs`` is the user's bound on how far that may go.
 """
 
 from __future__ import annotations
@@ -104,7 +107,7 @@ def fit_job(job: RealJob, medians: dict[int, float], prior_sample_s: float) -> A
     epochs = math.ceil(job.steps / job.epoch_steps)
     return AppModel(name=job.name, compute_a=0.0, compute_b=t1 / job.gbs, intra_a=alpha,
                     intra_b=beta, inter_a=alpha, inter_b=beta, gamma=1.0, min_local=1.0,
-                    max_local=float(job.gbs), base_batch=job.gbs, max_batch=job.gbs,
+                    max_local=float(job.max_gbs), base_batch=job.gbs, max_batch=job.max_gbs,
                     epoch_samples=float(job.epoch_steps * job.gbs), target_metric=0.0,
                     target_epochs=epochs, target_progress=float(job.steps * job.gbs),
                     phi_coef=FLAT_EFFICIENCY)

@@ -3,8 +3,10 @@
 Resizing is pause -> checkpoint -> restart: the executor writes ``PAUSE`` into the job's
 output directory, the Trainer checkpoints at its next logging step and exits, and the job is
 relaunched with ``tessera train ... --nproc n --resume`` under the Strategy for its new device
-count (:meth:`RealJob.strategy`). The resumed run continues at the checkpointed step with the
-same data order and LR schedule (its global batch size never changes). Devices are released
+count and global batch (:meth:`RealJob.strategy`). The resumed run continues from the
+checkpoint's ``samples_consumed`` in the same data order and LR schedule position; when the
+batch changed it runs ``train.max_steps`` = its step + the steps the remaining samples need at
+the new batch, with the learning rate scaled linearly (``lr * gbs' / gbs``). Devices are released
 only once a job's processes have exited and handed to others only through a
 :class:`DeviceLedger`, which refuses to give a device to two jobs.
 
@@ -82,6 +84,10 @@ class _Run:
     first_record: bool = True  # the next record is a launch's first (includes start-up)
     launched_at: float = 0.0  # wall-clock time of the latest launch
     step: int = 0
+    gbs: int = 0  # global batch of the current (or last) launch
+    base_step: int = 0  # step at which the current launch started
+    base_samples: int = 0  # samples trained before it
+    max_steps: int = 0  # train.max_steps of the current launch
     seq_len: int = 0
     finished: bool = False
     failed: bool = False
@@ -104,31 +110,36 @@ class RealExecutor:
         pause_timeout: seconds to wait for a paused job to exit before stopping it (it then
             resumes from its previous checkpoint and repeats the steps after it).
         threads_per_device: ``OMP_NUM_THREADS`` of each CPU worker.
-        command: builds a job's command line from (job, devices, output dir); default
-            :func:`train_command` (tests pass a stand-in trainer).
+        command: builds a job's command line from (job, devices, output dir, gbs, max_steps);
+            default :func:`train_command` (tests pass a stand-in trainer).
     """
 
     def __init__(self, jobs: tuple[RealJob, ...], launcher: Launcher, out_dir: Path,
                  measured: Measurements, pause_timeout: float = 300.0,
                  threads_per_device: int = 1,
-                 command: Callable[[RealJob, int, Path], list[str]] | None = None) -> None:
+                 command: Callable[[RealJob, int, Path, int, int], list[str]] | None = None
+                 ) -> None:
         self.launcher, self.measured = launcher, measured
         self.command = command or train_command
         self.pause_timeout, self.threads = pause_timeout, threads_per_device
         self.ledger = DeviceLedger(launcher.nodes * launcher.devices_per_node)
-        self.runs = [_Run(j, Path(out_dir) / j.name) for j in jobs]
+        self.runs = [_Run(j, Path(out_dir) / j.name, gbs=j.gbs) for j in jobs]
         self._changed: set[int] = set()
 
     # ----------------------------------------------------------------------- Executor
     def apply(self, schedule: Schedule, time_s: float) -> None:
-        """Pause jobs that lose or change devices, then (re)start jobs on their new devices."""
+        """Pause jobs that lose or change devices or batch, then (re)start jobs on their new
+        devices at their new batch (each assignment's batch must suit its job:
+        :meth:`RealJob.run_shape`)."""
         want = {j: sorted(int(g) for g in a.gpus) for j, a in schedule.items()}
+        batch = {j: int(a.batch) for j, a in schedule.items()}
         self._pause([j for j, run in enumerate(self.runs)
-                     if run.handle is not None and self.ledger.held(j) != want.get(j, [])])
+                     if run.handle is not None and (self.ledger.held(j) != want.get(j, [])
+                                                    or batch.get(j, run.gbs) != run.gbs)])
         for j, devices in want.items():
             run = self.runs[j]
             if run.handle is None and not (run.finished or run.failed) and devices:
-                self._launch(j, devices)
+                self._launch(j, devices, batch[j])
 
     def poll(self, time_s: float) -> list[JobProgress]:
         """Read new metrics, detect exits; crashed jobs are relaunched or marked failed.
@@ -156,6 +167,10 @@ class RealExecutor:
         return (np.array([r.launches for r in self.runs]),
                 np.array([r.resizes for r in self.runs]))
 
+    def batches(self) -> np.ndarray:
+        """Global batch each job runs (or last ran) at."""
+        return np.array([r.gbs for r in self.runs])
+
     def drain_events(self) -> list[str]:
         """Messages about crashes, retries and failures since the last call."""
         events = [f"{r.job.name}: {e}" for r in self.runs for e in r.events]
@@ -172,8 +187,13 @@ class RealExecutor:
                 self.ledger.release(j)
 
     # ---------------------------------------------------------------------------- private
-    def _launch(self, j: int, devices: list[int]) -> None:
+    def _launch(self, j: int, devices: list[int], gbs: int) -> None:
         run = self.runs[j]
+        run.base_step, run.base_samples = self._resume_point(run)
+        run.step, run.gbs = run.base_step, gbs
+        # The steps the remaining samples need at this batch (the last may overshoot a little).
+        left = run.job.steps * run.job.gbs - run.base_samples
+        run.max_steps = run.step + max(1, -(-left // gbs))
         node = devices[0] // self.launcher.devices_per_node
         self.ledger.acquire(j, devices)
         run.out.mkdir(parents=True, exist_ok=True)
@@ -182,8 +202,8 @@ class RealExecutor:
         local = [d % self.launcher.devices_per_node for d in devices]
         env = {"OMP_NUM_THREADS": str(self.threads)}
         try:
-            run.handle = self.launcher.start(self.command(run.job, len(devices), run.out), env,
-                                             run.out / "launch.log", local, node)
+            argv = self.command(run.job, len(devices), run.out, gbs, run.max_steps)
+            run.handle = self.launcher.start(argv, env, run.out / "launch.log", local, node)
         except OSError as err:  # cannot even start (missing executable, no resources)
             self.ledger.release(j)
             run.failed, run.error = True, f"could not start: {err}"
@@ -221,7 +241,7 @@ class RealExecutor:
         self.ledger.release(j)
         (run.out / PAUSE_FILE).unlink(missing_ok=True)
         self._read_metrics(run)
-        if code == 0 and run.step >= run.job.steps:
+        if code == 0 and run.step >= run.max_steps:
             run.finished = True
         elif code != 0 and not paused:
             run.crashes += 1
@@ -232,7 +252,7 @@ class RealExecutor:
             else:
                 run.events.append(f"crashed ({why}); retry {run.crashes}/{run.job.retries} "
                                   "from its last checkpoint")
-                self._launch(j, devices)  # the devices it just gave back
+                self._launch(j, devices, run.gbs)  # the devices it just gave back
         # code 0 before the last step: paused (by us or by hand); it waits for a schedule.
 
     def _read_metrics(self, run: _Run) -> None:
@@ -254,9 +274,9 @@ class RealExecutor:
                 if isinstance(record.get("time"), (int, float)):
                     self.measured.add_startup(record["time"] - run.launched_at)
                 continue
-            seconds = step_seconds(record, run.job.gbs, self._seq_len(run))
-            if seconds is not None:
-                self.measured.add(run.job.name, run.devices, seconds)
+            seconds = step_seconds(record, run.gbs, self._seq_len(run))
+            if seconds is not None:  # kept per sample of the job's own gbs (one batch model)
+                self.measured.add(run.job.name, run.devices, seconds * run.job.gbs / run.gbs)
 
     def _seq_len(self, run: _Run) -> int:
         if not run.seq_len:
@@ -270,18 +290,41 @@ class RealExecutor:
         run = self.runs[j]
         medians = self.measured.medians(run.job.name)
         step_s = medians.get(run.devices)
-        samples = float(run.step * run.job.gbs)
+        samples = float(self._samples(run))
         return JobProgress(job=j, samples=samples, progress=samples,
-                           throughput=run.job.gbs / step_s if step_s else 0.0,
+                           throughput=run.job.gbs / step_s if step_s else 0.0, step=run.step,
                            finished=run.finished, failed=run.failed, error=run.error)
 
 
-def train_command(job: RealJob, devices: int, out: Path) -> list[str]:
-    """The ``tessera train ... --nproc n --resume`` command line of ``job`` on ``devices``."""
+    def _resume_point(self, run: _Run) -> tuple[int, int]:
+        """(step, samples consumed) the next launch resumes at: its newest complete checkpoint
+        (a pause that timed out resumes from an earlier one), else where it stands."""
+        from tessera.train.checkpoint import list_complete, read_meta
+
+        done = list_complete(run.out / "checkpoints") if (run.out / "checkpoints").is_dir() else []
+        if done:
+            meta = read_meta(done[-1])
+            if "samples_consumed" in meta:
+                return int(meta["step"]), int(meta["samples_consumed"])
+        return run.step, self._samples(run)
+
+    @staticmethod
+    def _samples(run: _Run) -> int:
+        """Samples trained so far (batches may have changed between launches)."""
+        return run.base_samples + (run.step - run.base_step) * run.gbs
+
+
+def train_command(job: RealJob, devices: int, out: Path, gbs: int | None = None,
+                  max_steps: int | None = None) -> list[str]:
+    """The ``tessera train ... --nproc n --resume`` command line of ``job`` on ``devices`` at
+    global batch ``gbs`` (default the job's), training to step ``max_steps`` (default its
+    ``steps``). A batch other than the job's also sets the linearly scaled learning rate."""
+    gbs = gbs or job.gbs
+    lr = [f"train.learning_rate={job.lr * gbs / job.gbs:.6g}"] if job.lr is not None else []
     return [sys.executable, "-m", "tessera.cli", "train", *([job.config] if job.config else []),
-            *job.overrides, f"strategy={job.strategy(devices).to_text()}",
-            f"train.max_steps={job.steps}", f"train.output_dir={out}", "--nproc", str(devices),
-            "--resume"]
+            *job.overrides, *lr, f"strategy={job.strategy(devices, gbs).to_text()}",
+            f"train.max_steps={max_steps or job.steps}", f"train.output_dir={out}", "--nproc",
+            str(devices), "--resume"]
 
 
 def _last_error(log: Path) -> str:

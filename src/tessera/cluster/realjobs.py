@@ -10,6 +10,8 @@ A job file lists real tessera training jobs for ``tessera cluster run``::
       - name: small-a            # required, unique
         devices: 2               # required: devices asked for (>= 1, <= the cluster)
         gbs: 8                   # required: global batch size (samples per optimizer step)
+        max_gbs: 32              # largest gbs the policy may choose when it resizes (default gbs)
+        lr: 1e-3                 # learning rate at gbs (default: the config's); scaled with gbs
         steps: 40                # required: optimizer steps to train (train.max_steps)
         mbs: 2                   # micro-batch size per device (default gbs / devices)
         arrival: 0               # seconds after the run starts (default 0)
@@ -20,13 +22,17 @@ A job file lists real tessera training jobs for ``tessera cluster run``::
 The scheduler owns ``strategy``, ``train.max_steps``, ``train.output_dir`` and
 ``train.resume``: a job that sets them is refused.
 
-Batch size and devices. The global batch size stays the job's ``gbs`` at every device count:
-the training runtime resumes a checkpoint at *step* ``s`` by reading stream positions
-``[s*gbs, ...)``, so the data position is exact only while ``gbs`` is unchanged (see
-docs/scheduler.md, "Real mode"). On ``n`` devices a job runs ``dp = n'``, the largest
-``n' <= n`` that divides ``gbs``, with ``mbs' = `` the largest divisor of ``gbs / n'`` not above
-its ``mbs``; gradient accumulation makes up the rest (``gbs = mbs' * dp * accum``). Devices a
-policy grants beyond ``n'`` are handed back before the schedule is applied.
+Batch size and devices. A policy's batch choice is applied between ``gbs`` (the batch the job
+asks for, and the one its ``steps`` count) and ``max_gbs`` (default ``gbs``: the batch never
+changes). On ``n`` devices a job wanting batch ``B`` runs ``gbs' =`` ``B`` clamped to
+``[gbs, max_gbs]`` and rounded down to a multiple of ``n`` (to ``gbs`` if that is below it),
+then ``dp = n'``, the largest ``n' <= n`` that divides ``gbs'``, with ``mbs' =`` the largest
+divisor of ``gbs' / n'`` not above its ``mbs``; gradient accumulation makes up the rest
+(``gbs' = mbs' * dp * accum``). Devices a policy grants beyond ``n'`` are handed back before the
+schedule is applied. The job trains ``steps * gbs`` samples in all, whatever batches it runs
+at; the learning rate follows the linear scaling rule, ``lr * gbs' / gbs``. The training
+runtime resumes a checkpoint at its ``samples_consumed`` with the new batch size and applies
+the new learning rate (see docs/scheduler.md, "Real mode").
 """
 
 from __future__ import annotations
@@ -42,7 +48,7 @@ from tessera.strategy import Strategy, StrategyError
 OWNED_KEYS = ("strategy", "train.max_steps", "train.output_dir", "train.resume",
               "train.resume_from")
 JOB_KEYS = {"name", "devices", "gbs", "steps", "mbs", "arrival", "epoch_steps", "retries",
-            "overrides", "config"}
+            "overrides", "config", "max_gbs", "lr"}
 
 
 class JobFileError(ValueError):
@@ -67,22 +73,42 @@ class RealJob:
     retries: int = 2
     config: str | None = None
     overrides: tuple[str, ...] = field(default_factory=tuple)
+    max_gbs: int = 0  # 0: gbs (set in __post_init__)
+    lr: float | None = None  # learning rate at gbs; None: the config's
 
-    def usable_devices(self, n: int) -> int:
-        """The largest device count ``<= n`` that divides ``gbs`` (0 for ``n <= 0``)."""
-        return next((k for k in range(min(n, self.gbs), 0, -1) if self.gbs % k == 0), 0)
+    def __post_init__(self) -> None:
+        if self.max_gbs == 0:
+            object.__setattr__(self, "max_gbs", self.gbs)
 
-    def strategy(self, n: int) -> Strategy:
-        """The Strategy this job runs with on ``n`` devices (``n`` must be usable).
+    def usable_devices(self, n: int, gbs: int | None = None) -> int:
+        """The largest device count ``<= n`` that divides ``gbs`` (default the job's; 0 for
+        ``n <= 0``)."""
+        gbs = gbs or self.gbs
+        return next((k for k in range(min(n, gbs), 0, -1) if gbs % k == 0), 0)
+
+    def run_shape(self, n: int, batch: int) -> tuple[int, int]:
+        """(devices, global batch) the job runs with when granted ``n`` devices and asked for
+        ``batch`` (see the module docstring)."""
+        b = min(max(int(batch), self.gbs), self.max_gbs)
+        if n >= 1 and b // n * n >= self.gbs:
+            b = b // n * n
+        elif b != self.gbs and b % n:
+            b = self.gbs
+        return self.usable_devices(n, b), b
+
+    def strategy(self, n: int, gbs: int | None = None) -> Strategy:
+        """The Strategy this job runs with on ``n`` devices at global batch ``gbs`` (default
+        the job's; ``n`` must divide it).
 
         Raises:
             ValueError: ``n`` does not divide ``gbs``.
         """
-        if n < 1 or self.gbs % n:
-            raise ValueError(f"job {self.name}: {n} devices do not divide gbs={self.gbs}")
-        per_rank = self.gbs // n
+        gbs = gbs or self.gbs
+        if n < 1 or gbs % n:
+            raise ValueError(f"job {self.name}: {n} devices do not divide gbs={gbs}")
+        per_rank = gbs // n
         mbs = max(k for k in range(1, min(self.mbs, per_rank) + 1) if per_rank % k == 0)
-        return Strategy(dp=n, micro_batch_size=mbs, global_batch_size=self.gbs)
+        return Strategy(dp=n, micro_batch_size=mbs, global_batch_size=gbs)
 
 
 @dataclass(frozen=True)
@@ -178,9 +204,12 @@ def _build(m: dict) -> RealJob:
                   epoch_steps=_int("epoch_steps", m.get("epoch_steps",
                                                         max(1, ints["steps"] // 5))),
                   retries=_int("retries", m.get("retries", 2)), config=m.get("config"),
-                  overrides=overrides, **ints)
+                  overrides=overrides, max_gbs=_int("max_gbs", m.get("max_gbs", ints["gbs"])),
+                  lr=_lr(m, ints["gbs"]), **ints)
     if job.mbs < 1 or job.epoch_steps < 1 or job.retries < 0:
         raise ValueError("mbs and epoch_steps must be >= 1, retries >= 0")
+    if job.max_gbs < job.gbs:
+        raise ValueError(f"max_gbs={job.max_gbs} must be >= gbs={job.gbs}")
     try:  # the strategy it asks for must be valid as written
         Strategy(dp=job.devices, micro_batch_size=job.mbs,
                  global_batch_size=job.gbs).validate_for(world_size=job.devices)
@@ -189,6 +218,23 @@ def _build(m: dict) -> RealJob:
     if job.config is not None and not Path(job.config).is_file():
         raise ValueError(f"config {job.config} does not exist")
     return job
+
+
+def _lr(m: dict, gbs: int) -> float | None:
+    """The learning rate at ``gbs``: the entry's ``lr``, else (only needed when the batch may
+    change) the one its config and overrides give."""
+    if m.get("lr") is not None:
+        if isinstance(m["lr"], bool) or not isinstance(m["lr"], (int, float)) or m["lr"] <= 0:
+            raise ValueError(f"lr must be a positive number, got {m['lr']!r}")
+        return float(m["lr"])
+    if m.get("max_gbs", gbs) == gbs:
+        return None
+    from tessera.config import ConfigError, load_config
+
+    try:
+        return float(load_config(m.get("config"), m["overrides"]).train.learning_rate)
+    except ConfigError as err:
+        raise ValueError(f"cannot read the learning rate to scale with gbs: {err}") from None
 
 
 def _int(key: str, value: Any) -> int:

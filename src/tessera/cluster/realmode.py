@@ -176,9 +176,9 @@ class RealRunner:
                 continue
             nodes, counts = np.unique(gpus // gpn, return_counts=True)
             gpus = gpus[gpus // gpn == nodes[np.argmax(counts)]]
-            keep = self.jobs[j].usable_devices(len(gpus))
+            keep, gbs = self.jobs[j].run_shape(len(gpus), a.batch)
             held_first = gpus[np.lexsort((gpus, owner[gpus] != j))]
-            out[j] = Assignment(np.sort(held_first[:keep]), self.jobs[j].gbs)
+            out[j] = Assignment(np.sort(held_first[:keep]), gbs)
         return out
 
     def _account(self, table: JobTable, before: np.ndarray, now: float) -> None:
@@ -190,6 +190,8 @@ class RealRunner:
         after = self.executor.owner()
         launches, resizes = self.executor.counts()
         table.restarts[:], table.resizes[:] = launches, resizes
+        # The batch each job really runs at: policies keep it when they keep a job's count.
+        table.batch[:] = self.executor.batches()
         for j in np.unique(after[after != before]).tolist():
             if j >= 0 and np.isnan(table.first_start[j]):
                 table.first_start[j] = now
@@ -227,7 +229,7 @@ class RealRunner:
         j = p.job
         table.since_change[j] += max(p.samples - table.samples[j], 0.0)
         table.samples[j] = table.progress[j] = p.samples
-        result.steps[j] = int(round(p.samples / self.jobs[j].gbs))
+        result.steps[j] = p.step
         if table.status[j] == DONE or not (p.finished or p.failed):
             return False
         table.status[j] = DONE
