@@ -7,6 +7,11 @@ Faults, each injected into a real `tessera train` run of 2 workers (tiny model):
   naming rank and operation; torchrun restarts and the run resumes.
 - corrupt: truncate a shard of the newest checkpoint; resuming refuses it by name and offers
   the previous one, from which the run resumes.
+- disk_full: a run with chunk memory spilling to a disk tier (one worker, offload=cpu+disk)
+  whose directory is given a capacity (TESSERA_FAULT_DISK_CAPACITY, test-only) that a file
+  written there after the first checkpoint fills, as another process filling the disk would.
+  The run must stop with an error naming the directory and the bytes needed, leave its last
+  checkpoint intact, and, once the file is removed, `--resume` must finish it.
 
 Each faulty run is compared with an uninterrupted run of the same config: a recovered run
 must log the same losses (to 1e-6) at every step after its resume point, so what is lost is
@@ -21,6 +26,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -28,19 +34,28 @@ import tempfile
 import time
 from pathlib import Path
 
-from tessera.train.checkpoint import find_latest, list_complete
+from tessera.memory.tiers import FAULT_CAPACITY_ENV
+from tessera.train.checkpoint import CheckpointError, find_latest, list_complete, verify_checkpoint
 
 TINY = ["model.preset=tiny", "data.seq_len=32", "data.max_bytes=200000", "train.progress=lines",
         "train.logging_steps=1", "train.warmup_steps=2", "strategy=dp=2,mbs=2,gbs=8",
         "--nproc", "2"]
 
 
-def tessera(*args: str, wait: bool = True):
+# One worker whose chunk memory spills about 2 MB to disk per step (host budget 1.5 MB).
+DISK_TIER = ["strategy=dp=1,mbs=4,gbs=8,memory=chunk,offload=cpu+disk", "--nproc", "1",
+             "memory.placement=auto", "memory.chunk_size=20000",
+             "memory.device_budget=1500000", "memory.host_budget=1500000"]
+DISK_CAPACITY = 8 * 2**20  # bytes the disk directory holds (its chunk files use ~1 MB)
+
+
+def tessera(*args: str, wait: bool = True, env: dict[str, str] | None = None):
     cmd = [sys.executable, "-m", "tessera.cli", "train", *TINY, *args]
+    env = {**os.environ, **(env or {})}
     if wait:
-        return subprocess.run(cmd, capture_output=True, text=True, timeout=600)
+        return subprocess.run(cmd, capture_output=True, text=True, timeout=600, env=env)
     return subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                            start_new_session=True)
+                            start_new_session=True, env=env)
 
 
 def losses(out: Path) -> list[tuple[int, float]]:
@@ -116,6 +131,42 @@ def inject_corruption(root: Path, steps: int, reference: dict[int, float]) -> di
             "named_in_error": named, "corrupted_bytes": lost_bytes}
 
 
+def inject_disk_full(root: Path, steps: int) -> dict:
+    env = {FAULT_CAPACITY_ENV: str(DISK_CAPACITY)}
+
+    def run(name: str, *extra: str, wait: bool = True):
+        spill = root / f"{name}_spill"
+        spill.mkdir(exist_ok=True)
+        return tessera(*DISK_TIER, f"memory.disk_dir={spill}", f"train.output_dir={root / name}",
+                       f"train.max_steps={steps}", "train.save_steps=4", *extra, wait=wait,
+                       env=env)
+
+    straight = run("disk_straight")
+    assert straight.returncode == 0, straight.stderr
+    reference = dict(losses(root / "disk_straight"))
+    out, spill = root / "disk_full", root / "disk_full_spill"
+    proc = run("disk_full", wait=False)
+    wait_checkpoint(out, proc)
+    with open(spill / "filler", "wb") as handle:  # sparse: counts as DISK_CAPACITY bytes
+        handle.truncate(DISK_CAPACITY)
+    report = proc.communicate(timeout=600)[0]
+    named = (f"memory.disk_dir {spill} is full" in report
+             and re.search(r"needs \d+ bytes", report) is not None)
+    try:
+        verify_checkpoint(find_latest(out / "checkpoints"))
+        intact = True
+    except CheckpointError:
+        intact = False
+    (spill / "filler").unlink()  # space freed
+    again = run("disk_full", "--resume")
+    result = compare(losses(out), reference, steps) if again.returncode == 0 else {
+        "recovered": False, "steps_lost": steps}
+    stopped = proc.returncode != 0
+    return {"recovered": bool(stopped and named and intact and result["recovered"]),
+            "steps_lost": result["steps_lost"], "stopped": stopped, "named_in_error": named,
+            "checkpoint_intact": intact}
+
+
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true", help="fewer steps (< 3 min)")
@@ -131,6 +182,7 @@ def main(argv: list[str] | None = None) -> None:
             "stall": inject_signal(root, "stall", signal.SIGSTOP, steps, reference,
                                    ["train.collective_timeout_s=5"]),
             "corrupt": inject_corruption(root, steps, reference),
+            "disk_full": inject_disk_full(root, steps),
         }
     for name, result in faults.items():
         print(json.dumps({"name": f"fault_{name}_recovered", "value": int(result["recovered"]),

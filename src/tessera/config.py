@@ -109,6 +109,7 @@ class TrainingArguments(_Section):
     seed: int = 1234
     resume: bool = False
     resume_from: str | None = None  # a checkpoint folder; default: the newest in output_dir
+    init_from: str | None = None  # a safetensors folder (save_model's layout) to start from
     device: Literal["auto", "cpu", "cuda"] = "auto"
     progress: Literal["auto", "bar", "lines", "off"] = "auto"
 

@@ -24,6 +24,7 @@ from tessera.data import list_text_files, resolve_corpus
 from tessera.distributed import resolve_device_type
 from tessera.run import build_model, build_tokenizer
 from tessera.train import checkpoint as ckpt
+from tessera.train.export import check_importable
 from tessera.train.trainer import describe_model
 
 
@@ -114,7 +115,8 @@ def prepare_run(config: RunConfig, options: LaunchOptions) -> Path:
     """Check everything that can be checked before workers start; write the resolved config.
 
     Raises:
-        StrategyError, DataError, CheckpointError: naming the field, path or rule.
+        StrategyError, DataError, CheckpointError, WeightsImportError: naming the field,
+            path or rule.
     """
     config.strategy.require_available()
     config.strategy.validate_for(world_size=options.world_size)
@@ -123,6 +125,8 @@ def prepare_run(config: RunConfig, options: LaunchOptions) -> Path:
     tokenizer = build_tokenizer(config, files)  # trains the BPE once, here, not per worker
     if config.train.resume or config.train.resume_from:
         _check_resumable(config, tokenizer.vocab_size)
+    if config.train.init_from:
+        check_importable(config.train.init_from, _shape_only_model(config, tokenizer.vocab_size))
     return write_resolved_config(config)
 
 
@@ -136,7 +140,12 @@ def _check_resumable(config: RunConfig, tokenizer_vocab: int) -> None:
         if latest is None:
             return  # nothing saved yet: --resume starts from scratch
     meta = ckpt.verify_checkpoint(latest, hashes=False)
-    with torch.device("meta"):  # shapes only: no memory, no initialisation
-        model = build_model(config, vocab_size=max(tokenizer_vocab,
-                                                   config.model.build_config().vocab_size))
+    model = _shape_only_model(config, tokenizer_vocab)
     ckpt.check_compatible(meta, describe_model(model), latest)
+
+
+def _shape_only_model(config: RunConfig, tokenizer_vocab: int) -> torch.nn.Module:
+    """The run's model on the meta device: names and shapes, no memory, no initialisation."""
+    with torch.device("meta"):
+        return build_model(config, vocab_size=max(tokenizer_vocab,
+                                                  config.model.build_config().vocab_size))

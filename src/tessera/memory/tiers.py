@@ -8,6 +8,7 @@ on a side stream so prefetches overlap compute. Every move is counted in bytes p
 
 from __future__ import annotations
 
+import errno
 import os
 import shutil
 from dataclasses import dataclass, field
@@ -24,6 +25,16 @@ class MemoryBudgetError(RuntimeError):
 
 class DiskTierError(ValueError):
     """The disk directory is missing, read-only or too small."""
+
+
+class DiskFullError(DiskTierError):
+    """A write to the disk tier found no space; names the directory and the bytes needed."""
+
+
+# Test-only fault injection (docs/training.md): the disk directory behaves as a filesystem of
+# this many bytes, all its files counted, so a test fills it by writing a file there. Unset in
+# normal runs, where free space is the filesystem's own.
+FAULT_CAPACITY_ENV = "TESSERA_FAULT_DISK_CAPACITY"
 
 
 @dataclass
@@ -102,10 +113,36 @@ class DiskTier:
         self.files: dict[str, tuple[torch.dtype, int]] = {}
 
     def write(self, key: str, tensor: torch.Tensor) -> None:
+        """Store a payload as ``<dir>/<key>.bin``.
+
+        Raises:
+            DiskFullError: the filesystem (or an injected capacity) has no room; the partial
+                file is removed and the payload stays where it was.
+        """
         path = self.dir / f"{key}.bin"
         # Raw bytes (uint8 view) so bf16, which numpy lacks, round-trips too.
-        tensor.detach().cpu().contiguous().view(torch.uint8).numpy().tofile(path)
+        data = tensor.detach().cpu().contiguous().view(torch.uint8).numpy()
+        try:
+            if os.environ.get(FAULT_CAPACITY_ENV) and free_bytes(self.dir) < data.nbytes:
+                raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC), str(path))
+            # Not numpy's tofile: it can miss an ENOSPC that only shows when the buffer is
+            # flushed; closing a Python file raises it.
+            with open(path, "wb") as handle:
+                handle.write(data.data)
+        except OSError as err:
+            if err.errno not in (errno.ENOSPC, errno.EDQUOT):
+                raise
+            path.unlink(missing_ok=True)  # a torn chunk file must never be read back
+            raise self._full(key, data.nbytes, err) from None
         self.files[key] = (tensor.dtype, tensor.numel())
+
+    def _full(self, key: str, nbytes: int, err: OSError) -> DiskFullError:
+        held = sum(numel * _itemsize(dtype) for dtype, numel in self.files.values())
+        return DiskFullError(
+            f"memory.disk_dir {self.dir} is full ({err.strerror}): writing {key} needs "
+            f"{nbytes} bytes, {free_bytes(self.dir)} are free; this disk tier holds {held} "
+            f"bytes in {len(self.files)} files. Free space there (or set memory.disk_dir to "
+            f"a larger disk) and resume from the last checkpoint with --resume")
 
     def read(self, key: str) -> torch.Tensor:
         dtype, numel = self.files.pop(key)
@@ -133,10 +170,24 @@ def check_disk_dir(directory: Path, need_bytes: int = 0) -> None:
     except OSError as err:
         raise DiskTierError(f"memory.disk_dir {directory} is not writable ({err.strerror})"
                             ) from None
-    free = shutil.disk_usage(directory).free
+    free = free_bytes(directory)
     if need_bytes and free < need_bytes:
         raise DiskTierError(f"memory.disk_dir {directory} has {free} bytes free; the model data "
                             f"that may spill to disk needs {need_bytes}")
+
+
+def free_bytes(directory: Path) -> int:
+    """Free bytes for the disk tier: the filesystem's, or what an injected capacity leaves."""
+    capacity = os.environ.get(FAULT_CAPACITY_ENV)
+    if not capacity:
+        return shutil.disk_usage(directory).free
+    used = 0
+    for entry in os.scandir(directory):
+        try:
+            used += entry.stat().st_size if entry.is_file() else 0
+        except FileNotFoundError:  # another rank's tier removed it meanwhile
+            pass
+    return max(0, parse_bytes(capacity) - used)
 
 
 def _itemsize(dtype: torch.dtype) -> int:

@@ -4,6 +4,12 @@ Hugging Face models are written with ``save_pretrained`` (config.json + model.sa
 load with ``from_pretrained``. The reference model is written as ``model.safetensors`` (tied
 output head stored once) plus a ``config.json`` of its ModelConfig, and loads with
 :func:`load_reference_model`.
+
+Import (``train.init_from``): :func:`load_safetensors_weights` fills a single-device model from
+such a folder (``model.safetensors``, or the shards a ``model.safetensors.index.json`` names)
+before any parallelism is applied, so a run under any strategy starts from the same weights.
+:func:`check_importable` reads only the files' headers, so the launcher refuses a missing
+folder or mismatched names and shapes before workers start.
 """
 
 from __future__ import annotations
@@ -13,12 +19,18 @@ from pathlib import Path
 
 import torch
 import torch.distributed as dist
+from torch import nn
 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
 
 from tessera.models import ModelConfig, Transformer
 
 REFERENCE_WEIGHTS = "model.safetensors"
 REFERENCE_CONFIG = "config.json"
+WEIGHTS_INDEX = "model.safetensors.index.json"  # sharded Hugging Face checkpoints
+
+
+class WeightsImportError(ValueError):
+    """A safetensors folder cannot initialise this model; the message names the problem."""
 
 
 def save_full_model(trainer, output_dir: Path) -> Path:
@@ -60,3 +72,101 @@ def load_reference_model(folder: str | Path) -> Transformer:
         raise ValueError(f"{folder}: weights do not match the config (missing {missing}, "
                          f"unexpected {unexpected})")
     return model
+
+
+def check_importable(folder: str | Path, model: nn.Module) -> dict[str, Path]:
+    """Check that a safetensors folder holds exactly this model's tensors, by name and shape.
+
+    Reads headers only (works on a model on the meta device). A tensor tied to another one
+    (e.g. an output head sharing the embedding) may be absent: exports store it once.
+
+    Returns:
+        tensor name -> the file that holds it.
+
+    Raises:
+        WeightsImportError: naming the folder, and the missing, unexpected or misshapen tensors.
+    """
+    folder = Path(folder)
+    files = _weight_files(folder)
+    shapes = _saved_shapes(folder, files)
+    expected = {name: tuple(value.shape) for name, value in model.state_dict().items()}
+    present = set(shapes)
+    missing = sorted(n for n in set(expected) - present if not _tied_names(model, n) & present)
+    unexpected = sorted(present - set(expected))
+    misshapen = [f"{n} (file {list(shapes[n])}, model {list(expected[n])})"
+                 for n in sorted(present & set(expected)) if shapes[n] != expected[n]]
+    problems = [f"{label}: {_first(names)}" for label, names in (
+        ("missing tensors", missing), ("tensors this model does not have", unexpected),
+        ("shape mismatches", misshapen)) if names]
+    if problems:
+        raise WeightsImportError(f"train.init_from {folder} does not fit the model "
+                                 f"{type(model).__name__}: {'; '.join(problems)}")
+    return files
+
+
+def load_safetensors_weights(model: nn.Module, folder: str | Path) -> None:
+    """Fill ``model`` (single-device, before parallelisation) from a safetensors folder.
+
+    Raises:
+        WeightsImportError: see :func:`check_importable`.
+    """
+    from safetensors.torch import load_file
+
+    files = check_importable(folder, model)
+    state: dict[str, torch.Tensor] = {}
+    for path in sorted(set(files.values())):
+        state.update(load_file(str(path)))
+    # Absent names are tied to present ones (checked above): loading those fills both.
+    model.load_state_dict(state, strict=False)
+
+
+def _weight_files(folder: Path) -> dict[str, Path]:
+    if not folder.is_dir():
+        raise WeightsImportError(f"train.init_from {folder} is not a folder")
+    index = folder / WEIGHTS_INDEX
+    if index.is_file():
+        try:
+            weight_map = json.loads(index.read_text())["weight_map"]
+        except (json.JSONDecodeError, KeyError, TypeError) as err:
+            raise WeightsImportError(f"{index} is not a safetensors index ({err!r})") from None
+        return {name: folder / file for name, file in weight_map.items()}
+    single = folder / REFERENCE_WEIGHTS
+    if not single.is_file():
+        raise WeightsImportError(
+            f"train.init_from {folder} has neither {REFERENCE_WEIGHTS} nor {WEIGHTS_INDEX} "
+            f"(the layout save_model and save_pretrained write)")
+    return {name: single for name in _read_header(folder, single)}
+
+
+def _saved_shapes(folder: Path, files: dict[str, Path]) -> dict[str, tuple[int, ...]]:
+    shapes: dict[str, tuple[int, ...]] = {}
+    for path in sorted(set(files.values())):
+        if not path.is_file():
+            raise WeightsImportError(f"train.init_from {folder}: {path.name}, named in "
+                                     f"{WEIGHTS_INDEX}, is missing")
+        shapes.update(_read_header(folder, path))
+    return shapes
+
+
+def _read_header(folder: Path, path: Path) -> dict[str, tuple[int, ...]]:
+    from safetensors import SafetensorError, safe_open
+
+    try:
+        with safe_open(str(path), framework="pt") as handle:
+            return {name: tuple(handle.get_slice(name).get_shape()) for name in handle.keys()}
+    except (SafetensorError, OSError) as err:
+        raise WeightsImportError(f"train.init_from {folder}: {path.name} is not a readable "
+                                 f"safetensors file ({err})") from None
+
+
+def _tied_names(model: nn.Module, name: str) -> set[str]:
+    """Other names of the parameter called ``name`` (tied weights), or an empty set."""
+    groups: dict[int, set[str]] = {}
+    for other, param in model.named_parameters(remove_duplicate=False):
+        groups.setdefault(id(param), set()).add(other)
+    return next((names - {name} for names in groups.values() if name in names), set())
+
+
+def _first(names: list[str], shown: int = 5) -> str:
+    more = f" and {len(names) - shown} more" if len(names) > shown else ""
+    return ", ".join(names[:shown]) + more

@@ -30,6 +30,7 @@ from tessera.parallel.pipeline.engine import PipelineEngine
 from tessera.strategy import Strategy
 from tessera.train import checkpoint as ckpt
 from tessera.train.engine import Engine
+from tessera.train.export import load_safetensors_weights
 from tessera.train.metrics import MetricsWriter, Throughput, peak_flops
 from tessera.train.optim import build_optimizer, build_scheduler
 from tessera.train.progress import ProgressReporter
@@ -82,6 +83,9 @@ class Trainer:
         callbacks: functions called with each metrics record (rank 0 only).
         data_collator: turns a list of samples into a batch (default: stack equal lengths).
         memory: chunk-memory options (the config's ``memory:`` section) for memory=chunk.
+
+    ``args.init_from`` (a folder written by ``save_model`` or ``save_pretrained``) replaces
+    the model's weights before parallelisation; a resumed checkpoint then replaces them again.
     """
 
     def __init__(self, model: nn.Module, args: TrainingArguments, train_dataset: Dataset,
@@ -101,6 +105,8 @@ class Trainer:
         self.phase = "set-up"  # what the ranks are doing together, for error messages
         self.mesh = Mesh(self.strategy, self.ctx.device.type)
         self.model = model.to(self.ctx.device)
+        if args.init_from:  # before parallelisation, so that every strategy starts alike
+            load_safetensors_weights(self.model, args.init_from)
         self.model_meta = describe_model(self.model)
         self.plan = parallelize(self.model, self.strategy, self.mesh, memory=memory)
         self.wrapped = self.plan.module
