@@ -95,6 +95,9 @@ class TrainingArguments(_Section):
     min_lr_ratio: float = 0.1
     lr_scheduler_type: Literal["cosine", "linear", "constant"] = "cosine"
     warmup_steps: int = 10
+    # After a resume whose learning_rate differs from the checkpoint's (a batch-size change),
+    # move the peak there linearly over this many steps; 0: at once.
+    lr_rescale_warmup_steps: int = 0
     weight_decay: float = 0.1
     adam_beta1: float = 0.9
     adam_beta2: float = 0.95
@@ -126,7 +129,8 @@ class TrainingArguments(_Section):
             raise ValueError("must be >= 1")
         return value
 
-    @field_validator("warmup_steps", "eval_steps", "eval_batches", "save_steps")
+    @field_validator("warmup_steps", "lr_rescale_warmup_steps", "eval_steps", "eval_batches",
+                     "save_steps")
     @classmethod
     def _non_negative(cls, value: int) -> int:
         if value < 0:

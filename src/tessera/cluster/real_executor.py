@@ -318,9 +318,11 @@ def train_command(job: RealJob, devices: int, out: Path, gbs: int | None = None,
                   max_steps: int | None = None) -> list[str]:
     """The ``tessera train ... --nproc n --resume`` command line of ``job`` on ``devices`` at
     global batch ``gbs`` (default the job's), training to step ``max_steps`` (default its
-    ``steps``). A batch other than the job's also sets the linearly scaled learning rate."""
+    ``steps``). A batch other than the job's also sets the linearly scaled learning rate (the
+    trainer warms a changed rate up over the job's ``lr_warmup_steps``)."""
     gbs = gbs or job.gbs
-    lr = [f"train.learning_rate={job.lr * gbs / job.gbs:.6g}"] if job.lr is not None else []
+    lr = ([f"train.learning_rate={job.lr * gbs / job.gbs:.6g}",
+           f"train.lr_rescale_warmup_steps={job.lr_warmup_steps}"] if job.lr is not None else [])
     return [sys.executable, "-m", "tessera.cli", "train", *([job.config] if job.config else []),
             *job.overrides, *lr, f"strategy={job.strategy(devices, gbs).to_text()}",
             f"train.max_steps={max_steps or job.steps}", f"train.output_dir={out}", "--nproc",

@@ -12,6 +12,7 @@ A job file lists real tessera training jobs for ``tessera cluster run``::
         gbs: 8                   # required: global batch size (samples per optimizer step)
         max_gbs: 32              # largest gbs the policy may choose when it resizes (default gbs)
         lr: 1e-3                 # learning rate at gbs (default: the config's); scaled with gbs
+        lr_warmup_steps: 5       # steps over which a rescaled learning rate is reached (default 0)
         steps: 40                # required: optimizer steps to train (train.max_steps)
         mbs: 2                   # micro-batch size per device (default gbs / devices)
         arrival: 0               # seconds after the run starts (default 0)
@@ -30,7 +31,8 @@ then ``dp = n'``, the largest ``n' <= n`` that divides ``gbs'``, with ``mbs' =``
 divisor of ``gbs' / n'`` not above its ``mbs``; gradient accumulation makes up the rest
 (``gbs' = mbs' * dp * accum``). Devices a policy grants beyond ``n'`` are handed back before the
 schedule is applied. The job trains ``steps * gbs`` samples in all, whatever batches it runs
-at; the learning rate follows the linear scaling rule, ``lr * gbs' / gbs``. The training
+at; the learning rate follows the linear scaling rule, ``lr * gbs' / gbs``, reached at once or
+linearly over ``lr_warmup_steps`` steps after the relaunch. The training
 runtime resumes a checkpoint at its ``samples_consumed`` with the new batch size and applies
 the new learning rate (see docs/scheduler.md, "Real mode").
 """
@@ -48,7 +50,7 @@ from tessera.strategy import Strategy, StrategyError
 OWNED_KEYS = ("strategy", "train.max_steps", "train.output_dir", "train.resume",
               "train.resume_from")
 JOB_KEYS = {"name", "devices", "gbs", "steps", "mbs", "arrival", "epoch_steps", "retries",
-            "overrides", "config", "max_gbs", "lr"}
+            "overrides", "config", "max_gbs", "lr", "lr_warmup_steps"}
 
 
 class JobFileError(ValueError):
@@ -75,6 +77,7 @@ class RealJob:
     overrides: tuple[str, ...] = field(default_factory=tuple)
     max_gbs: int = 0  # 0: gbs (set in __post_init__)
     lr: float | None = None  # learning rate at gbs; None: the config's
+    lr_warmup_steps: int = 0  # steps to reach a rescaled learning rate after a relaunch
 
     def __post_init__(self) -> None:
         if self.max_gbs == 0:
@@ -205,9 +208,10 @@ def _build(m: dict) -> RealJob:
                                                         max(1, ints["steps"] // 5))),
                   retries=_int("retries", m.get("retries", 2)), config=m.get("config"),
                   overrides=overrides, max_gbs=_int("max_gbs", m.get("max_gbs", ints["gbs"])),
-                  lr=_lr(m, ints["gbs"]), **ints)
-    if job.mbs < 1 or job.epoch_steps < 1 or job.retries < 0:
-        raise ValueError("mbs and epoch_steps must be >= 1, retries >= 0")
+                  lr=_lr(m, ints["gbs"]),
+                  lr_warmup_steps=_int("lr_warmup_steps", m.get("lr_warmup_steps", 0)), **ints)
+    if job.mbs < 1 or job.epoch_steps < 1 or job.retries < 0 or job.lr_warmup_steps < 0:
+        raise ValueError("mbs and epoch_steps must be >= 1, retries and lr_warmup_steps >= 0")
     if job.max_gbs < job.gbs:
         raise ValueError(f"max_gbs={job.max_gbs} must be >= gbs={job.gbs}")
     try:  # the strategy it asks for must be valid as written

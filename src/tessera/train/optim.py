@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+from dataclasses import dataclass
 
 import torch
 from torch import nn
@@ -47,10 +48,41 @@ def warmup_cosine(step: int, warmup_steps: int, total_steps: int, min_ratio: flo
     return lr_multiplier(step, warmup_steps, total_steps, min_ratio, "cosine")
 
 
+@dataclass
+class PeakRamp:
+    """Moves the schedule's peak from an old learning rate to a new one, linearly.
+
+    Used when a resumed run's learning rate differs from its checkpoint's (a resize that
+    changed the global batch and, by the linear scaling rule, the rate): jumping straight to
+    a larger rate can destabilise training, so the peak is warmed up over ``steps`` steps
+    from ``from_ratio`` (old peak / new peak) to 1, as Goyal et al. (2017) warm up after
+    scaling the batch. The identity when ``steps`` is 0.
+    """
+
+    start: int = 0  # scheduler step at which the ramp began
+    steps: int = 0
+    from_ratio: float = 1.0
+
+    def __call__(self, step: int) -> float:
+        if self.steps <= 0 or step >= self.start + self.steps:
+            return 1.0
+        done = (step - self.start + 1) / self.steps
+        return self.from_ratio + (1.0 - self.from_ratio) * done
+
+    def restart(self, step: int, old_peak: float, new_peak: float, steps: int) -> None:
+        """Ramp from the peak in effect at ``step`` (``old_peak`` times any ramp under way)."""
+        self.from_ratio = old_peak * self(step) / new_peak
+        self.start, self.steps = step, steps
+
+
 def build_scheduler(optimizer: torch.optim.Optimizer, warmup_steps: int, total_steps: int,
-                    min_ratio: float, kind: str = "cosine") -> torch.optim.lr_scheduler.LambdaLR:
-    """A LambdaLR over :func:`lr_multiplier`; its state dict resumes the position."""
+                    min_ratio: float, kind: str = "cosine", ramp: PeakRamp | None = None
+                    ) -> torch.optim.lr_scheduler.LambdaLR:
+    """A LambdaLR over :func:`lr_multiplier` (times ``ramp``, when given); its state dict
+    resumes the position. The ramp's own state is the caller's to save."""
     if kind not in SCHEDULES:
         raise ValueError(f"lr_scheduler_type must be one of {', '.join(SCHEDULES)}, got {kind!r}")
+    ramp = ramp or PeakRamp()
     return torch.optim.lr_scheduler.LambdaLR(
-        optimizer, lambda step: lr_multiplier(step, warmup_steps, total_steps, min_ratio, kind))
+        optimizer,
+        lambda step: lr_multiplier(step, warmup_steps, total_steps, min_ratio, kind) * ramp(step))

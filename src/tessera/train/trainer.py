@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import hashlib
 import time
-from dataclasses import dataclass, field
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any, Callable, Sequence
 
@@ -32,7 +32,7 @@ from tessera.train import checkpoint as ckpt
 from tessera.train.engine import Engine
 from tessera.train.export import load_safetensors_weights
 from tessera.train.metrics import MetricsWriter, Throughput, peak_flops
-from tessera.train.optim import build_optimizer, build_scheduler
+from tessera.train.optim import PeakRamp, build_optimizer, build_scheduler
 from tessera.train.progress import ProgressReporter
 
 
@@ -114,8 +114,10 @@ class Trainer:
         self.optimizer = (self.plan.build_optimizer or build_optimizer)(
             self.model, args.learning_rate, args.weight_decay, (args.adam_beta1, args.adam_beta2),
             args.adam_epsilon, self.ctx.device)
+        self.peak_ramp = PeakRamp()  # warms a changed learning rate up after a resume
         self.scheduler = build_scheduler(self.optimizer, args.warmup_steps, args.max_steps,
-                                         args.min_lr_ratio, args.lr_scheduler_type)
+                                         args.min_lr_ratio, args.lr_scheduler_type,
+                                         self.peak_ramp)
         # pp > 1: the pipeline engine runs the schedule over this rank's stages.
         engine_cls = PipelineEngine if self.strategy.pp > 1 else Engine
         self.engine = engine_cls(self.plan, self.strategy, self.ctx.device)
@@ -220,7 +222,8 @@ class Trainer:
         self.phase = "the checkpoint save (barriers and shard writes)"
         meta = {"model": self.model_meta, "strategy": self.strategy.to_text(),
                 "samples_consumed": self.order.samples_before(self.step),
-                "scheduler": self.scheduler.state_dict(), "run": self.run_info}
+                "scheduler": self.scheduler.state_dict(), "run": self.run_info,
+                "peak_ramp": asdict(self.peak_ramp)}
         return ckpt.save_checkpoint(self.ckpt_root, self.step, self.wrapped, self.optimizer,
                                     meta)
 
@@ -237,6 +240,8 @@ class Trainer:
         ckpt.check_compatible(ckpt.read_meta(latest), self.model_meta, latest)
         meta = ckpt.load_checkpoint(latest, self.wrapped, self.optimizer)
         self.scheduler.load_state_dict(meta["scheduler"])
+        for name, value in meta.get("peak_ramp", {}).items():
+            setattr(self.peak_ramp, name, value)
         self.step = int(meta["step"])
         # Continue the sample stream where it stopped, also when gbs changed (a resize).
         self.order = GlobalBatchOrder(
@@ -249,9 +254,14 @@ class Trainer:
         """Use this run's learning_rate after a resume (a scheduler may rescale it with gbs).
 
         The schedule's position comes from the checkpoint; only its peak changes, so an
-        unchanged config resumes with exactly the rates it would have had.
+        unchanged config resumes with exactly the rates it would have had. A changed peak is
+        reached at once, or over ``lr_rescale_warmup_steps`` steps when that is set.
         """
-        factor = self.scheduler.lr_lambdas[0](self.scheduler.last_epoch)
+        old_peak, step = self.scheduler.base_lrs[0], self.scheduler.last_epoch
+        if self.args.lr_rescale_warmup_steps and old_peak != self.args.learning_rate:
+            self.peak_ramp.restart(step, old_peak, self.args.learning_rate,
+                                   self.args.lr_rescale_warmup_steps)
+        factor = self.scheduler.lr_lambdas[0](step)
         self.scheduler.base_lrs = [self.args.learning_rate] * len(self.optimizer.param_groups)
         for group in self.optimizer.param_groups:
             group["initial_lr"] = self.args.learning_rate
