@@ -13,7 +13,8 @@ from tessera.config import ConfigError, config_from_dict
 from tessera.memory import (LEGAL_TRANSITIONS, ChunkManager, DiskTierError,
                             IllegalTransitionError, MemoryBudgetError, MemoryOptions,
                             TensorState)
-from tessera.memory.chunk import Kind, pack, search_chunk_size, wasted_elements
+from tessera.memory.chunk import (Kind, pack, rank_peak_elements, search_chunk_size,
+                                  wasted_elements)
 from tessera.memory.tiers import Tier, parse_bytes
 from tessera.memory.tracer import MemoryTracer
 
@@ -54,13 +55,23 @@ def test_parameters_are_views_into_chunks():
             payload.untyped_storage().data_ptr()
 
 
-def test_size_search_minimises_waste_and_big_tensors_get_their_own_chunk():
+def test_size_search_minimises_the_rank_peak_and_big_tensors_get_their_own_chunk():
     rng = random.Random(3)
     numels = [rng.choice([64, 4096, 16384, 300, 12288]) for _ in range(40)]
-    best = search_chunk_size(numels, world=2, align=64)
     largest = -(-max(numels) // 64) * 64
-    brute = min(wasted_elements(numels, c, 2, 64) for c in range(largest, largest + 64 * 64, 64))
-    assert wasted_elements(numels, best, 2, 64) <= brute
+    sizes = range(largest, largest + 64 * 64, 64)
+    # One rank: the least padding.
+    best = search_chunk_size(numels, world=1, align=64)
+    assert wasted_elements(numels, best, 1, 64) <= min(wasted_elements(numels, c, 1, 64)
+                                                       for c in sizes)
+    # ZeRO over 2 ranks: padding in every kind plus the gathered group, least of the
+    # candidates (64 steps of 1/16 of the largest tensor).
+    best = search_chunk_size(numels, world=2, align=64)
+    candidates = range(largest, largest + 64 * 1024, 1024)
+    assert rank_peak_elements(numels, best, 2, 64) == min(rank_peak_elements(numels, c, 2, 64)
+                                                          for c in candidates)
+    # A larger chunk wasting less padding can still hold more at the peak (a bigger group).
+    assert rank_peak_elements(numels, largest * 4, 2, 64) > rank_peak_elements(numels, best, 2, 64)
     chunks = pack([100, 5000, 100], capacity=1000, align=256)
     assert chunks == [(1000, [0]), (5120, [1]), (1000, [2])]
 
@@ -115,8 +126,8 @@ def test_memory_config_section_is_checked():
          "needs offload=cpu"),
         ({"strategy": "dp=1,mbs=1,gbs=1,memory=chunk,offload=cpu+disk"}, "needs memory.disk_dir"),
         ({**base, "memory": {"device_budget": "lots"}}, "device_budget: must be bytes"),
-        ({"strategy": "dp=1,mbs=1,gbs=1,memory=chunk,offload=cpu,recompute=full"},
-         "memory=chunk with recompute is not built yet"),
+        ({"strategy": "dp=1,tp=2,mbs=1,gbs=1,memory=chunk,offload=cpu,precision=bf16"},
+         "memory=chunk with tp > 1 and precision=bf16 is not built yet"),
     ]:
         with pytest.raises(ConfigError, match=message):
             config_from_dict(raw)

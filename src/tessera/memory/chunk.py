@@ -113,15 +113,33 @@ def wasted_elements(numels: list[int], capacity: int, world: int = 1, align: int
     return sum(c for c, _ in chunks) + dummies * capacity - sum(numels)
 
 
-def search_chunk_size(numels: list[int], world: int = 1, max_capacity: int | None = None,
-                      align: int = 256, steps: int = 64) -> int:
-    """The chunk capacity (elements) that wastes the fewest elements.
+def rank_peak_elements(numels: list[int], capacity: int, world: int = 1, align: int = 1,
+                       state_per_element: float = 3.0) -> float:
+    """Model data one rank holds at its peak with this capacity, in compute-precision elements.
 
-    Candidates run from the largest tensor upwards in ``steps`` steps of 1/16 of it (at least
-    ``align``). ``max_capacity`` (from the device budget: a group of ``world`` parameter and
-    gradient chunks must fit) caps them; when even the largest tensor is over the cap, sizes
-    below it are tried and the large tensors get chunks of their own. Ties go to the smaller
-    size, which gives the placement finer control.
+    Every rank owns one chunk of each ZeRO group, allocated at the group's width, for which it
+    keeps parameters and gradients (1 element each) and fp32 Adam states and masters
+    (``state_per_element`` elements); while a group is in use it also holds the group's other
+    ``world - 1`` parameter chunks and, in backward, their gradient chunks. Larger chunks waste
+    less padding but make that gathered group larger.
+    """
+    chunks = pack(numels, capacity, align)
+    chunks += [(capacity, [])] * ((-len(chunks)) % world)
+    widths = [max(c for c, _ in chunks[g: g + world]) for g in range(0, len(chunks), world)]
+    return sum(widths) * (2 + state_per_element) + 2 * (world - 1) * max(widths)
+
+
+def search_chunk_size(numels: list[int], world: int = 1, max_capacity: int | None = None,
+                      align: int = 256, steps: int = 64, state_per_element: float = 3.0) -> int:
+    """The chunk capacity (elements) with the least model data per rank at its peak.
+
+    The objective is :func:`rank_peak_elements`: padding wasted in every kind, plus (under
+    ZeRO, ``world > 1``) the remote chunks of the largest gathered group. With one rank this is
+    the capacity wasting the fewest elements. Candidates run from the largest tensor upwards
+    in ``steps`` steps of 1/16 of it (at least ``align``). ``max_capacity`` (from the device
+    budget: a group of ``world`` parameter and gradient chunks must fit) caps them; when even
+    the largest tensor is over the cap, sizes below it are tried and the large tensors get
+    chunks of their own. Ties go to the smaller size, which gives the placement finer control.
     """
     largest = _round_up(max(numels), align)
     step = max(align, _round_up(largest // 16, align))
@@ -129,7 +147,8 @@ def search_chunk_size(numels: list[int], world: int = 1, max_capacity: int | Non
     if max_capacity is not None:
         cap = max(align, max_capacity // align * align)
         candidates = [c for c in candidates if c <= cap] or [cap]
-    return min(candidates, key=lambda c: (wasted_elements(numels, c, world, align), c))
+    return min(candidates, key=lambda c: (
+        rank_peak_elements(numels, c, world, align, state_per_element), c))
 
 
 def _round_up(n: int, align: int) -> int:

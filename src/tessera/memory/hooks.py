@@ -8,6 +8,8 @@
 - pre-backward: the chunks come back to the device, tensors to COMPUTE; a moment ticks.
 - post-accumulate-grad of each parameter: the gradient is added into its gradient chunk and
   dropped; the tensor goes to HOLD_AFTER_BWD; a finished group is reduce-scattered.
+- recomputation (activation checkpointing): a block's forward running again inside backward
+  brings its chunks back and marks them COMPUTE, then HOLD_AFTER_FWD, releasing nothing.
 - saved tensors: a tensor autograd saves that views a chunk is stored as (parameter, offset,
   shape, stride) and rebuilt from the parameter's current payload at backward, so chunks can
   move or be released between forward and backward; any other saved tensor is non-model memory
@@ -24,6 +26,7 @@ from torch import nn
 
 from tessera.memory.chunk import Chunk, Kind
 from tessera.memory.manager import ChunkManager
+from tessera.memory.shards import local_grad, local_of
 from tessera.memory.tensor_state import TensorState
 from tessera.memory.tiers import DEVICE, HOST
 
@@ -42,6 +45,7 @@ class ChunkHooks:
         # (those differ between ranks after a re-gather, e.g. for a tied weight).
         self.fwd_done: dict[int, set[int]] = {}
         self.phase = "fwd"
+        self.busy: set[int] = set()  # ids of parameters in backward use during a recompute
         self.handles = []
         self._saved_ctx = None
         for name, module in model.named_modules():
@@ -58,11 +62,25 @@ class ChunkHooks:
 
     # ------------------------------------------------------------------------- forward
     def _pre_forward(self, name: str, params: list, module: nn.Module, args: Any) -> None:
+        if _in_backward():  # a recomputed block (activation checkpointing) runs forward again
+            # Tensors whose backward already began (their pre-backward ran first) stay COMPUTE.
+            self.busy.update(id(p) for p in params
+                             if self.m.slot_of[p][1].state is S.COMPUTE)
+            self.use(params, f"rfw {name}", scheduled=True)
+            return
         self.use(params, f"fwd {name}", scheduled=torch.is_grad_enabled())
 
     def _post_forward(self, name: str, params: list, module: nn.Module, args: Any,
                       output: Any) -> Any:
         grad = torch.is_grad_enabled()
+        if _in_backward():
+            # Recomputation: the backward that follows uses these parameters again, so no
+            # ZeRO release here; its graph is discarded, so no pre-backward hook either.
+            for p in params:
+                if id(p) not in self.busy:
+                    self.m.set_state_of(p, S.HOLD_AFTER_FWD)
+            self.busy.difference_update(id(p) for p in params)
+            return output
         self.done_forward(params, grad)
         if not grad:
             return output
@@ -127,7 +145,7 @@ class ChunkHooks:
     def _grad_ready(self, param: nn.Parameter) -> None:
         m = self.m
         chunk, slot = m.slot_of[param]
-        grad, param.grad = param.grad, None
+        grad, param.grad = local_grad(param.grad), None
         buf = self._grad_buffer(chunk)
         with torch.no_grad():
             buf[slot.offset: slot.end].add_(grad.reshape(-1).to(buf.device, buf.dtype))
@@ -204,10 +222,10 @@ class ChunkHooks:
     def _unpack(self, packed: Any) -> torch.Tensor:
         if isinstance(packed, _Saved):
             return packed.tensor
-        data = packed.param.data
+        data = local_of(packed.param)
         if data.numel() == 0:  # released or evicted since forward: bring it back
             self.use([packed.param], "unpack", scheduled=False)
-            data = packed.param.data
+            data = local_of(packed.param)
         return data.as_strided(packed.size, packed.stride, data.storage_offset() + packed.offset)
 
 
@@ -249,6 +267,12 @@ class _PreBackward(torch.autograd.Function):
     def backward(ctx, *grads):
         ctx.hooks.pre_backward(ctx.name, ctx.params)
         return (None, None, None, *grads)
+
+
+def _in_backward() -> bool:
+    """Whether autograd is running a backward pass on this thread (a checkpointed block's
+    forward then is its recomputation). torch.utils.checkpoint relies on the same query."""
+    return torch._C._current_graph_task_id() != -1
 
 
 def _unique(chunks) -> list[Chunk]:

@@ -20,6 +20,7 @@ import torch
 from torch import nn
 
 from tessera.memory.chunk import Chunk, Kind
+from tessera.memory.shards import as_layout, to_local_value
 
 if TYPE_CHECKING:
     from tessera.memory.runtime import ChunkRuntime
@@ -128,7 +129,8 @@ class HybridAdam(torch.optim.Optimizer):
         exp_avg_sq.mul_(beta2).addcmul_(g, g, value=1 - beta2)
         bias1 = 1 - beta1 ** self.steps
         bias2_sqrt = math.sqrt(1 - beta2 ** self.steps)
-        denom = (exp_avg_sq.sqrt() / bias2_sqrt).add_(eps)
+        # In place after the first op: one chunk-sized temporary, not two at once.
+        denom = exp_avg_sq.sqrt().div_(bias2_sqrt).add_(eps)
         p.addcdiv_(exp_avg, denom, value=-lr / bias1)
 
     def _write_back(self, chunk: Chunk, master: torch.Tensor, tier: str, protect: set) -> None:
@@ -150,15 +152,24 @@ class HybridAdam(torch.optim.Optimizer):
             ids = []
             for p in group["params"]:
                 exp_avg, exp_avg_sq = moments[p]
-                state[index] = {"step": torch.tensor(float(self.steps)), "exp_avg": exp_avg,
-                                "exp_avg_sq": exp_avg_sq}
+                # Under tp: DTensors in the parameter's placements, as AdamW's states are.
+                state[index] = {"step": torch.tensor(float(self.steps)),
+                                "exp_avg": as_layout(p, exp_avg),
+                                "exp_avg_sq": as_layout(p, exp_avg_sq)}
                 ids.append(index)
                 index += 1
             groups.append({**{k: v for k, v in group.items() if k != "params"}, "params": ids})
-        return {"state": state, "param_groups": groups}
+        out = {"state": state, "param_groups": groups}
+        # This method replaces torch's, which runs the registered hooks (tp: unpermuting
+        # fused q|k|v moments); run them here the same way.
+        for hook in self._optimizer_state_dict_post_hooks.values():
+            out = hook(self, out) or out
+        return out
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         """Load an AdamW-layout state dict (from this class or a plain AdamW) into chunks."""
+        for hook in self._optimizer_load_state_dict_pre_hooks.values():
+            state_dict = hook(self, state_dict) or state_dict
         params = [p for g in self.param_groups for p in g["params"]]
         saved_groups = state_dict["param_groups"]
         for group, saved in zip(self.param_groups, saved_groups):
@@ -168,6 +179,7 @@ class HybridAdam(torch.optim.Optimizer):
         for param, i in zip(params, ids):
             entry = state_dict["state"].get(i)
             if entry is not None:
-                values[param] = (entry["exp_avg"], entry["exp_avg_sq"])
+                values[param] = (to_local_value(param, entry["exp_avg"]),
+                                 to_local_value(param, entry["exp_avg_sq"]))
                 self.steps = int(float(entry["step"]))
         self.runtime.load_optimizer_state(values)

@@ -25,6 +25,7 @@ from torch import nn
 
 from tessera.memory.chunk import Chunk, Kind, TensorSlot, pack, search_chunk_size
 from tessera.memory.placement import make_policy
+from tessera.memory.shards import local_of, point_at
 from tessera.memory.tensor_state import TensorState, TransitionLog, check_transition
 from tessera.memory.tiers import (DEVICE, DISK, HOST, DiskTier, MemoryBudgetError, Tier,
                                   TransferStats)
@@ -102,8 +103,11 @@ class ChunkManager:
     # ------------------------------------------------------------------------ layout
     def _build(self, chunk_size: int | None) -> None:
         params = [(n, p) for n, p in self.model.named_parameters() if p.requires_grad]
-        numels = [p.numel() for _, p in params]
-        cap = chunk_size or search_chunk_size(numels, self.world, self._max_capacity())
+        numels = [local_of(p).numel() for _, p in params]  # tp: the local shard's size
+        # Adam momentum and variance (+ an fp32 master below fp32), in compute elements.
+        states = (8 + (4 if self.dtype != torch.float32 else 0)) / self.itemsize
+        cap = chunk_size or search_chunk_size(numels, self.world, self._max_capacity(),
+                                              state_per_element=states)
         self.capacity = cap
         packed = pack(numels, cap, 1 if chunk_size else 256)
         packed += [(cap, [])] * ((-len(packed)) % self.world)  # ZeRO padding chunks
@@ -114,10 +118,12 @@ class ChunkManager:
                 offset = 0
                 for t in packed[i][1]:
                     name, p = params[t]
-                    slot = TensorSlot(name, p, offset, p.numel(), p.shape, 0 if p.dim() >= 2 else 1)
+                    shard = local_of(p)
+                    slot = TensorSlot(name, p, offset, shard.numel(), shard.shape,
+                                      0 if p.dim() >= 2 else 1)
                     chunk.slots.append(slot)
                     self.slot_of[p] = (chunk, slot)
-                    offset += p.numel()
+                    offset += shard.numel()
                 self.chunks.append(chunk)
 
     def _max_capacity(self) -> int | None:
@@ -168,7 +174,7 @@ class ChunkManager:
     def _copy_in(self, chunk: Chunk, payload: torch.Tensor) -> None:
         with torch.no_grad():
             for slot in chunk.slots:
-                payload[slot.offset: slot.end].copy_(slot.param.data.reshape(-1))
+                payload[slot.offset: slot.end].copy_(local_of(slot.param).reshape(-1))
 
     # ------------------------------------------------------------------ sizes and views
     def own_chunks(self) -> list[Chunk]:
@@ -212,9 +218,9 @@ class ChunkManager:
         on_device = payload is not None and chunk.tier[Kind.PARAM] == DEVICE
         for slot in chunk.slots:
             if on_device and slot.state is not S.FREE:
-                slot.param.data = payload[slot.offset: slot.end].view(slot.shape)
+                point_at(slot.param, payload[slot.offset: slot.end].view(slot.shape))
             else:  # an empty placeholder makes any use outside the hooks fail loudly
-                slot.param.data = torch.empty(0, dtype=self.dtype, device=self.device.device)
+                point_at(slot.param, torch.empty(0, dtype=self.dtype, device=self.device.device))
 
     def _set_state(self, slot: TensorSlot, new: S) -> None:
         check_transition(slot.name, slot.state, new)

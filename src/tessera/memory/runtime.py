@@ -22,6 +22,8 @@ from tessera.memory.hooks import ChunkHooks
 from tessera.memory.hybrid_adam import HybridAdam
 from tessera.memory.manager import ChunkManager, MemoryOptions
 from tessera.memory.scaler import ChunkLossScaler
+from tessera.memory.shard_state import ShardStateDicts
+from tessera.memory.shards import has_shards, local_of, replicas
 from tessera.memory.tensor_state import TensorState
 from tessera.memory.tiers import DEVICE, DISK, HOST
 
@@ -42,12 +44,19 @@ def as_options(memory: Any) -> MemoryOptions:
 
 def check_supported(strategy) -> None:
     """Refuse combinations chunk memory does not run yet (rather than ignore them)."""
-    unsupported = {"tp > 1": strategy.tp > 1, "sp > 1": strategy.sp > 1,
-                   "pp > 1": strategy.pp > 1, "recompute": any(strategy.recompute)}
-    refused = [name for name, on in unsupported.items() if on]
-    if refused:
-        raise NotImplementedError(f"memory=chunk with {', '.join(refused)} is not built yet "
-                                  "(chunk hooks assume one stage without recomputation)")
+    if strategy.pp > 1:
+        raise NotImplementedError("memory=chunk with pp > 1 is not built yet: the pipeline "
+                                  "captures the model with torch.export, and chunk hooks need "
+                                  "the eager modules")
+    if strategy.tp > 1 and strategy.sp > 1:
+        raise NotImplementedError("memory=chunk with both tp > 1 and sp > 1 is not built yet "
+                                  "(each composes with chunks alone; the three together have "
+                                  "no parity test)")
+    if strategy.tp > 1 and strategy.precision != "fp32":
+        raise NotImplementedError(
+            f"memory=chunk with tp > 1 and precision={strategy.precision} is not built yet: "
+            "the DTensor wrappers keep fp32 metadata while their chunks would hold "
+            f"{strategy.precision} shards; use precision=fp32 with tensor parallelism")
 
 
 def apply_chunk_memory(model: nn.Module, strategy, mesh, memory: Any = None) -> "ChunkRuntime":
@@ -57,10 +66,23 @@ def apply_chunk_memory(model: nn.Module, strategy, mesh, memory: Any = None) -> 
     if options.placement == "static" and "cpu" not in strategy.offload:
         raise ValueError("memory.placement=static keeps gradients and optimizer states on the "
                          "host: it needs offload=cpu in the strategy")
-    device = next(model.parameters()).device
-    group = mesh.group("dp") if mesh.size("dp") > 1 else None
+    device = local_of(next(model.parameters())).device
     return ChunkRuntime(model, options, device, _DTYPES[strategy.precision], strategy.offload,
-                        group)
+                        _zero_group(strategy, mesh),
+                        mesh.group("tp") if strategy.tp > 1 else None)
+
+
+def _zero_group(strategy, mesh):
+    """The ranks chunks are ZeRO-sharded over: those holding the same weights.
+
+    Under sequence parallelism the sp ranks of a dp rank hold the same weights and each
+    computes gradients from its own tokens, so sharding over dp x sp makes the
+    reduce-scatter average them over dp x sp, as DDP over dp x sp does without chunks.
+    Under tensor parallelism each tp rank has its own chunks (of its own shards).
+    """
+    if strategy.sp > 1:
+        return mesh.flat_group("dp", "sp")
+    return mesh.group("dp") if mesh.size("dp") > 1 else None
 
 
 class ChunkRuntime:
@@ -68,8 +90,9 @@ class ChunkRuntime:
 
     def __init__(self, model: nn.Module, options: MemoryOptions, device: torch.device,
                  compute_dtype: torch.dtype, offload: tuple[str, ...],
-                 dp_group: dist.ProcessGroup | None) -> None:
-        self.model = model
+                 dp_group: dist.ProcessGroup | None,
+                 tp_group: dist.ProcessGroup | None = None) -> None:
+        self.model, self.tp_group = model, tp_group
         self.manager = ChunkManager(model, options, device, compute_dtype, offload, dp_group)
         self.hooks = ChunkHooks(self.manager, model)
         self.scaler = ChunkLossScaler(self) if compute_dtype == torch.float16 else None
@@ -78,6 +101,9 @@ class ChunkRuntime:
             if p in self.manager.slot_of:
                 self.names.setdefault(p, []).append(name)
         self._loaded: set[str] = set()
+        if has_shards(model):  # tp: the DTensor wrappers and tp hooks do the layout
+            ShardStateDicts(self).register(model)
+            return
         # torch tags public hooks with an attribute, which bound methods refuse: use partials.
         model.register_state_dict_post_hook(functools.partial(ChunkRuntime._state_dict_hook, self))
         model.register_load_state_dict_pre_hook(functools.partial(ChunkRuntime._load_pre_hook,
@@ -98,7 +124,12 @@ class ChunkRuntime:
                         betas: tuple[float, float], eps: float, device: torch.device
                         ) -> HybridAdam:
         """Same signature as :func:`tessera.train.optim.build_optimizer`."""
-        return HybridAdam(self, model, lr, weight_decay, betas, eps)
+        optimizer = HybridAdam(self, model, lr, weight_decay, betas, eps)
+        if has_shards(model):  # fused q|k|v shards: moments saved unpermuted, as without chunks
+            from tessera.parallel.tensor.shard import add_optimizer_unpermute_hooks
+
+            add_optimizer_unpermute_hooks(optimizer, model)
+        return optimizer
 
     @torch.no_grad()
     def clip_grad_norm(self, model: nn.Module, max_norm: float) -> torch.Tensor:
@@ -106,11 +137,19 @@ class ChunkRuntime:
         self.hooks.flush()
         m = self.manager
         total = torch.zeros((), dtype=torch.float32, device=m.device.device)
-        grads = [g for c in m.own_chunks() if (g := self.readable(c, Kind.GRAD)) is not None]
-        for g in grads:
-            total += g.float().pow(2).sum().to(total.device)
+        owned = [(c, g) for c in m.own_chunks() if (g := self.readable(c, Kind.GRAD)) is not None]
+        grads = [g for _, g in owned]
+        for chunk, g in owned:
+            if self.tp_group is None:
+                total += g.float().pow(2).sum().to(total.device)
+                continue
+            for slot in chunk.slots:  # a piece held by several tp ranks is counted once
+                piece = g[slot.offset: slot.end].float().pow(2).sum()
+                total += (piece / replicas(slot.param)).to(total.device)
         if m.world > 1:
             dist.all_reduce(total, group=m.zero.group)
+        if self.tp_group is not None:
+            dist.all_reduce(total, group=self.tp_group)
         norm = total.sqrt()
         coef = torch.clamp(max_norm / (norm + 1e-6), max=1.0)
         for g in grads:
