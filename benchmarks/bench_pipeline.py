@@ -14,11 +14,14 @@ with the machine's load average (os.getloadavg) beside timings.
   recomputation; target >= 1.15.
 - tessera_vs_torch_1f1b_tokens_ratio: tessera's 1F1B over torch.distributed.pipelining's
   Schedule1F1B on the very same stage modules; target >= 1.0.
+- subpipe_vs_plain_tp_step_ratio: tp=2 x pp=2 (4 processes) step time without sub-pipelined
+  tensor parallelism over the time with it (``tp_overlap=subpipe``); > 1 means the overlap
+  of one half's all-reduces with the other half's compute pays off.
 
 Timed sides alternate round by round in the same processes, and the best round of each counts
 (the least disturbed by other load on a shared machine).
 
-    python benchmarks/bench_pipeline.py [--quick]
+    python benchmarks/bench_pipeline.py [--quick] [--only balance|timing|subpipe]
 """
 
 from __future__ import annotations
@@ -224,13 +227,49 @@ def timing_figures(quick: bool) -> None:
          target=">= 1.0", **common)
 
 
+# --------------------------------------------------------------- sub-pipelined tensor par.
+SUBPIPE = dict(tp=2, pp=2, m=4, mbs=4, n_layers=4)
+
+
+def _subpipe_worker(rank, world, rounds):
+    c = SUBPIPE
+    base = f"dp=1,tp={c['tp']},pp={c['pp']},mbs={c['mbs']},gbs={c['mbs'] * c['m']}"
+    batches = _batches(c["m"], c["mbs"])
+    sides = {"plain": _tessera(base, c["n_layers"])[1],
+             "subpipe": _tessera(base + ",tp_overlap=subpipe", c["n_layers"])[1]}
+    losses = {name: float(e.forward_backward(batches).loss) for name, e in sides.items()}
+    best = {name: float("inf") for name in sides}
+    for _ in range(rounds):  # alternate, best round of each
+        for name, engine in sides.items():
+            best[name] = min(best[name], _timed(lambda e=engine: e.forward_backward(batches)))
+    return {"best": best, "losses": losses}
+
+
+def subpipe_figures(quick: bool) -> None:
+    c, before = SUBPIPE, load()
+    out = run_distributed(_subpipe_worker, world_size=c["tp"] * c["pp"],
+                          args=(2 if quick else 6,), timeout=900)[0]
+    best = out["best"]
+    emit("subpipe_vs_plain_tp_step_ratio", best["plain"] / best["subpipe"], "ratio",
+         {"plain_step_s": round(best["plain"], 4), "subpipe_step_s": round(best["subpipe"], 4),
+          "first_step_loss_plain": round(out["losses"]["plain"], 6),
+          "first_step_loss_subpipe": round(out["losses"]["subpipe"], 6)},
+         target="> 1.0", **c, seq=SEQ, model=f"small_{c['n_layers']}_layers",
+         loadavg_before=before, loadavg_after=load(), cpu_cores=os.cpu_count())
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true", help="fewer rounds (under 3 minutes)")
+    parser.add_argument("--only", choices=("balance", "timing", "subpipe"),
+                        help="run one group of figures")
     args = parser.parse_args()
     torch.set_num_threads(1)
-    balance_figures()
-    timing_figures(args.quick)
+    groups = {"balance": balance_figures, "timing": lambda: timing_figures(args.quick),
+              "subpipe": lambda: subpipe_figures(args.quick)}
+    for name, run in groups.items():
+        if args.only in (None, name):
+            run()
 
 
 if __name__ == "__main__":

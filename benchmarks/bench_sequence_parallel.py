@@ -47,40 +47,45 @@ SP = 4
 
 
 class PeakMemory(TorchDispatchMode):
-    """Live bytes of tensors created by ops inside the mode, and their peak.
+    """Live bytes of storages created by ops inside the mode, and their peak.
 
-    A tensor counts from the op that creates it until it is freed (weakref finalizer); views,
-    in-place results and aliases share an existing storage and are not counted again. DTensor
-    outputs count their local shard. Tensors made before the mode (parameters, the batch, the
-    pre-allocated gradients) are not counted.
+    A storage counts from the op that creates it until the last tensor on it is freed: every
+    op output on a tracked storage (views, in-place results, e.g. the (B, T, C) view of a
+    linear layer's (B*T, C) matmul) holds it alive through a weakref finalizer, so a storage is
+    not released while a view of it lives. Outputs sharing a storage made before the mode
+    (parameters, the batch, the pre-allocated gradients) are not counted. DTensor outputs count
+    their local shard.
     """
 
     def __init__(self) -> None:
         super().__init__()
-        self.live, self.peak, self._seen = 0, 0, set()
+        self.live, self.peak = 0, 0
+        self._holders: dict[int, int] = {}  # storage key -> live tensors on it
+        self._bytes: dict[int, int] = {}
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         out = func(*args, **(kwargs or {}))
-        # Outputs sharing an input's storage (views, in-place results, aliases of parameters)
-        # are not new memory.
         inputs = {_ptr(t) for t in tree_flatten((args, kwargs))[0] if isinstance(t, torch.Tensor)}
         for t in tree_flatten(out)[0]:
             if not isinstance(t, torch.Tensor):
                 continue
             local = getattr(t, "_local_tensor", t)
             key = _ptr(local)
-            if key in inputs or key in self._seen or key == 0:
-                continue
-            size = local.untyped_storage().nbytes()
-            self._seen.add(key)
-            self.live += size
-            self.peak = max(self.peak, self.live)
-            weakref.finalize(local, self._free, key, size)
+            if key == 0 or (key in inputs and key not in self._holders):
+                continue  # no storage, or an alias of a storage made before the mode
+            if key not in self._holders:
+                self._holders[key], self._bytes[key] = 0, local.untyped_storage().nbytes()
+                self.live += self._bytes[key]
+                self.peak = max(self.peak, self.live)
+            self._holders[key] += 1
+            weakref.finalize(local, self._release, key)
         return out
 
-    def _free(self, key: int, size: int) -> None:
-        self._seen.discard(key)
-        self.live -= size
+    def _release(self, key: int) -> None:
+        self._holders[key] -= 1
+        if self._holders[key] == 0:
+            del self._holders[key]
+            self.live -= self._bytes.pop(key)
 
 
 def _ptr(t: torch.Tensor) -> int:
@@ -292,7 +297,8 @@ def _memory_figures(mem, L_ref, peers, ctx):
     _emit("activation_mem_ratio_ring4_vs_single", round(ring / mem["single"], 3), "ratio",
           "one device, whole sequence, torch fused SDPA (O(L) memory)", seq_len=L_ref,
           ring_peak_mib=_mib(ring), single_peak_mib=_mib(mem["single"]),
-          method="peak bytes of tensors created in fwd+bwd (TorchDispatchMode), max rank",
+          method="peak bytes of storages created in fwd+bwd, held while any view of them "
+                 "lives (TorchDispatchMode), max rank",
           target="<= 0.3", **ctx)
     labels = {"tp": "1D tensor parallelism tp=4 (Megatron column/row)",
               "tp_sp": "1D tp=4 with Megatron sequence parallelism"}

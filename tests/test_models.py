@@ -88,3 +88,20 @@ def test_overrides_rederive_defaults():
     assert ModelConfig.from_mapping({"n_heads": 8, "d_model": 64}).n_kv_heads == 8
     with pytest.raises(ModelConfigError, match="unknown model field"):
         ModelConfig.from_mapping({"layers": 2})
+
+
+def test_swiglu_keeps_two_tensors_and_matches_autograd():
+    # SiluMul saves gate and up only (silu is recomputed in backward); its gradients equal
+    # autograd's through F.silu(gate) * up to float64 rounding, one per input.
+    from tessera.models.transformer import SiluMul
+
+    gate, up = (torch.randn(2, 5, 7, dtype=torch.float64, requires_grad=True) for _ in "gu")
+    out = SiluMul.apply(gate, up)
+    assert len(out.grad_fn.saved_tensors) == 2
+    assert torch.autograd.gradcheck(SiluMul.apply, (gate, up))
+    weight = torch.randn_like(out)
+    ours = torch.autograd.grad((out * weight).sum(), (gate, up))
+    plain = torch.nn.functional.silu(gate) * up
+    theirs = torch.autograd.grad((plain * weight).sum(), (gate, up))
+    for a, b in zip(ours, theirs):
+        torch.testing.assert_close(a, b, rtol=0, atol=1e-12)

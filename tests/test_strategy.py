@@ -91,12 +91,11 @@ def test_unbuilt_features_are_refused_not_ignored():
 
 
 @pytest.mark.parametrize("text, fragment", [
-    ("tp=2,sp=2", "tensor (tp>1) and sequence (sp>1) parallelism together"),
-    ("tp=2,pp=2", "tensor (tp>1) and pipeline (pp>1) parallelism together"),
-    ("sp=2,pp=2", "sequence (sp>1) and pipeline (pp>1) parallelism together"),
-    ("dp=2,tp=2,mbs=1,gbs=2,memory=chunk", "tensor parallelism and memory=chunk/ZeRO"),
+    ("tp=4,sp=2,tp_mode=2d", "2d tensor (tp_mode=2d) and sequence (sp>1) parallelism together"),
+    ("tp=4,tp_mode=2d,pp=2", "2d tensor (tp_mode=2d) and pipeline (pp>1) parallelism together"),
+    ("dp=2,tp=2,mbs=1,gbs=2,memory=chunk,precision=bf16",
+     "tensor parallelism and memory=chunk in bf16/fp16"),
     ("pp=2,precision=fp16", "fp16 loss scaling"),
-    ("memory=chunk,recompute=full", "memory=chunk and recomputation"),
 ])
 def test_compositions_not_built_are_refused_by_name(text, fragment):
     strategy = Strategy.parse(text)

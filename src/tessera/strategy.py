@@ -25,6 +25,7 @@ from dataclasses import dataclass
 from typing import Any, Mapping, Protocol
 
 TP_MODES = ("1d", "2d")
+TP_OVERLAPS = ("none", "subpipe")
 SP_MODES = ("ring", "rsa", "ulysses")
 SCHEDULES = ("gpipe", "1f1b", "interleaved", "scp")
 MEMORY_MODES = ("ddp", "zero1", "zero2", "zero3", "chunk")
@@ -61,6 +62,9 @@ class Strategy:
         dp: data-parallel degree.
         tp: tensor-parallel degree (for ``tp_mode="2d"`` a square q*q grid).
         tp_mode: "1d" (Megatron column/row) or "2d" (Optimus SUMMA on a q x q grid).
+        tp_overlap: "none", or "subpipe" (sub-pipelined tensor parallelism, Merak: each
+            micro-batch runs as two halves inside a pipeline stage, one half's forward
+            all-reduces overlapping the other half's compute; needs tp > 1, pp > 1, even mbs).
         pp: pipeline-parallel degree (number of stages).
         sp: sequence-parallel degree.
         sp_mode: "ring" (online softmax), "rsa" (paper-faithful) or "ulysses" (all-to-all).
@@ -78,6 +82,7 @@ class Strategy:
     dp: int = 1
     tp: int = 1
     tp_mode: str = "1d"
+    tp_overlap: str = "none"
     pp: int = 1
     sp: int = 1
     sp_mode: str = "ring"
@@ -105,6 +110,7 @@ class Strategy:
             if value < 1:
                 raise StrategyError(f"{_label(name)} must be >= 1, got {value}")
         _check_choice("tp_mode", self.tp_mode, TP_MODES)
+        _check_choice("tp_overlap", self.tp_overlap, TP_OVERLAPS)
         _check_choice("sp_mode", self.sp_mode, SP_MODES)
         _check_choice("schedule", self.schedule, SCHEDULES)
         _check_choice("memory", self.memory, MEMORY_MODES)
@@ -126,6 +132,12 @@ class Strategy:
                 f"recompute has {len(self.recompute)} ratios: give one for all stages or one "
                 f"per pipeline stage (pp={self.pp})"
             )
+        if self.tp_overlap == "subpipe" and (self.tp < 2 or self.pp < 2
+                                             or self.micro_batch_size % 2):
+            raise StrategyError(
+                f"tp_overlap=subpipe splits each micro-batch in two inside pipeline stages: "
+                f"needs tp > 1, pp > 1 and an even mbs; got tp={self.tp}, pp={self.pp}, "
+                f"mbs={self.micro_batch_size}")
         if self.schedule == "interleaved" and self.pp < 2:
             raise StrategyError("schedule=interleaved needs pp >= 2")
         if self.offload and self.memory not in ("zero3", "chunk"):
@@ -224,7 +236,7 @@ class Strategy:
             parts.append(f"sp={self.sp}")
         parts += [f"mbs={self.micro_batch_size}", f"gbs={self.global_batch_size}"]
         default = _DEFAULT
-        for name in ("tp_mode", "sp_mode", "schedule", "recompute", "memory", "offload",
+        for name in ("tp_mode", "tp_overlap", "sp_mode", "schedule", "recompute", "memory", "offload",
                      "precision"):
             value = getattr(self, name)
             if value != getattr(default, name):
@@ -316,15 +328,18 @@ _FEATURE_GATES = {
 # Runtimes that exist alone but not yet together; refused before any worker starts, and
 # skipped by the planner's `available_only` search.
 _COMBINATIONS_NOT_BUILT = [
-    (lambda s: s.tp > 1 and s.sp > 1, "tensor (tp>1) and sequence (sp>1) parallelism", 5),
-    (lambda s: s.tp > 1 and s.pp > 1, "tensor (tp>1) and pipeline (pp>1) parallelism", 6),
-    (lambda s: s.sp > 1 and s.pp > 1, "sequence (sp>1) and pipeline (pp>1) parallelism", 6),
-    (lambda s: s.tp > 1 and s.memory != "ddp", "tensor parallelism and memory=chunk/ZeRO", 4),
-    (lambda s: s.sp > 1 and s.memory != "ddp", "sequence parallelism and memory=chunk/ZeRO", 5),
+    (lambda s: s.tp > 1 and s.sp > 1 and s.tp_mode == "2d",
+     "2d tensor (tp_mode=2d) and sequence (sp>1) parallelism", 5),
+    (lambda s: s.tp > 1 and s.pp > 1 and s.tp_mode == "2d",
+     "2d tensor (tp_mode=2d) and pipeline (pp>1) parallelism", 6),
+    # memory=chunk holds the tp shards in fp32 only (the DTensor wrappers keep fp32 metadata).
+    (lambda s: s.tp > 1 and s.memory == "chunk" and s.precision != "fp32",
+     "tensor parallelism and memory=chunk in bf16/fp16 (use precision=fp32)", 4),
+    (lambda s: s.tp > 1 and s.sp > 1 and s.memory == "chunk",
+     "tensor (tp>1), sequence (sp>1) parallelism and memory=chunk", 3),
     (lambda s: s.pp > 1 and s.memory != "ddp", "pipeline parallelism and memory=chunk/ZeRO", 6),
     (lambda s: s.pp > 1 and s.precision == "fp16",
      "pipeline parallelism and fp16 loss scaling (use bf16)", 6),
-    (lambda s: s.memory == "chunk" and any(s.recompute), "memory=chunk and recomputation", 3),
 ]
 
 _FALLBACK = {

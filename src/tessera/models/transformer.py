@@ -115,6 +115,32 @@ class Attention(nn.Module):
         return self.o_proj(y.transpose(1, 2).reshape(B, T, -1))
 
 
+class SiluMul(torch.autograd.Function):
+    """``silu(gate) * up`` that keeps only ``gate`` and ``up`` for backward.
+
+    Autograd would also keep ``silu(gate)`` (an input of the product): one more (B, T, d_ff)
+    tensor per layer. Recomputing it in backward is one sigmoid. The MLP hidden is the widest
+    activation of a block, so this is a saving for every layout: one device, tensor parallel
+    (d_ff/tp per rank) and sequence parallel (T/sp per rank) alike.
+    """
+
+    @staticmethod
+    def forward(ctx, gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
+        ctx.save_for_backward(gate, up)
+        return F.silu(gate) * up
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        gate, up = ctx.saved_tensors
+        sig = torch.sigmoid(gate)
+        d_up = gate * sig * grad  # silu(gate) * grad
+        # d silu(g) / dg = sig * (1 + g * (1 - sig)); built in place to keep temporaries few.
+        d_gate = grad * up
+        d_gate.mul_(sig)
+        d_gate.mul_(sig.neg_().add_(1).mul_(gate).add_(1))
+        return d_gate, d_up
+
+
 class MLP(nn.Module):
     """gelu MLP (GPT-2) or gated swiglu MLP (Llama)."""
 
@@ -128,7 +154,7 @@ class MLP(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.gated:
-            h = F.silu(self.gate_proj(x)) * self.up_proj(x)
+            h = SiluMul.apply(self.gate_proj(x), self.up_proj(x))  # (B, T, d_ff)
         else:
             h = F.gelu(self.up_proj(x), approximate="tanh")
         return self.down_proj(h)  # (B, T, C)

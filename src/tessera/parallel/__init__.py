@@ -36,6 +36,7 @@ def parallelize(model: nn.Module, strategy: Strategy, mesh: Mesh,
 
         check_supported(strategy)
     plan = Parallelized(module=model, model=model, loss_group=mesh.group("dp"))
+    stage_inputs = None  # what the pipeline's stages read besides input_ids (sp > 1)
     if strategy.tp > 1:
         # Tensor parallel (1d Megatron / 2d Optimus, see parallel/tensor/): layers replaced by
         # the model's policy, parameters become DTensor shards, loss over sharded logits.
@@ -47,19 +48,23 @@ def parallelize(model: nn.Module, strategy: Strategy, mesh: Mesh,
         # own tokens, loss group widened to dp x sp (see parallel/sequence/).
         from tessera.parallel.sequence import apply_sequence_parallel
 
-        apply_sequence_parallel(plan, strategy, mesh)
+        sequence = apply_sequence_parallel(plan, strategy, mesh)
+        if strategy.pp > 1:  # stages read this rank's tokens, positions and token metadata
+            stage_inputs = sequence.stage_inputs(model)
     if strategy.pp > 1:
         # Pipeline (issue 6): the model is captured with torch.export and cut into stages;
         # stage-aware recomputation and dp gradient averaging run inside the PipelineEngine.
         from tessera.parallel.pipeline import apply_pipeline
 
-        apply_pipeline(plan, strategy, mesh)
+        apply_pipeline(plan, strategy, mesh, stage_inputs)
         return plan
     if apply_recompute(model, strategy.stage_recompute(mesh.rank("pp"))):
         plan.features.append("recompute")
     if strategy.memory == "chunk":
-        # Chunk memory (issue 3): parameters, gradients and Adam states move into chunks,
-        # sharded ZeRO-style over dp, which replaces the data-parallel wrap below.
+        # Chunk memory (issue 3): parameters (under tp: each rank's local shards), gradients
+        # and Adam states move into chunks, sharded ZeRO-style over dp (dp x sp under sequence
+        # parallelism), which replaces the data-parallel wrap below; recomputed blocks re-enter
+        # the chunk hooks in backward.
         from tessera.memory import apply_chunk_memory
 
         apply_chunk_memory(model, strategy, mesh, memory).attach(plan)

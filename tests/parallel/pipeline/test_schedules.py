@@ -101,8 +101,7 @@ def test_scp_recomputation_placement():
     assert not recomputes("scp", 0, s_count, 0, m, 0.0)
 
 
-@pytest.mark.parametrize("text,named", [("pp=2,tp=2", "tp=2"), ("pp=2,sp=2", "sp=2"),
-                                        ("pp=2,precision=fp16", "precision=fp16")])
+@pytest.mark.parametrize("text,named", [("pp=2,precision=fp16", "precision=fp16")])
 def test_unbuilt_compositions_are_refused_by_name(text, named):
     from tessera.parallel.pipeline import _refuse_unsupported
     from tessera.strategy import Strategy, StrategyError

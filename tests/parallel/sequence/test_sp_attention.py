@@ -75,8 +75,12 @@ def _inputs(T, segment_kind, seed):
     return q, k, v, w, segment
 
 
-def _case(group, mode, causal, dtype, T, segment_kind, layout, seed=0):
-    """Errors (out, dq, dk, dv) of this rank vs the reference, and whether any is NaN."""
+def _case(group, mode, causal, dtype, T, segment_kind, layout, seed=0, exportable=False):
+    """Errors (out, dq, dk, dv) of this rank vs the reference, and whether any is NaN.
+
+    ``exportable`` runs the attention through the torch.library custom ops that pipeline
+    stages capture (staged.py) instead of the autograd Functions.
+    """
     sp, r = dist.get_world_size(group), dist.get_rank(group)
     q, k, v, w, segment = _inputs(T, segment_kind, seed)
     q, k, v = (t.to(dtype) for t in (q, k, v))
@@ -91,6 +95,7 @@ def _case(group, mode, causal, dtype, T, segment_kind, layout, seed=0):
     meta = torch.stack((torch.arange(Tp).expand(B, Tp), seg), -1)[:, idx]
     sp_attn = SequenceParallel(group, mode=mode, causal=causal, layout=layout)
     sp_attn.set_tokens(meta)
+    sp_attn.exportable = exportable
     out = sp_attn.attention(*local)
     (out.float() * pad(w)[:, :, idx]).sum().backward()
     real = idx < T  # compare real tokens only (padding rows are 0 in both anyway)
@@ -192,6 +197,13 @@ def _model_case(group, mode, name, real):
             bool(loss.isnan() or grads.isnan().any()))
 
 
+# The custom ops of pipeline stages (sequence/staged.py), on the harder inputs.
+OP_CASES = [("ring", True, torch.float32, 14, "padding", "zigzag"),
+            ("ring", False, torch.float32, 16, "documents", "contiguous"),
+            ("rsa", True, torch.float32, 14, "padding", "contiguous"),
+            ("ulysses", True, torch.float32, 16, "documents", "contiguous")]
+
+
 MODEL_CASES = [(4, m, "tiny-llama", real) for m in ("ring", "rsa", "ulysses") for real in (13, 2)]
 MODEL_CASES += [(2, "ring", "tiny", 13), (2, "ulysses", "tiny", 5)]
 
@@ -208,9 +220,11 @@ def _all_cases(rank, world_size):
     for sp, group in groups.items():
         for case in CASES:
             results[(sp,) + case] = _case(group, *case)
+    ops = {(sp,) + case: _case(groups[sp], *case, exportable=True)
+           for sp in (2, 4) for case in OP_CASES}
     models = {case: _model_case(groups[case[0]], *case[1:]) for case in MODEL_CASES}
     return {"results": results, "counts": counts, "refusals": _refusals(groups[4]),
-            "models": models}
+            "models": models, "ops": ops}
 
 
 @pytest.fixture(scope="module")
@@ -226,9 +240,20 @@ def _label(key):
 @pytest.mark.slow
 @pytest.mark.parametrize("sp", [1, 2, 4])
 def test_outputs_and_gradients_match_full_attention(runs, sp):
+    assert _check_errors(runs, "results", sp) == 4 * len(CASES)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("sp", [2, 4])
+def test_custom_ops_of_pipeline_stages_match_full_attention(runs, sp):
+    assert _check_errors(runs, "ops", sp) == 4 * len(OP_CASES)
+
+
+def _check_errors(runs, kind, sp) -> int:
+    """Assert every case of ``kind`` at ``sp`` is within tolerance; returns how many."""
     checked = 0
     for rank_result in runs:
-        for key, res in rank_result["results"].items():
+        for key, res in rank_result[kind].items():
             if key[0] != sp:
                 continue
             assert not res["nan"], _label(key)
@@ -239,7 +264,7 @@ def test_outputs_and_gradients_match_full_attention(runs, sp):
                 err, scale = errs[2 * i], errs[2 * i + 1]
                 assert err <= atol + rtol * scale, f"{_label(key)} {name}: {err:.3g}"
             checked += 1
-    assert checked == 4 * len(CASES)
+    return checked
 
 
 @pytest.mark.slow

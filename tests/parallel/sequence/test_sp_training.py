@@ -1,12 +1,15 @@
 """Sequence-parallel training through the Trainer equals single-device training.
 
-Three launches: the sp=1 baselines (1 process), the sp=2 runs (2 processes) and dp=2 x sp=2
-plus sp=4 (4 processes). Each run is 5 steps of a tiny model on 32-token samples.
+Three launches: the sp=1 baselines (1 process), the sp=2 runs (2 processes) and the 4-process
+runs: dp=2 x sp=2, sp=4, sp=2 x tp=2 (1d) and sp=2 x pp=2. Each run is 5 steps of a tiny model
+on 32-token samples.
 
 Tolerance: fp32, 2e-5 absolute on losses of about 5. Sequence parallelism changes only the
 order of sums: attention merges per-block softmax results, and each weight's gradient is an
 all-reduce of the ranks' partial sums instead of one sum. Differences are fp32 rounding
-(~1e-6 per step) that 5 Adam steps can amplify a little, as in the dp=2 parity test.
+(~1e-6 per step) that 5 Adam steps can amplify a little, as in the dp=2 parity test. The same
+holds with tp (vocabulary-parallel softmax sums, row-parallel all-reduces) and pp (the same
+graph run in pieces).
 """
 
 from __future__ import annotations
@@ -36,6 +39,15 @@ SP4_RUNS = {
     "gpt_dp2_sp2_ring": ("gpt", "dp=2,sp=2,mbs=4,gbs=8"),
     "llama_sp4_ring": ("llama", "dp=1,sp=4,mbs=8,gbs=8"),
     "hf_llama_sp4_rsa": ("hf_llama", "dp=1,sp=4,mbs=8,gbs=8,sp_mode=rsa"),
+    # sp x 1d tp: heads split by tp, tokens by sp, vocabulary-parallel loss (compose.py).
+    "gpt_sp2_tp2_ring": ("gpt", "dp=1,tp=2,sp=2,mbs=8,gbs=8"),
+    "llama_sp2_tp2_ulysses": ("llama", "dp=1,tp=2,sp=2,mbs=8,gbs=8,sp_mode=ulysses"),
+    "hf_gpt2_sp2_tp2_rsa": ("hf_gpt2", "dp=1,tp=2,sp=2,mbs=8,gbs=8,sp_mode=rsa"),
+    # sp x pp: the stages are captured with torch.export; attention is a custom op there.
+    "gpt_sp2_pp2_ring": ("gpt", "dp=1,sp=2,pp=2,mbs=4,gbs=8"),
+    "llama_sp2_pp2_ulysses_recompute": ("llama",
+                                        "dp=1,sp=2,pp=2,mbs=4,gbs=8,sp_mode=ulysses,"
+                                        "recompute=full"),
 }
 
 
@@ -46,7 +58,18 @@ def _train(out: Path, model: str, strategy: str):
     trainer = Trainer(build_model(config), config.train, train_ds, None,
                       strategy=config.strategy)
     result = trainer.train()
-    return {"losses": result.losses, "features": trainer.plan.features}
+    return {"losses": result.losses, "features": trainer.plan.features,
+            "graph_ops": _attention_ops(trainer.plan.pipeline, config)}
+
+
+def _attention_ops(pipeline, config) -> set[str]:
+    """Names of the sequence-parallel custom ops in this rank's captured training graph."""
+    if pipeline is None:
+        return set()
+    sp = config.strategy.sp
+    local = (config.strategy.micro_batch_size, config.data.seq_len // sp)  # 32 splits by 2*sp
+    graph = pipeline.program.get(local, training=True).graph.program.graph
+    return {str(n.target) for n in graph.nodes if "tessera.sp_" in str(n.target)}
 
 
 def _runs(rank, world_size, root, runs):
@@ -58,9 +81,10 @@ def _runs(rank, world_size, root, runs):
 def runs(tmp_path_factory):
     root = str(tmp_path_factory.mktemp("sp_training"))
     base = {name: (name, "dp=1,mbs=8,gbs=8") for name in MODELS}
+    # Timeouts catch hangs; they are wide because a loaded 2-core machine runs these slowly.
     single = run_distributed(_runs, 1, args=(root, base), timeout=300)[0]
-    double = run_distributed(_runs, 2, args=(root, SP2_RUNS), timeout=300)
-    quad = run_distributed(_runs, 4, args=(root, SP4_RUNS), timeout=300)
+    double = run_distributed(_runs, 2, args=(root, SP2_RUNS), timeout=600)
+    quad = run_distributed(_runs, 4, args=(root, SP4_RUNS), timeout=900)
     for results in (double, quad):  # every rank logs the mean over the dp x sp loss group
         for name in results[0]:
             assert all(r[name]["losses"] == results[0][name]["losses"] for r in results)
@@ -80,3 +104,6 @@ def test_sequence_parallel_training_equals_single_device(runs, name):
     assert any(f.startswith("sequence_parallel:") for f in runs[name]["features"])
     _close(losses, base)
     assert losses[-1] < losses[0]  # it trains, not just agrees
+    if ",pp=2" in (SP2_RUNS | SP4_RUNS)[name][1]:  # the attention survived capture as an op
+        op = "sp_ring_attention" if "ring" in name else "sp_attention"
+        assert runs[name]["graph_ops"] == {f"tessera.{op}.default"}

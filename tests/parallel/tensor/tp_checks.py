@@ -223,8 +223,7 @@ def refusals(mesh: Mesh) -> dict[str, str]:
     """Messages of the bad inputs apply_tensor_parallel refuses (2D mesh)."""
     cases = {"mbs": (Strategy(tp=4, tp_mode="2d"), preset("tiny")),
              "vocab": (mesh.strategy, preset("tiny", vocab_size=255)),
-             "kv_heads": (mesh.strategy, preset("tiny-llama", n_heads=4, n_kv_heads=1)),
-             "memory": (mesh.strategy.replace(memory="chunk"), preset("tiny"))}
+             "kv_heads": (mesh.strategy, preset("tiny-llama", n_heads=4, n_kv_heads=1))}
     out = {}
     for name, (strategy, config) in cases.items():
         model = Transformer(config)

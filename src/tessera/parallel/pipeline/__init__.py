@@ -5,7 +5,8 @@ from shapes), ``partition`` (balanced cuts under memory limits, stage-aware reco
 ``split`` (graph pieces bound to the model's own parameters), ``schedules`` (gpipe, 1f1b,
 interleaved, scp as action lists), ``comm`` (tagged point-to-point messages), ``stage``
 (forward / recompute / backward of one stage), ``program`` (per-shape stages), ``module``
-(this rank's share under the original names, gradient rules), ``engine`` (PipelineEngine).
+(this rank's share under the original names, gradient rules), ``engine`` (PipelineEngine),
+``tp`` (stages of a 1D tensor-parallel model), ``subpipe`` (sub-pipelined tensor parallelism).
 Design and figures: docs/pipeline.md.
 """
 
@@ -13,6 +14,7 @@ from __future__ import annotations
 
 import contextlib
 from dataclasses import dataclass
+from typing import Any, Callable
 
 import torch
 from torch import nn
@@ -20,13 +22,14 @@ from torch import nn
 from tessera.mesh import Mesh
 from tessera.parallel.pipeline.capture import CaptureError, ProxyGraph, capture
 from tessera.parallel.pipeline.engine import PipelineEngine
-from tessera.parallel.pipeline.module import (GradSync, StageModule, aliases,
+from tessera.parallel.pipeline.module import (GradSync, StageModule, aliases, local_shard,
                                               persistent_buffers)
 from tessera.parallel.pipeline.partition import Partition, PartitionError, partition
 from tessera.parallel.pipeline.program import PipelineProgram, capture_for_partition
 from tessera.parallel.pipeline.recompute import stage_aware_ratios
 from tessera.parallel.pipeline.schedules import ScheduleError, build, check_sizes, chunks_for
-from tessera.parallel.plan import Parallelized
+from tessera.parallel.plan import Parallelized, lm_loss
+from tessera.parallel.pipeline.tp import carry_permutations, tp_loss, tp_group_of
 from tessera.strategy import Strategy, StrategyError
 
 __all__ = ["CaptureError", "PartitionError", "PipelineEngine", "ScheduleError", "apply_pipeline",
@@ -46,6 +49,19 @@ class Pipeline:
     grad_sync: GradSync
     partition: Partition
     module: StageModule
+    loss_fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor] = lm_loss  # (logits, labels)
+    # Under sp > 1: shards each micro-batch and computes the loss (sequence/staged.py).
+    inputs: Any = None
+
+    def prepare(self, batch: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        """The micro-batch as this rank's stages read it (this rank's tokens under sp)."""
+        return batch if self.inputs is None else self.inputs.shard(batch)
+
+    def loss(self, logits: torch.Tensor, batch: dict[str, torch.Tensor]) -> torch.Tensor:
+        """The last stage's loss of one (prepared) micro-batch."""
+        if self.inputs is not None:
+            return self.inputs.loss(logits, batch)
+        return self.loss_fn(logits, batch["labels"])
 
     @property
     def n_stages(self) -> int:
@@ -56,14 +72,20 @@ class Pipeline:
         return build(self.schedule, len(set(self.stage_rank)), micro_batches)[pp_rank]
 
 
-def apply_pipeline(plan: Parallelized, strategy: Strategy, mesh: Mesh) -> Pipeline:
+def apply_pipeline(plan: Parallelized, strategy: Strategy, mesh: Mesh,
+                   inputs: Any = None) -> Pipeline:
     """Partition ``plan.model`` into ``strategy.pp`` stages and keep this rank's share.
+
+    ``inputs`` (sequence parallelism's ``StageInputs``, sequence/staged.py) adds the batch
+    inputs the captured model reads besides ``input_ids``, shards each micro-batch and
+    computes the loss; gradients are then averaged over dp x sp.
 
     Sets ``plan.module`` to the :class:`StageModule`, and plan hooks for the optimizer, the
     gradient norm and the engine. Data parallelism is done by the engine's gradient sync.
 
     Raises:
-        StrategyError: for combinations not built yet (tp, sp, chunk memory, fp16 with pp > 1)
+        StrategyError: for combinations not built yet (chunk memory, fp16;
+            2d tensor parallelism is refused by tensor/apply.py)
             and for too few micro-batches or splittable blocks.
     """
     _refuse_unsupported(strategy)
@@ -76,7 +98,8 @@ def apply_pipeline(plan: Parallelized, strategy: Strategy, mesh: Mesh) -> Pipeli
     n_virtual = pp * chunks_for(strategy.schedule)
     ratios = [strategy.stage_recompute(s % pp) for s in range(n_virtual)]
     model.train()
-    graph = capture_for_partition(model, strategy.micro_batch_size)
+    extra = inputs.example if inputs is not None else None
+    graph = capture_for_partition(model, strategy.micro_batch_size, extra)
     try:
         part = partition(graph, n_virtual, micro_batches, strategy.schedule,
                          recompute=tuple(ratios))
@@ -85,29 +108,30 @@ def apply_pipeline(plan: Parallelized, strategy: Strategy, mesh: Mesh) -> Pipeli
     pp_rank = mesh.rank("pp")
     stage_rank = [s % pp for s in range(n_virtual)]
     local = [s for s in range(n_virtual) if stage_rank[s] == pp_rank]
-    module, grad_sync = _ownership(model, graph, part, stage_rank, pp_rank, mesh)
+    module, grad_sync = _ownership(model, graph, part, stage_rank, pp_rank, mesh, strategy)
+    carry_permutations(model, module)  # fused q|k|v shards keep saving unpermuted
     autocast = _autocast_factory(strategy, next(model.parameters()).device)
-    program = PipelineProgram(model, graph, part, ratios, local, autocast)
+    sub_batches = 2 if strategy.tp_overlap == "subpipe" else 1
+    program = PipelineProgram(model, graph, part, ratios, local, autocast, extra, sub_batches)
     pipe = Pipeline(program, strategy.schedule, mesh.group("pp"), stage_rank, local, ratios,
-                    grad_sync, part, module)
+                    grad_sync, part, module, tp_loss(strategy, mesh) or lm_loss, inputs)
     plan.module, plan.pipeline = module, pipe
     plan.clip_grad_norm = lambda _model, max_norm: grad_sync.clip(max_norm)
-    plan.build_optimizer = lambda _model, *args: _stage_optimizer(module, *args)
+    base = plan.build_optimizer  # tensor parallelism's, when it adds state-dict hooks
+    plan.build_optimizer = lambda _model, *args: _stage_optimizer(module, base, *args)
     plan.features.append("pipeline")
     return pipe
 
 
-def _stage_optimizer(module: StageModule, *args):
+def _stage_optimizer(module: StageModule, base, *args):
     # Imported here: tessera.train imports the pipeline engine (the Trainer picks it).
     from tessera.train.optim import build_optimizer
 
-    return build_optimizer(module, *args)
+    return (base or build_optimizer)(module, *args)
 
 
 def _refuse_unsupported(strategy: Strategy) -> None:
-    rules = [(strategy.tp > 1, f"tp={strategy.tp}", "tensor x pipeline composition"),
-             (strategy.sp > 1, f"sp={strategy.sp}", "sequence x pipeline composition"),
-             (strategy.memory != "ddp", f"memory={strategy.memory}",
+    rules = [(strategy.memory != "ddp", f"memory={strategy.memory}",
               "chunk/ZeRO memory with pipeline stages"),
              (strategy.precision == "fp16", "precision=fp16",
               "fp16 loss scaling across stages (use bf16)")]
@@ -118,7 +142,7 @@ def _refuse_unsupported(strategy: Strategy) -> None:
 
 
 def _ownership(model: nn.Module, graph: ProxyGraph, part: Partition, stage_rank: list[int],
-               pp_rank: int, mesh: Mesh) -> tuple[StageModule, GradSync]:
+               pp_rank: int, mesh: Mesh, strategy: Strategy) -> tuple[StageModule, GradSync]:
     """Which pp ranks hold each weight; this rank's StageModule and gradient rules."""
     names = aliases(model)
     stage_of = part.stage_of(graph)
@@ -134,13 +158,16 @@ def _ownership(model: nn.Module, graph: ProxyGraph, part: Partition, stage_rank:
     params = {name: by_id[pid] for pid in by_id if pp_rank in holders[pid]
               for name in names[pid]}
     buffers = _owned_buffers(model, graph, part, stage_rank, pp_rank)
-    tied = [(names[pid][0], tuple(by_id[pid].shape)) for pid in by_id if len(holders[pid]) > 1]
+    tied = [(names[pid][0], tuple(local_shard(by_id[pid]).shape)) for pid in by_id
+            if len(holders[pid]) > 1]
     tied_local = {names[pid][0]: by_id[pid] for pid in by_id
                   if len(holders[pid]) > 1 and pp_rank in holders[pid]}
     norm_owned = [p for p in mine if min(holders[id(p)]) == pp_rank]
     device = next(model.parameters()).device
-    sync = GradSync(mine, norm_owned, mesh.group("pp"), mesh.group("dp"), tied, tied_local,
-                    device)
+    # Weights are replicated over dp (and sp): their gradients are averaged over both.
+    replicas = mesh.flat_group("dp", "sp") if strategy.sp > 1 else mesh.group("dp")
+    sync = GradSync(mine, norm_owned, mesh.group("pp"), replicas, tied, tied_local,
+                    device, tp_group_of(strategy, mesh))
     return StageModule(params, buffers), sync
 
 

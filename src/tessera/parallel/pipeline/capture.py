@@ -9,6 +9,9 @@ larger than memory) is captured and partitioned before any weight exists. Nodes 
 - ``static``: computed from inputs, buffers and constants only (positions, causal masks, RoPE
   tables). Cheap and not learnable, so a stage that needs one recomputes it instead of
   receiving it: nothing but activations crosses a stage boundary.
+- ``param_view``: the local shard of a DTensor parameter (tensor parallelism) and views of
+  it. Read like the parameter itself: every stage that uses it reads its own copy, so a tied
+  weight is tied across stages (not sent as an activation).
 - ``compute``: everything else, in topological order; stage boundaries fall between these.
 """
 
@@ -22,7 +25,7 @@ import torch
 from torch import fx, nn
 from torch.export import ExportedProgram
 
-from tessera.parallel.pipeline.cost import NodeCost, node_cost, value_bytes
+from tessera.parallel.pipeline.cost import VIEW_OPS, NodeCost, op_name, node_cost, value_bytes
 
 _BLOCK_INDEX = re.compile(r"(?:^|\.)(?:h|layers|blocks)\.(\d+)\.")
 
@@ -36,7 +39,7 @@ class ProxyNode:
     """One node of the captured graph."""
 
     name: str
-    kind: str  # input | param | buffer | const | static | compute
+    kind: str  # input | param | buffer | const | static | param_view | compute
     node: fx.Node
     fqn: str | None = None  # parameter / buffer name in the original model
     cost: NodeCost = field(default_factory=NodeCost)
@@ -70,8 +73,11 @@ class ProxyGraph:
         return value_bytes(self.nodes[name].node.meta.get("val"))
 
 
-def capture(model: nn.Module, batch_size: int, seq_len: int) -> ProxyGraph:
+def capture(model: nn.Module, batch_size: int, seq_len: int, extra_inputs=None) -> ProxyGraph:
     """Capture ``model(input_ids)`` for (batch_size, seq_len) token ids as a ProxyGraph.
+
+    ``extra_inputs(input_ids) -> {name: tensor}``, when given, adds keyword inputs that become
+    batch inputs of the graph (sequence parallelism's position ids and token metadata).
 
     Works for models on the meta device. Hugging Face models must be built with
     ``use_cache=False`` (transformers 5 dropped fx tracing; torch.export is the way in).
@@ -82,7 +88,8 @@ def capture(model: nn.Module, batch_size: int, seq_len: int) -> ProxyGraph:
     device = _model_device(model)
     ids = torch.zeros(batch_size, seq_len, dtype=torch.long, device=device)
     try:
-        program = torch.export.export(model, (ids,), strict=False)
+        kwargs = extra_inputs(ids) if extra_inputs is not None else {}
+        program = torch.export.export(model, (ids,), kwargs, strict=False)
     except Exception as err:  # export raises many types; all mean "not capturable"
         raise CaptureError(_capture_message(model, err)) from err
     return build_proxy(program)
@@ -100,6 +107,7 @@ def build_proxy(program: ExportedProgram) -> ProxyGraph:
     compute: list[str] = []
     param_users: dict[str, list[int]] = {n: [] for n in sig.inputs_to_parameters}
     block = None
+    roots: dict[str, str] = {}  # param_view node -> its parameter's placeholder
     for node in program.graph.nodes:
         if node.op == "placeholder":
             nodes[node.name] = ProxyNode(node.name, kinds.get(node.name, "input"), node,
@@ -110,6 +118,11 @@ def build_proxy(program: ExportedProgram) -> ProxyGraph:
             if not node.users:  # dead values and metadata asserts: nothing to run
                 continue
             preds = [nodes[a.name] for a in node.all_input_nodes]
+            root = _viewed_param(node, preds)
+            if root is not None:
+                nodes[node.name] = ProxyNode(node.name, "param_view", node, root.fqn)
+                roots[node.name] = roots.get(root.name, root.name)
+                continue
             if all(p.kind in ("input", "buffer", "const", "static") for p in preds):
                 nodes[node.name] = ProxyNode(node.name, "static", node)
                 continue
@@ -117,16 +130,26 @@ def build_proxy(program: ExportedProgram) -> ProxyGraph:
             nodes[node.name] = ProxyNode(node.name, "compute", node, cost=node_cost(node),
                                          block=block)
             for pred in preds:
-                if pred.kind == "param":
-                    param_users[pred.name].append(len(compute))
+                if pred.kind in ("param", "param_view"):
+                    param_users[roots.get(pred.name, pred.name)].append(len(compute))
             compute.append(node.name)
     output = _logits_node(program, nodes)
     return ProxyGraph(program, nodes, compute, output, list(sig.user_inputs), param_users)
 
 
+def _viewed_param(node: fx.Node, preds: list[ProxyNode]) -> ProxyNode | None:
+    """The parameter (or shard view) ``node`` is a shard or view of, else None."""
+    if len(preds) != 1 or preds[0].kind not in ("param", "param_view"):
+        return None
+    name = op_name(node)
+    if name == "access_subclass_inner_tensor":
+        return preds[0]
+    return preds[0] if preds[0].kind == "param_view" and name in VIEW_OPS else None
+
+
 def _block_of(preds: list[ProxyNode], current: int | None) -> int | None:
     for pred in preds:
-        if pred.kind == "param":
+        if pred.kind in ("param", "param_view"):
             match = _BLOCK_INDEX.search("." + pred.fqn)
             return int(match.group(1)) if match else None
     return current

@@ -22,10 +22,18 @@ BWD_ELEMENTWISE = 2.0
 
 # Ops that only reinterpret memory: no FLOPs, no new activation storage.
 VIEW_OPS = frozenset({
-    "view", "_unsafe_view", "reshape", "transpose", "t", "permute", "expand", "unsqueeze",
+    "view", "view_as", "_unsafe_view", "reshape", "transpose", "t", "permute", "expand",
+    "unsqueeze",
     "squeeze", "slice", "select", "alias", "detach", "split", "split_with_sizes", "unbind",
     "getitem", "_assert_tensor_metadata", "contiguous", "clone", "lift_fresh_copy",
+    "access_subclass_inner_tensor",  # a DTensor parameter's local shard (tensor parallel)
 })
+
+# Tensor-parallel collectives (tensor/ops.py): which pass, forward or backward, all-reduces.
+# A ring all-reduce sends and receives about twice the payload, whatever the group size.
+TP_COMM_FWD = frozenset({"tp_reduce", "tp_reduce_start"})
+TP_COMM_BWD = frozenset({"tp_copy"})
+ALL_REDUCE_TRAFFIC = 2.0
 
 
 @dataclass(frozen=True)
@@ -35,6 +43,7 @@ class DeviceRates:
     flops: float = 1e11  # sustained FLOP/s of a large matmul
     memory_bw: float = 2e10  # bytes/s for element-wise kernels
     p2p_bw: float = 5e9  # bytes/s between neighbouring pipeline stages
+    collective_bw: float = 5e9  # bytes/s into a tensor-parallel all-reduce
 
 
 @dataclass(frozen=True)
@@ -45,13 +54,17 @@ class NodeCost:
     bwd_flops: float = 0.0
     out_bytes: int = 0  # bytes of the value the node produces
     saved_bytes: int = 0  # activation bytes kept for backward (0 for views)
+    fwd_comm_bytes: float = 0.0  # bytes a tensor-parallel collective moves in forward
+    bwd_comm_bytes: float = 0.0  # ... and in backward
 
     def fwd_time(self, rates: DeviceRates) -> float:
-        return self.fwd_flops / rates.flops + self.saved_bytes / rates.memory_bw
+        return (self.fwd_flops / rates.flops + self.saved_bytes / rates.memory_bw
+                + self.fwd_comm_bytes / rates.collective_bw)
 
     def bwd_time(self, rates: DeviceRates) -> float:
         factor = BWD_ELEMENTWISE if self.fwd_flops == 0 else self.bwd_flops / self.fwd_flops
-        return self.bwd_flops / rates.flops + factor * self.saved_bytes / rates.memory_bw
+        return (self.bwd_flops / rates.flops + factor * self.saved_bytes / rates.memory_bw
+                + self.bwd_comm_bytes / rates.collective_bw)
 
 
 def value_bytes(val: Any) -> int:
@@ -63,7 +76,8 @@ def value_bytes(val: Any) -> int:
     return 0
 
 
-def _op_name(node: fx.Node) -> str:
+def op_name(node: fx.Node) -> str:
+    """The aten op of a node without its overload ("linear.default" -> "linear")."""
     target = node.target
     name = getattr(target, "__name__", str(target))
     return name.split(".")[0]  # "linear.default" -> "linear"
@@ -76,7 +90,7 @@ def _shape(node: Any) -> tuple[int, ...]:
 
 def matmul_flops(node: fx.Node) -> float:
     """Forward FLOPs of linear / addmm / mm / bmm / matmul / sdpa nodes (0 for others)."""
-    op, args = _op_name(node), node.args
+    op, args = op_name(node), node.args
     out = _shape(node)
     if op == "linear":  # x (..., K) @ w (N, K)^T
         k = _shape(args[1])[-1] if len(_shape(args[1])) == 2 else 1
@@ -94,10 +108,14 @@ def matmul_flops(node: fx.Node) -> float:
 
 def node_cost(node: fx.Node) -> NodeCost:
     """Cost of one ``call_function`` node of an exported graph."""
-    op = _op_name(node)
+    op = op_name(node)
     out = value_bytes(node.meta.get("val"))
     if op in VIEW_OPS:
         return NodeCost(out_bytes=out)
+    if op in TP_COMM_FWD or op in TP_COMM_BWD:  # communication only; nothing kept for backward
+        traffic = ALL_REDUCE_TRAFFIC * out
+        return NodeCost(out_bytes=out, fwd_comm_bytes=traffic if op in TP_COMM_FWD else 0.0,
+                        bwd_comm_bytes=traffic if op in TP_COMM_BWD else 0.0)
     flops = matmul_flops(node)
     if flops:
         factor = BWD_ATTENTION if "attention" in op else BWD_MATMUL

@@ -18,7 +18,7 @@ import torch.distributed as dist
 
 from tessera.parallel.pipeline.comm import BACKWARD, FORWARD, StageLink
 from tessera.parallel.pipeline.schedules import Action, recompute_early, recomputes
-from tessera.parallel.plan import Parallelized, lm_loss
+from tessera.parallel.plan import Parallelized
 from tessera.strategy import Strategy
 
 @dataclass
@@ -52,7 +52,8 @@ class PipelineEngine:
 
     def forward_backward(self, micro_batches: list[dict[str, torch.Tensor]]):
         """Accumulate gradients of the mean loss over ``micro_batches`` on this rank's stages."""
-        batches = [{k: v.to(self.device) for k, v in b.items()} for b in micro_batches]
+        batches = [self.pipe.prepare({k: v.to(self.device) for k, v in b.items()})
+                   for b in micro_batches]
         n = len(batches)
         built = self.pipe.program.get(tuple(batches[0]["input_ids"].shape), training=True)
         actions = self.pipe.actions(n)
@@ -62,12 +63,12 @@ class PipelineEngine:
         # Imported here: tessera.train imports this module (the Trainer picks the engine).
         from tessera.train.engine import StepResult
 
-        return StepResult(loss=loss, tokens=sum(b["input_ids"].numel() for b in batches))
+        return StepResult(loss=loss, tokens=sum(b["input_ids"].numel() for b in micro_batches))
 
     @torch.no_grad()
     def evaluate(self, batch: dict[str, torch.Tensor]) -> torch.Tensor:
         """Mean loss of one batch without gradients (the last stage's, on every rank)."""
-        batch = {k: v.to(self.device) for k, v in batch.items()}
+        batch = self.pipe.prepare({k: v.to(self.device) for k, v in batch.items()})
         built = self.pipe.program.get(tuple(batch["input_ids"].shape), training=False)
         actions = [Action("F", s, 0) for s in self.pipe.local_stages]
         return self._broadcast_loss(self._run(built, [batch], actions, train=False))
@@ -90,7 +91,7 @@ class PipelineEngine:
                 state = runner.forward(inputs, batches[m], recompute=rc, grad=train)
                 self.timeline.add("F", s, m)
                 if s == last:
-                    loss = lm_loss(state.outputs[0], batches[m]["labels"])
+                    loss = pipe.loss(state.outputs[0], batches[m])
                     state.loss = loss / n
                     total += loss.detach()
                 else:

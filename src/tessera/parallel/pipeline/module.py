@@ -12,6 +12,10 @@ Gradient rules after a step:
 - data parallelism averages every gradient over the dp group (after the pipeline has drained,
   so nothing overlaps the backward; see docs/pipeline.md);
 - the global gradient norm sums each weight once, on the lowest stage holding it.
+
+Under tensor parallelism the parameters are DTensors: every rule works on the local shards
+(each tp rank of a stage syncs its own shard with the same shard elsewhere), and the norm sums
+the shards over the tp group, counting a replicated piece once.
 """
 
 from __future__ import annotations
@@ -19,6 +23,9 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 from torch import nn
+from torch.distributed.tensor import DTensor
+
+from tessera.parallel.tensor.loss import replica_count
 
 
 class StageModule(nn.Module):
@@ -81,13 +88,15 @@ class GradSync:
             all pp ranks run the same all-reduces in the same order.
         tied_local: key -> this rank's tensor, for the tied weights this rank holds.
         device: where zeros stand in for tied weights this rank does not hold.
+        tp_group: the tensor-parallel group when parameters are DTensor shards, else None.
     """
 
     def __init__(self, params: list[nn.Parameter], norm_owned: list[nn.Parameter], pp_group,
                  dp_group, tied: list[tuple[str, tuple[int, ...]]],
-                 tied_local: dict[str, nn.Parameter], device: torch.device) -> None:
+                 tied_local: dict[str, nn.Parameter], device: torch.device,
+                 tp_group=None) -> None:
         self.params, self.norm_owned = params, norm_owned
-        self.pp_group, self.dp_group = pp_group, dp_group
+        self.pp_group, self.dp_group, self.tp_group = pp_group, dp_group, tp_group
         self.tied, self.tied_local, self.device = tied, tied_local, device
 
     def sync(self) -> None:
@@ -112,19 +121,28 @@ class GradSync:
         Same formula as torch.nn.utils.clip_grad_norm_, so pp=1 and pp>1 clip alike.
         """
         sq = torch.zeros((), device=self.device)
+        tp = 1 if self.tp_group is None else dist.get_world_size(self.tp_group)
         for p in self.norm_owned:
             if p.grad is not None:
-                sq += p.grad.detach().float().pow(2).sum()
+                copies = replica_count(p.grad, tp) if self.tp_group is not None else 1
+                sq += local_shard(p.grad).detach().float().pow(2).sum() / copies
+        if self.tp_group is not None:
+            dist.all_reduce(sq, group=self.tp_group)
         dist.all_reduce(sq, group=self.pp_group)
         norm = sq.sqrt()
         coef = torch.clamp(max_norm / (norm + 1e-6), max=1.0)
         for p in self.params:
             if p.grad is not None:
-                p.grad.detach().mul_(coef.to(p.grad.dtype))
+                local_shard(p.grad).detach().mul_(coef.to(p.grad.dtype))
         return norm
+
+
+def local_shard(tensor: torch.Tensor) -> torch.Tensor:
+    """This rank's piece of a DTensor (a view: writes land in it); plain tensors as they are."""
+    return tensor.to_local() if isinstance(tensor, DTensor) else tensor
 
 
 def _grad_or_zeros(param: nn.Parameter) -> torch.Tensor:
     if param.grad is None:
         param.grad = torch.zeros_like(param)
-    return param.grad
+    return local_shard(param.grad)

@@ -18,6 +18,7 @@ from tessera.parallel.pipeline.partition import CostTable, Partition, candidate_
 from tessera.parallel.pipeline.cost import DeviceRates
 from tessera.parallel.pipeline.split import boundaries, spec_of, split_graph
 from tessera.parallel.pipeline.stage import StageRunner
+from tessera.parallel.pipeline.subpipe import subpipeline
 
 
 @dataclass
@@ -74,14 +75,19 @@ class PipelineProgram:
         ratios: recomputation ratio of each virtual stage.
         local_stages: the virtual stages this rank runs.
         autocast: context factory for mixed precision.
+        extra_inputs: keyword inputs for capture (see :func:`capture`), or None.
+        sub_batches: 2 runs every stage as two interleaved halves of the micro-batch
+            (sub-pipelined tensor parallelism, ``subpipe.py``); 1 runs it whole.
     """
 
     def __init__(self, model: nn.Module, graph: ProxyGraph, partition: Partition,
-                 ratios: list[float], local_stages: list[int], autocast) -> None:
+                 ratios: list[float], local_stages: list[int], autocast,
+                 extra_inputs=None, sub_batches: int = 1) -> None:
         self.model, self.ratios, self.local = model, ratios, local_stages
+        self.extra_inputs = extra_inputs
         self.n_stages = partition.stages
         self.stage_of = partition.stage_of(graph)
-        self.autocast = autocast
+        self.autocast, self.sub_batches = autocast, sub_batches
         self._cache: dict[tuple, Built] = {}
         self._seed_graph = graph
 
@@ -95,10 +101,13 @@ class PipelineProgram:
     def _build(self, shape: tuple[int, int], training: bool) -> Built:
         seed = self._seed_graph
         seed_shape = tuple(seed.nodes[seed.inputs[0]].node.meta["val"].shape)
-        if training and shape == seed_shape:
+        # Sub-pipelined stages run a graph captured at half the micro-batch on both halves.
+        parts = self.sub_batches if shape[0] % self.sub_batches == 0 else 1
+        traced = (shape[0] // parts, shape[1])
+        if training and traced == seed_shape:
             graph = seed  # the partitioning capture already has this shape (train mode)
         else:
-            graph = self._capture(shape, training)
+            graph = self._capture(traced, training)
         groups = stage_groups(graph, self.stage_of, self.n_stages)
         # Each stage becomes one or two pieces: [head (recomputed), tail], empty ones dropped.
         halves = [head_tail(graph, g, self.ratios[s] if training else 0.0)
@@ -108,6 +117,8 @@ class PipelineProgram:
             first_piece.append(len(piece_groups))
             piece_groups += [g for g in (head, tail) if g]
         pieces = split_graph(graph, piece_groups, self.model)
+        if parts > 1:
+            pieces = [subpipeline(p) for p in pieces]
         entering = boundaries(graph, piece_groups)
         runners = {}
         for s in self.local:
@@ -115,7 +126,8 @@ class PipelineProgram:
             own = iter(pieces[first_piece[s]:first_piece[s] + bool(head) + bool(tail)])
             runners[s] = StageRunner(s, next(own) if head else None,
                                      next(own) if tail else None, self.autocast)
-        in_specs = [[spec_of(graph, n) for n in entering[first_piece[s]]]
+        in_specs = [[_whole(spec_of(graph, n), traced[0], parts, n)
+                     for n in entering[first_piece[s]]]
                     for s in range(self.n_stages)]
         out_specs = in_specs[1:] + [[]]
         return Built(graph, runners, in_specs, out_specs)
@@ -124,9 +136,20 @@ class PipelineProgram:
         was_training = self.model.training
         self.model.train(training)  # dropout is baked into the export by mode
         try:
-            return capture(self.model, *shape)
+            return capture(self.model, *shape, self.extra_inputs)
         finally:
             self.model.train(was_training)
+
+
+def _whole(spec: TensorSpec, batch: int, parts: int, name: str) -> TensorSpec:
+    """The message of a whole micro-batch from a value traced at 1/parts of it (``batch``)."""
+    if parts == 1:
+        return spec
+    if not spec.shape or spec.shape[0] != batch:
+        raise RuntimeError(f"sub-pipelined stages (tp_overlap=subpipe) need the batch as the "
+                           f"first dimension of every value crossing a stage boundary; {name} "
+                           f"has shape {tuple(spec.shape)} at a half micro-batch of {batch}")
+    return TensorSpec((spec.shape[0] * parts, *spec.shape[1:]), spec.dtype)
 
 
 def nominal_seq_len(model: nn.Module, cap: int = 128) -> int:
@@ -139,7 +162,7 @@ def nominal_seq_len(model: nn.Module, cap: int = 128) -> int:
     return cap
 
 
-def capture_for_partition(model: nn.Module, micro_batch: int) -> ProxyGraph:
+def capture_for_partition(model: nn.Module, micro_batch: int, extra_inputs=None) -> ProxyGraph:
     """The graph the partition is made on. Captured in training mode like the runtime graphs,
     so the node names the partition refers to are the same."""
-    return capture(model, micro_batch, nominal_seq_len(model))
+    return capture(model, micro_batch, nominal_seq_len(model), extra_inputs)

@@ -16,7 +16,9 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+import torch
 from torch import fx, nn
+from torch.distributed.tensor import DTensor
 
 from tessera.parallel.pipeline.capture import ProxyGraph
 from tessera.parallel.pipeline.comm import TensorSpec
@@ -117,10 +119,25 @@ def _build_piece(graph: ProxyGraph, group: list[str], inputs: list[str], outputs
             env[node.name] = new.get_attr(node.name)
             if proxy.kind == "param":
                 params.append(node.name)
+        elif _is_local_shard(node):
+            # export reads a DTensor parameter's shard with an op autograd does not see
+            # through; to_local() carries the gradient back to the parameter.
+            env[node.name] = new.call_function(dtensor_local, (env[node.args[0].name],))
         else:
             env[node.name] = new.node_copy(node, lambda n: env[n.name])
     new.output(tuple(env[n] for n in outputs))
     return Piece(fx.GraphModule(root, new), inputs, batch, outputs, params)
+
+
+def dtensor_local(param: torch.Tensor) -> torch.Tensor:
+    """This rank's shard of a DTensor parameter, differentiable (tensor parallel stages)."""
+    return param.to_local() if isinstance(param, DTensor) else param
+
+
+def _is_local_shard(node: fx.Node) -> bool:
+    inner = getattr(torch.ops.export, "access_subclass_inner_tensor", None)
+    return (inner is not None and node.target is inner.default
+            and node.args[1:] == ("_local_tensor",))
 
 
 def _state_value(graph: ProxyGraph, proxy, model: nn.Module):

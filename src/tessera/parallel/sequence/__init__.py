@@ -9,11 +9,13 @@ Modes (``Strategy.sp_mode``):
 - ``ulysses``: all-to-all between sequence and head splits (ulysses.py).
 
 Numerics are in blocks.py, communication in comm.py, the data path and model policies in
-policy.py. :func:`apply_sequence_parallel` is the step `tessera.parallel.parallelize` runs.
+policy.py, the composition with tensor parallelism in compose.py and with pipeline stages in
+staged.py. :func:`apply_sequence_parallel` is the step `tessera.parallel.parallelize` runs.
 """
 
 from __future__ import annotations
 
+from tessera.parallel.sequence.compose import check_tensor_parallel, vocab_parallel_loss_sum
 from tessera.parallel.sequence.layout import SequenceParallelError
 from tessera.parallel.sequence.policy import SequenceParallel, apply_policy
 from tessera.parallel.sequence.ring import ring_attention
@@ -28,14 +30,17 @@ def apply_sequence_parallel(plan, strategy, mesh) -> SequenceParallel:
     """Lay ``plan.model`` out for sequence parallelism over ``mesh``'s sp axis.
 
     Installs the sp attention into the model (policy.py), makes ``plan.forward_loss`` shard
-    each micro-batch, and widens ``plan.loss_group`` to the dp x sp ranks.
+    each micro-batch, and widens ``plan.loss_group`` to the dp x sp ranks. Under 1D tensor
+    parallelism (applied before) the loss is the vocabulary-parallel one (compose.py).
 
     Raises:
-        SequenceParallelError: for a combination not supported yet (tp > 1, pp > 1,
-            memory=chunk), a model no policy knows, or heads Ulysses cannot split.
+        SequenceParallelError: for a combination not supported (tp_mode=2d),
+            a model no policy knows, or heads Ulysses cannot split.
     """
     _check_combination(strategy)
-    sp = SequenceParallel(mesh.group("sp"), mode=strategy.sp_mode)
+    token_loss = vocab_parallel_loss_sum(mesh.group("tp")) if strategy.tp > 1 else None
+    sp = SequenceParallel(mesh.group("sp"), mode=strategy.sp_mode, token_loss=token_loss,
+                          head_ways=strategy.tp)
     apply_policy(plan.model, sp)
     plan.forward_loss = sp.forward_loss
     plan.loss_group = mesh.flat_group("dp", "sp")
@@ -44,21 +49,5 @@ def apply_sequence_parallel(plan, strategy, mesh) -> SequenceParallel:
 
 
 def _check_combination(strategy) -> None:
-    """Refuse combinations whose other half does not know about sequence shards (yet)."""
-    why = {
-        "tp": "tensor and sequence parallelism each replace the loss (vocabulary-sharded vs "
-              "sequence-sharded logits), and Megatron sequence parallelism would split the "
-              "same token axis",
-        "pp": "the pipeline captures the model with torch.export and runs its own loss per "
-              "stage, neither of which carries the ring's process group and token metadata",
-        "memory=chunk": "chunk memory reduces gradients over dp only; sp ranks must average "
-                        "theirs too",
-    }
-    clashes = [name for name, on in (("tp", strategy.tp > 1), ("pp", strategy.pp > 1),
-                                     ("memory=chunk", strategy.memory == "chunk")) if on]
-    if clashes:
-        name = clashes[0]
-        value = name if "=" in name else f"{name}={getattr(strategy, name)}"
-        raise SequenceParallelError(
-            f"sp={strategy.sp} with {value} is not supported yet: {why[name]}; sp composes "
-            "with dp (DDP over dp x sp)")
+    """Refuse combinations whose other half does not know about sequence shards."""
+    check_tensor_parallel(strategy)

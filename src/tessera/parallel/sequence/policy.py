@@ -24,6 +24,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
+from tessera.parallel.sequence.compose import TokenLoss
 from tessera.parallel.sequence.layout import (SequenceParallelError, check_layout,
                                               local_indices, padded_length)
 from tessera.parallel.sequence.ring import ring_attention
@@ -44,20 +45,28 @@ class SequenceParallel:
         causal: causal language modelling (False: bidirectional attention).
         layout: "zigzag" or "contiguous"; default zigzag for causal ring, else contiguous.
         pad: pad sequences whose length the layout cannot split evenly (False: refuse them).
+        token_loss: ``(logits, labels) -> summed token loss`` of this rank's tokens; default
+            cross-entropy over whole-vocabulary logits (tensor parallelism passes its
+            vocabulary-parallel one, see compose.py).
+        head_ways: how many ways another parallelism already split the heads (tp), so the
+            Ulysses head rules are checked on the heads one rank holds.
 
     Raises:
         SequenceParallelError: for an unknown mode or zigzag without a causal mask.
     """
 
     def __init__(self, group: dist.ProcessGroup, mode: str = "ring", causal: bool = True,
-                 layout: str | None = None, pad: bool = True) -> None:
+                 layout: str | None = None, pad: bool = True,
+                 token_loss: TokenLoss | None = None, head_ways: int = 1) -> None:
         if mode not in MODES:
             raise SequenceParallelError(f"sp_mode must be one of {', '.join(MODES)}; got {mode!r}")
         self.group, self.mode, self.causal, self.pad = group, mode, causal, pad
+        self.token_loss, self.head_ways = token_loss or _cross_entropy_sum, head_ways
         self.size, self.rank = dist.get_world_size(group), dist.get_rank(group)
         self.layout = layout or ("zigzag" if mode == "ring" and causal else "contiguous")
         check_layout(self.layout, causal)
         self._meta: torch.Tensor | None = None
+        self.exportable = False  # set by StageInputs (staged.py) when pp > 1
 
     # ------------------------------------------------------------------------ data path
     def shard(self, batch: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
@@ -99,13 +108,27 @@ class SequenceParallel:
         local = self.shard(batch)
         self.set_tokens(local["meta"])
         out = module(local["input_ids"], position_ids=local["position_ids"])
-        logits = out if isinstance(out, torch.Tensor) else out.logits  # (B, T/sp, V)
-        loss_sum = F.cross_entropy(logits.float().flatten(0, 1), local["labels"].flatten(),
-                                   ignore_index=IGNORE, reduction="sum")
-        # Every sp rank has the whole batch, so the token count needs no communication; a
-        # rank whose tokens are all padding returns 0, not 0/0.
-        count = (_labels(batch) != IGNORE).sum().clamp_min(1)
+        logits = out if isinstance(out, torch.Tensor) else out.logits  # (B, T/sp, V or V/tp)
+        return self.scale_loss(self.token_loss(logits, local["labels"]), self.token_count(batch))
+
+    @staticmethod
+    def token_count(batch: dict[str, torch.Tensor]) -> torch.Tensor:
+        """Labels counted by the loss in the *whole* micro-batch (at least 1).
+
+        Every sp rank has the whole batch, so this needs no communication; a rank whose tokens
+        are all padding then returns a loss of 0, not 0/0.
+        """
+        return (_labels(batch) != IGNORE).sum().clamp_min(1)
+
+    def scale_loss(self, loss_sum: torch.Tensor, count: torch.Tensor) -> torch.Tensor:
+        """This rank's summed token loss -> its share of the micro-batch's mean (x sp)."""
         return loss_sum * self.size / count
+
+    def stage_inputs(self, model: nn.Module):
+        """Prepare ``model`` for pipeline capture; returns the pipeline's StageInputs."""
+        from tessera.parallel.sequence.staged import StageInputs
+
+        return StageInputs(self, model)
 
     def set_tokens(self, meta: torch.Tensor) -> None:
         """Make ``meta`` (B, T/sp, 2), this rank's token metadata, visible to :meth:`attention`.
@@ -125,10 +148,17 @@ class SequenceParallel:
         """
         if self._meta is None:
             raise SequenceParallelError(
-                "sequence-parallel attention ran without token metadata: ")
+                "sequence-parallel attention ran without token metadata: run the model through "
+                "SequenceParallel.forward_loss (or call set_tokens first)")
         if dropout_p > 0:
             raise SequenceParallelError(
                 f"attention dropout ({dropout_p}) is not supported with sequence parallelism")
+        if self.exportable:  # inside pipeline stages: one custom op that export keeps
+            from tessera.parallel.sequence.staged import sp_attention
+
+            scale = q.shape[-1] ** -0.5 if scale is None else scale
+            return sp_attention(q, k, v, self._meta, self.group, self.mode, self.causal, scale,
+                                self.layout)
         if self.mode == "ring":
             return ring_attention(q, k, v, self._meta, self.group, self.causal, scale,
                                   self.layout)
@@ -140,6 +170,11 @@ class SequenceParallel:
         return self.size * (2 if self.layout == "zigzag" else 1)
 
 
+def _cross_entropy_sum(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+    return F.cross_entropy(logits.float().flatten(0, 1), labels.flatten(),
+                           ignore_index=IGNORE, reduction="sum")
+
+
 def _labels(batch: dict[str, torch.Tensor]) -> torch.Tensor:
     """The batch's labels with padding (attention_mask == 0) ignored, whatever it held."""
     if "attention_mask" not in batch:
@@ -148,6 +183,11 @@ def _labels(batch: dict[str, torch.Tensor]) -> torch.Tensor:
 
 
 # ------------------------------------------------------------------------------ policies
+def _local_heads(heads: int, kv_heads: int, ways: int) -> tuple[int, int]:
+    """Heads one tp rank holds; kv heads fewer than tp ranks are replicated (one each)."""
+    return heads // ways, (kv_heads // ways if kv_heads >= ways else 1)
+
+
 def _is_reference(model: nn.Module) -> bool:
     from tessera.models.transformer import Transformer
 
@@ -157,7 +197,7 @@ def _is_reference(model: nn.Module) -> bool:
 def _apply_reference(model: nn.Module, sp: SequenceParallel) -> None:
     config = model.config
     if sp.mode == "ulysses":
-        check_heads(config.n_heads, config.n_kv_heads, sp.size)
+        check_heads(*_local_heads(config.n_heads, config.n_kv_heads, sp.head_ways), sp.size)
     for block in model.blocks:
         block.attn.attention_fn = sp.attention
 
@@ -186,7 +226,7 @@ def _apply_hugging_face(model: nn.Module, sp: SequenceParallel) -> None:
     heads = getattr(config, "num_attention_heads", None) or config.n_head
     kv_heads = getattr(config, "num_key_value_heads", None) or heads
     if sp.mode == "ulysses":
-        check_heads(heads, kv_heads, sp.size)
+        check_heads(*_local_heads(heads, kv_heads, sp.head_ways), sp.size)
     AttentionInterface.register(HF_ATTENTION_NAME, hf_attention)
     for module in model.modules():
         # The attention modules are the ones transformers hands to the interface function.

@@ -25,27 +25,57 @@ from tessera.parallel.sequence.blocks import (block_backward, block_forward, mer
 from tessera.parallel.sequence.layout import check_layout, ring_step_slices
 
 
+def ring_forward(q, k, v, meta, group, causal: bool, scale: float, layout: str
+                 ) -> tuple[torch.Tensor, torch.Tensor]:
+    """Forward ring pass: out (B, nh, T/sp, hs) in q's dtype and lse (B, nh, T/sp) in fp32."""
+    rank, T = dist.get_rank(group), q.shape[2]
+    out = q.new_zeros(q.shape, dtype=torch.float32)  # (B, nh, T/sp, hs)
+    lse = q.new_full(q.shape[:3], float("-inf"), dtype=torch.float32)  # (B, nh, T/sp)
+
+    def step(_, src, held):
+        k_blk, v_blk, meta_blk = held
+        sl = ring_step_slices(src, rank, T, causal, layout)
+        if sl is None:
+            return
+        qs, ks = sl
+        blk_out, blk_lse = block_forward(q[:, :, qs], k_blk[:, :, ks], v_blk[:, :, ks],
+                                         meta[:, qs], meta_blk[:, ks], causal, scale)
+        merge_into(out[:, :, qs], lse[:, :, qs], blk_out, blk_lse)
+
+    comm.ring_pass(group, [k, v, meta], step)
+    return out.to(q.dtype), lse
+
+
+def ring_backward(q, k, v, meta, out, lse, dout, group, causal: bool, scale: float,
+                  layout: str) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Backward ring pass from the forward's out and lse: dq, dk, dv in the inputs' dtypes."""
+    rank, T = dist.get_rank(group), q.shape[2]
+    delta = row_delta(dout, out)  # (B, nh, T/sp)
+    dq = torch.zeros_like(q, dtype=torch.float32)
+
+    def step(_, src, held):
+        k_blk, v_blk, meta_blk = held  # received in this pass, not saved from forward
+        dk = torch.zeros_like(k_blk, dtype=torch.float32)
+        dv = torch.zeros_like(v_blk, dtype=torch.float32)
+        sl = ring_step_slices(src, rank, T, causal, layout)
+        if sl is not None:
+            qs, ks = sl
+            dq_b, dk[:, :, ks], dv[:, :, ks] = block_backward(
+                q[:, :, qs], k_blk[:, :, ks], v_blk[:, :, ks], meta[:, qs], meta_blk[:, ks],
+                causal, scale, dout[:, :, qs], lse[:, :, qs], delta[:, :, qs])
+            dq[:, :, qs] += dq_b
+        return [dk, dv]
+
+    dk, dv = comm.ring_pass_with_grads(group, [k, v, meta], step)
+    return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype)
+
+
 class RingAttention(torch.autograd.Function):
     """Ring attention over a sequence-parallel group; one gradient per forward input."""
 
     @staticmethod
     def forward(ctx, q, k, v, meta, group, causal, scale, layout):
-        rank, T = dist.get_rank(group), q.shape[2]
-        out = q.new_zeros(q.shape, dtype=torch.float32)  # (B, nh, T/sp, hs)
-        lse = q.new_full(q.shape[:3], float("-inf"), dtype=torch.float32)  # (B, nh, T/sp)
-
-        def step(_, src, held):
-            k_blk, v_blk, meta_blk = held
-            sl = ring_step_slices(src, rank, T, causal, layout)
-            if sl is None:
-                return
-            qs, ks = sl
-            blk_out, blk_lse = block_forward(q[:, :, qs], k_blk[:, :, ks], v_blk[:, :, ks],
-                                             meta[:, qs], meta_blk[:, ks], causal, scale)
-            merge_into(out[:, :, qs], lse[:, :, qs], blk_out, blk_lse)
-
-        comm.ring_pass(group, [k, v, meta], step)
-        out = out.to(q.dtype)
+        out, lse = ring_forward(q, k, v, meta, group, causal, scale, layout)
         ctx.save_for_backward(q, k, v, meta, out, lse)
         ctx.group, ctx.causal, ctx.scale, ctx.layout = group, causal, scale, layout
         return out
@@ -53,26 +83,9 @@ class RingAttention(torch.autograd.Function):
     @staticmethod
     def backward(ctx, dout):
         q, k, v, meta, out, lse = ctx.saved_tensors
-        rank, T = dist.get_rank(ctx.group), q.shape[2]
-        delta = row_delta(dout, out)  # (B, nh, T/sp)
-        dq = torch.zeros_like(q, dtype=torch.float32)
-
-        def step(_, src, held):
-            k_blk, v_blk, meta_blk = held  # received in this pass, not saved from forward
-            dk = torch.zeros_like(k_blk, dtype=torch.float32)
-            dv = torch.zeros_like(v_blk, dtype=torch.float32)
-            sl = ring_step_slices(src, rank, T, ctx.causal, ctx.layout)
-            if sl is not None:
-                qs, ks = sl
-                dq_b, dk[:, :, ks], dv[:, :, ks] = block_backward(
-                    q[:, :, qs], k_blk[:, :, ks], v_blk[:, :, ks], meta[:, qs],
-                    meta_blk[:, ks], ctx.causal, ctx.scale, dout[:, :, qs], lse[:, :, qs],
-                    delta[:, :, qs])
-                dq[:, :, qs] += dq_b
-            return [dk, dv]
-
-        dk, dv = comm.ring_pass_with_grads(ctx.group, [k, v, meta], step)
-        return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype), None, None, None, None, None
+        dq, dk, dv = ring_backward(q, k, v, meta, out, lse, dout, ctx.group, ctx.causal,
+                                   ctx.scale, ctx.layout)
+        return dq, dk, dv, None, None, None, None, None
 
 
 def ring_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, meta: torch.Tensor,

@@ -20,6 +20,7 @@ from tessera.parallel.tensor.loss import (make_clip_grad_norm, make_forward_loss
 from tessera.parallel.tensor.modules import (ColumnLinear, Embedding2D, Linear2D, Norm1D,
                                              Norm2D, ReplicatedEmbedding, RowLinear,
                                              VocabEmbedding)
+from tessera.parallel.tensor.ops import register_group
 from tessera.parallel.tensor.policy import (ModelDims, PolicyError, check_divisible,
                                             model_dims, policy_for, style_of)
 from tessera.parallel.tensor.shard import (accept_full_tensors, add_optimizer_unpermute_hooks,
@@ -49,7 +50,7 @@ def apply_tensor_parallel(plan: Parallelized, strategy: Strategy, mesh: Mesh,
     model = plan.model
     policy, dims = policy_for(model), model_dims(model)
     what = f"tp={strategy.tp} (tp_mode={strategy.tp_mode})"
-    _check_mix(strategy, what)
+    _check_mix(strategy, what, sequence_parallel)
     if strategy.tp_mode == "2d":
         if sequence_parallel:
             raise PolicyError(f"{what}: Megatron sequence parallelism is a 1D option; 2D "
@@ -67,12 +68,24 @@ def apply_tensor_parallel(plan: Parallelized, strategy: Strategy, mesh: Mesh,
         builder = _Builder1D(dims, group, mesh.submesh("tp"), sequence_parallel)
         plan.forward_loss = make_forward_loss_1d(group)
     _replace_modules(model, policy, builder)
+    if strategy.pp > 1:  # the pipeline captures the model: collectives must be graph nodes
+        _make_exportable(model, builder.group)
     if permuted_params(model):
         plan.build_optimizer = _with_unpermute_hooks(plan.build_optimizer)
     plan.clip_grad_norm = make_clip_grad_norm(TPGroup(mesh.group("tp")))
-    if strategy.dp > 1:
-        ShardGradSync(model, mesh.group("dp")).attach(plan.module)
+    # Weights are replicated over dp x sp; under pp the pipeline's GradSync averages instead,
+    # under memory=chunk the chunks' reduce-scatter.
+    if strategy.dp * strategy.sp > 1 and strategy.pp == 1 and strategy.memory != "chunk":
+        ShardGradSync(model, mesh.flat_group("dp", "sp")).attach(plan.module)
     plan.features.append(f"tensor_parallel_{strategy.tp_mode}")
+
+
+def _make_exportable(model: nn.Module, group: TPGroup) -> None:
+    """Switch the 1D layers to the custom-op collectives of tensor/ops.py."""
+    name = register_group(group)
+    for module in model.modules():
+        if isinstance(module, (ColumnLinear, RowLinear, VocabEmbedding)):
+            module.export_group = name
 
 
 def _with_unpermute_hooks(base):
@@ -88,18 +101,23 @@ def _with_unpermute_hooks(base):
     return build
 
 
-def _check_mix(strategy: Strategy, what: str) -> None:
+def _check_mix(strategy: Strategy, what: str, sequence_parallel: bool) -> None:
     """Refuse option mixes this runtime does not compose yet, naming the rule."""
-    if strategy.sp > 1:
-        raise PolicyError(f"{what} with sp={strategy.sp}: tensor and sequence parallelism do "
-                          "not compose yet; use sp=1 (Megatron sequence parallelism inside 1d "
-                          "is apply_tensor_parallel(sequence_parallel=True))")
-    if strategy.pp > 1:
-        raise PolicyError(f"{what} with pp={strategy.pp}: pipeline stages of tensor-parallel "
-                          "layers are not built yet; use pp=1")
-    if strategy.memory != "ddp":
-        raise PolicyError(f"{what} with memory={strategy.memory}: chunks do not hold DTensor "
-                          "shards yet; use memory=ddp")
+    if strategy.sp > 1 and (strategy.tp_mode == "2d" or sequence_parallel):
+        # sp x 1d works (parallel/sequence/compose.py); 2d and Megatron SP are not combined.
+        raise PolicyError(f"{what} with sp={strategy.sp}: context (sp) parallelism composes "
+                          "with 1d tensor parallelism only, without Megatron sequence "
+                          "parallelism; see docs/sequence_parallel.md")
+    if strategy.pp > 1 and sequence_parallel:
+        raise PolicyError(f"{what} with pp={strategy.pp}: Megatron sequence parallelism "
+                          "inside pipeline stages is not built; drop sequence_parallel")
+    if strategy.pp > 1 and strategy.tp_mode == "2d":
+        raise PolicyError(f"{what} with pp={strategy.pp}: pipeline stages of 2D (SUMMA) "
+                          "layers are not built yet (their collectives are not export-safe "
+                          "custom ops); use tp_mode=1d or pp=1")
+    if strategy.memory not in ("ddp", "chunk"):
+        raise PolicyError(f"{what} with memory={strategy.memory}: only memory=ddp and "
+                          "memory=chunk (chunks holding the local shards) are built")
     q = strategy.tp_grid[0]
     if strategy.tp_mode == "2d" and strategy.micro_batch_size % q:
         raise PolicyError(f"{what} splits each micro-batch over the {q} grid rows: "

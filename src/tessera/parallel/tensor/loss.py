@@ -102,7 +102,7 @@ def make_clip_grad_norm(group: TPGroup):
         square = torch.zeros((), dtype=torch.float32)
         for g in grads:
             local = g.to_local() if isinstance(g, DTensor) else g
-            copies = _replicas(g, group.size)
+            copies = replica_count(g, group.size)
             square = square.to(local.device) + local.float().pow(2).sum() / copies
         group.all_reduce(square)
         norm = square.sqrt()
@@ -114,7 +114,7 @@ def make_clip_grad_norm(group: TPGroup):
     return clip_grad_norm
 
 
-def _replicas(grad: torch.Tensor, tp: int) -> int:
+def replica_count(grad: torch.Tensor, tp: int) -> int:
     """How many ranks of the tp group hold the same piece of this gradient."""
     if not isinstance(grad, DTensor):
         return tp  # a plain tensor under tensor parallelism is whole on every rank

@@ -15,8 +15,13 @@ from tessera.parallel.tensor.comm import CopyToTP, Grid, TPGroup
 from tessera.parallel.tensor.layers1d import ColumnLinearFn, RowLinearFn, VocabEmbeddingFn
 from tessera.parallel.tensor.layers2d import (AddBias2DFn, Conv1D2DFn, Embedding2DFn,
                                               Linear2DFn, Norm2DFn)
+from tessera.parallel.tensor.ops import tp_copy, tp_reduce
 from tessera.parallel.tensor.shard import local
 
+# 1D modules run through autograd Functions by default. With ``export_group`` set (the name
+# of their group in tensor/ops.py) they use the custom ops instead, so torch.export keeps
+# their collectives, backward included, as graph nodes (pipeline stages; see ops.py).
+# apply.py refuses Megatron sequence parallelism there, so these paths never see it.
 
 def _opt(param: nn.Parameter | None) -> torch.Tensor | None:
     return None if param is None else local(param)
@@ -35,15 +40,26 @@ class ColumnLinear(nn.Module):
         super().__init__()
         self.weight, self.bias = weight, bias
         self.group, self.mode, self.conv1d, self.rows = group, mode, conv1d, rows
+        self.export_group: str | None = None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         w, b = local(self.weight), _opt(self.bias)
         w = w.t() if self.conv1d else w  # (O/tp, C)
+        if self.export_group is not None:
+            return self._exportable(x, w, b, self.export_group)
         if self.rows is not None:
             # Replicated weight: every rank's slice adds to it, so its gradient is summed.
             w = CopyToTP.apply(w, self.group)[self.rows]
             b = None if b is None else CopyToTP.apply(b, self.group)[self.rows]
         return ColumnLinearFn.apply(x, w, b, self.group, self.mode)
+
+    def _exportable(self, x, w, b, name: str) -> torch.Tensor:
+        if self.mode != "replicated":
+            raise RuntimeError("exportable 1D layers do not take sequence parallelism")
+        if self.rows is not None:  # replicated k/v weight: every rank's slice adds to it
+            w = tp_copy(w, name)[self.rows]
+            b = None if b is None else tp_copy(b, name)[self.rows]
+        return F.linear(tp_copy(x, name), w, b)  # (B, T, O/tp)
 
 
 class RowLinear(nn.Module):
@@ -53,10 +69,14 @@ class RowLinear(nn.Module):
         super().__init__()
         self.weight, self.bias = weight, bias
         self.group, self.seq_parallel, self.conv1d = group, seq_parallel, conv1d
+        self.export_group: str | None = None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         w = local(self.weight)
         w = w.t() if self.conv1d else w  # (O, C/tp)
+        if self.export_group is not None:
+            y = tp_reduce(F.linear(x, w), self.export_group)  # (B, T, O), summed partials
+            return y if self.bias is None else y + local(self.bias)
         return RowLinearFn.apply(x, w, _opt(self.bias), self.group, self.seq_parallel)
 
 
@@ -66,8 +86,15 @@ class VocabEmbedding(nn.Module):
     def __init__(self, weight, group: TPGroup, seq_parallel: bool) -> None:
         super().__init__()
         self.weight, self.group, self.seq_parallel = weight, group, seq_parallel
+        self.export_group: str | None = None
 
     def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        if self.export_group is not None:
+            w = local(self.weight)  # (V/tp, C): rows [start, start + V/tp)
+            local_ids = ids - self.group.rank * w.shape[0]
+            outside = (local_ids < 0) | (local_ids >= w.shape[0])
+            out = F.embedding(local_ids.masked_fill(outside, 0), w)
+            return tp_reduce(out.masked_fill(outside.unsqueeze(-1), 0.0), self.export_group)
         return VocabEmbeddingFn.apply(ids, local(self.weight), self.group, self.seq_parallel)
 
 

@@ -1,0 +1,113 @@
+"""Tensor-parallel collectives as graph nodes: export keeps them, the cost model prices them,
+sub-pipelining interleaves two halves around them, and the Strategy field that asks for it.
+
+Single process: nothing here runs a collective (export traces on fake tensors; the
+interleaving is checked on the graph's node order). Numerical parity is in
+test_tp_pipeline.py (8 ranks).
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import fx, nn
+
+from tessera.parallel.pipeline.capture import capture
+from tessera.parallel.pipeline.cost import DeviceRates
+from tessera.parallel.pipeline.split import Piece
+from tessera.parallel.pipeline.subpipe import subpipeline
+from tessera.parallel.tensor import ops
+from tessera.strategy import Strategy, StrategyError
+
+GROUP = "tp:test"  # never resolved: nothing runs
+
+
+class TwoRowLayers(nn.Module):
+    """Embedding, then column -> row twice: the shape of a 1D tensor-parallel MLP stack."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.embed = nn.Embedding(16, 8)
+        self.col = nn.ModuleList(nn.Linear(8, 4) for _ in range(2))  # (O/tp, C)
+        self.row = nn.ModuleList(nn.Linear(4, 8, bias=False) for _ in range(2))
+
+    def forward(self, ids):
+        x = self.embed(ids)  # (B, T, 8)
+        for col, row in zip(self.col, self.row):
+            h = torch.relu(F.linear(ops.tp_copy(x, GROUP), col.weight, col.bias))
+            x = x + ops.tp_reduce(F.linear(h, row.weight), GROUP)
+        return x
+
+
+def _targets(graph) -> list[str]:
+    return [str(n.target) for n in graph.nodes if n.op == "call_function"]
+
+
+def test_export_keeps_tp_collectives_as_single_priced_nodes():
+    graph = capture(TwoRowLayers(), batch_size=2, seq_len=4)
+    nodes = {p.node.target: p for p in graph.nodes.values() if p.kind == "compute"}
+    copy, reduce = nodes[ops.TP_COPY], nodes[ops.TP_REDUCE]
+    assert sum(str(t).startswith("tessera.tp_") for t in _targets(graph.program.graph)) == 4
+    rates, payload = DeviceRates(), 2 * 4 * 8 * 4  # (B, T, C) fp32
+    # g all-reduces in forward, f in backward; neither keeps an activation for backward.
+    assert reduce.cost.fwd_comm_bytes == 2 * payload and reduce.cost.bwd_comm_bytes == 0
+    assert copy.cost.bwd_comm_bytes == 2 * payload and copy.cost.fwd_comm_bytes == 0
+    assert copy.cost.saved_bytes == reduce.cost.saved_bytes == 0
+    assert reduce.cost.fwd_time(rates) == pytest.approx(2 * payload / rates.collective_bw)
+
+
+def test_subpipeline_overlaps_one_halfs_all_reduce_with_the_others_compute():
+    gm = fx.symbolic_trace(_Stack())
+    piece = Piece(gm, ["x"], [], ["out"], [])
+    order = [n for n in subpipeline(piece).module.graph.nodes if n.op == "call_function"]
+    kinds = [_kind(n) for n in order]
+    starts = [i for i, k in enumerate(kinds) if k == "start"]
+    waits = [i for i, k in enumerate(kinds) if k == "wait"]
+    mms = [i for i, k in enumerate(kinds) if k == "linear"]
+    assert len(starts) == len(waits) == 4 and len(mms) == 4 and "reduce" not in kinds
+    # h0: linear, start | h1: linear, start | wait h0, linear, start | wait h1, linear, start
+    assert mms[0] < starts[0] < mms[1] < starts[1] < waits[0] < mms[2]
+    assert waits[1] > mms[2] and waits[2] > mms[3]  # each wait after the other half's matmul
+    assert kinds[-1] == "cat"
+
+
+class _Stack(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.a, self.b = nn.Linear(8, 8), nn.Linear(8, 8)
+
+    def forward(self, x):  # a piece returns a tuple
+        x = torch.ops.tessera.tp_reduce(F.linear(x, self.a.weight, self.a.bias), GROUP)
+        return (torch.ops.tessera.tp_reduce(F.linear(x, self.b.weight, self.b.bias), GROUP),)
+
+
+def _kind(node) -> str:
+    target = node.target
+    if target is ops.TP_REDUCE_START:
+        return "start"
+    if target is ops.TP_WAIT:
+        return "wait"
+    if target is ops.TP_REDUCE or target is torch.ops.tessera.tp_reduce:
+        return "reduce"
+    if target is torch.cat:
+        return "cat"
+    return "linear" if "linear" in str(target) else "other"
+
+
+def test_tp_overlap_field_text_form_and_rules():
+    text = "dp=1,tp=2,pp=2,mbs=2,gbs=4,tp_overlap=subpipe"
+    strategy = Strategy.parse(text)
+    assert strategy.tp_overlap == "subpipe" and strategy.to_text() == text
+    assert Strategy.parse("dp=1,tp=2,pp=2,mbs=2,gbs=4").tp_overlap == "none"
+    for bad in ("dp=1,tp=1,pp=2,mbs=2,gbs=4", "dp=1,tp=2,pp=1,mbs=2,gbs=4",
+                "dp=1,tp=2,pp=2,mbs=3,gbs=6"):
+        with pytest.raises(StrategyError, match="tp_overlap=subpipe"):
+            Strategy.parse(bad + ",tp_overlap=subpipe")
+    with pytest.raises(StrategyError, match="tp_overlap must be one of"):
+        Strategy.parse("tp_overlap=async")
+
+
+def test_tp_with_pp_is_runnable_in_1d_only():
+    assert Strategy.parse("dp=2,tp=2,pp=2,mbs=2,gbs=8").is_runnable()
+    assert not Strategy.parse("dp=1,tp=4,tp_mode=2d,pp=2,mbs=2,gbs=8").is_runnable()

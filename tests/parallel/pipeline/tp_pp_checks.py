@@ -1,0 +1,114 @@
+"""Multi-rank checks of tensor x pipeline (x data) parallelism, run from test_tp_pipeline.py.
+
+Like pp_checks.parity, each check trains the same model, micro-batches and optimizer on one
+device in the same process; shards are gathered whole (and fused q|k|v unpermuted) before
+comparing, so every tp rank of a stage takes part in the same gathers in the same order.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+from torch.distributed.tensor import DTensor
+
+from tessera.mesh import Mesh
+from tessera.parallel import parallelize
+from tessera.parallel.pipeline import PipelineEngine
+from tessera.parallel.plan import Parallelized
+from tessera.parallel.tensor.shard import unsharded
+from tessera.strategy import Strategy
+from tessera.train.engine import Engine
+from tessera.train.optim import build_optimizer
+
+import pp_checks
+
+STEPS = 3
+# AdamW with eps 1e-6 (not 1e-8): Adam's first steps move each weight by about lr * sign(g),
+# so weights whose gradient is near eps (k-bias gradients are exactly 0 up to rounding) would
+# turn the 1e-9 rounding differences of tensor-parallel sums into 1e-3 weight differences.
+# With eps 1e-6 such gradients are in Adam's linear range and differences stay at rounding.
+ADAM = (1e-2, 0.1, (0.9, 0.95), 1e-6, torch.device("cpu"))
+
+
+def parity(arch: str, text: str) -> dict[str, float]:
+    """Max loss, gradient and final parameter differences against one device."""
+    strategy = Strategy.parse(text)
+    n = strategy.grad_accum_steps
+    ref = pp_checks.make_model(arch)
+    ref_engine = Engine(Parallelized(ref, ref, None), Strategy(), torch.device("cpu"))
+    ref_opt = build_optimizer(ref, *ADAM)
+    model = pp_checks.make_model(arch)
+    plan = parallelize(model, strategy, Mesh(strategy, "cpu"))
+    engine = PipelineEngine(plan, strategy, torch.device("cpu"))
+    opt = plan.build_optimizer(model, *ADAM)
+    loss_diff = grad_diff = 0.0
+    losses = []
+    for step in range(STEPS):
+        batches = pp_checks.micro_batches(step, n)
+        want, got = ref_engine.forward_backward(batches), engine.forward_backward(batches)
+        loss_diff = max(loss_diff, abs(float(want.loss) - float(got.loss)))
+        losses.append(float(got.loss))
+        ref_norm = float(torch.nn.utils.clip_grad_norm_(ref.parameters(), 1.0))
+        norm = float(plan.clip_grad_norm(model, 1.0))
+        grads = _whole(plan.module, lambda p: p.grad)
+        grad_diff = max(grad_diff, abs(ref_norm - norm), _diff(grads, ref, lambda p: p.grad))
+        ref_opt.step(), opt.step()
+        ref_opt.zero_grad(), opt.zero_grad()
+    params = _whole(plan.module, lambda p: p.detach())
+    return {"loss": loss_diff, "grad": grad_diff, "param": _diff(params, ref, lambda p: p),
+            "saved": _saved_diff(plan.module, ref), "losses": losses,
+            "features": list(plan.features)}
+
+
+def _saved_diff(stage: torch.nn.Module, ref: torch.nn.Module) -> float:
+    """This rank's state dict (what a checkpoint writes) against the single-device one."""
+    want, worst = ref.state_dict(), 0.0
+    for key, value in stage.state_dict().items():
+        value = value.full_tensor() if isinstance(value, DTensor) else value
+        worst = max(worst, (value - want[key]).abs().max().item())
+    return worst
+
+
+def _whole(stage: torch.nn.Module, pick) -> dict[str, torch.Tensor]:
+    out = {}
+    for name, param in stage.named_parameters():
+        owner, _, leaf = name.rpartition(".")
+        value = pick(param)
+        assert value is not None, f"{name} got no gradient"
+        out[name] = unsharded(stage.get_submodule(owner), leaf, value)
+    return out
+
+
+def _diff(whole: dict[str, torch.Tensor], ref: torch.nn.Module, pick) -> float:
+    return max((whole[n] - pick(ref.get_parameter(n))).abs().max().item() for n in whole)
+
+
+def checkpoint_to_one_device(root: str) -> dict[str, list[float]]:
+    """dp=2,tp=2,pp=2 trains 3 steps and saves; dp=8 (one model per rank) resumes for step 4,
+    and so does the tp x pp run: the single-device layout gives the same step-4 loss."""
+    import shutil
+
+    from tessera.run import build_datasets, build_model, build_tokenizer
+    from tessera.testing import tiny_run_config
+    from tessera.train.trainer import Trainer
+
+    def train(out: Path, strategy: str, until=None, resume=False):
+        config = tiny_run_config(out, strategy, train={"max_steps": 4, "resume": resume},
+                                 model={"preset": "tiny", "n_layers": 4})
+        tokenizer = build_tokenizer(config)
+        train_ds, val_ds = build_datasets(config, tokenizer)
+        trainer = Trainer(build_model(config), config.train, train_ds, val_ds,
+                          strategy=config.strategy)
+        return trainer.train(until_step=until)
+
+    root, three_d = Path(root), "dp=2,tp=2,pp=2,mbs=2,gbs=8"
+    torch.distributed.barrier()
+    first = train(root / "3d", three_d, until=3)
+    torch.distributed.barrier()
+    if torch.distributed.get_rank() == 0:
+        shutil.copytree(root / "3d", root / "dp")
+    torch.distributed.barrier()
+    on_3d = train(root / "3d", three_d, resume=True)
+    on_dp = train(root / "dp", "dp=8,tp=1,pp=1,mbs=1,gbs=8", resume=True)
+    return {"first": first.losses, "3d_step4": on_3d.losses, "dp_step4": on_dp.losses}
