@@ -152,12 +152,7 @@ def lower_bound(model: ModelConfig, cluster: Cluster, strategy: Strategy,
 def _stage_costs(model: ModelConfig, cl: Cluster, s: Strategy, groups, opt: SimOptions,
                  cache: dict | None = None) -> list[_Stage]:
     seq, b = model.max_seq_len, s.micro_batch_size
-    key = (id(cl.device), cl.devices_per_node, cl.nodes, b, s.tp, s.tp_mode, s.sp, s.precision)
-    lt = cache.get(key) if cache is not None else None
-    if lt is None:
-        lt = layer_time(cl, model, b, seq, s.tp, s.tp_mode, s.sp, s.precision)
-        if cache is not None:
-            cache[key] = lt
+    lt = _cached_layer_time(model, cl, s, cache)
     tp_f, tp_b = _tp_comm(model, cl, s, groups)
     sp_f, sp_b = _sp_comm(model, cl, s, groups, lt)
     out = []
@@ -178,9 +173,31 @@ def _stage_costs(model: ModelConfig, cl: Cluster, s: Strategy, groups, opt: SimO
         rec = n_rec * lt.forward
         tp = layers * (tp_f + tp_b) + n_rec * tp_f + extra_tp
         sp = layers * (sp_f + sp_b) + n_rec * sp_f
-        hidden = min(opt.tp_overlap * tp, cl.device.overlap_efficiency * (fwd + bwd))
+        hidden = opt.tp_overlap * tp
+        if s.tp_overlap == "subpipe":
+            # Each half micro-batch's forward all-reduces run while the other half computes
+            # (the runtime overlaps forward all-reduces only): at most half the forward work
+            # is there to hide them under.
+            fwd_tp = layers * tp_f + n_rec * tp_f + extra_tp
+            hidden += min(fwd_tp, cl.device.overlap_efficiency * (fwd + rec) / 2)
+        hidden = min(hidden, tp, cl.device.overlap_efficiency * (fwd + bwd))
         out.append(_Stage(fwd, bwd, rec, tp - hidden + sp, tp - hidden, sp))
     return out
+
+
+def _cached_layer_time(model: ModelConfig, cl: Cluster, s: Strategy,
+                       cache: dict | None) -> LayerTime:
+    """One layer's compute for one micro-batch; sub-pipelined tensor parallelism runs it as
+    two half micro-batches (smaller matmuls, so a lower achieved rate, priced as such)."""
+    halves = 2 if s.tp_overlap == "subpipe" else 1
+    b = s.micro_batch_size // halves
+    key = (id(cl.device), cl.devices_per_node, cl.nodes, b, s.tp, s.tp_mode, s.sp, s.precision)
+    lt = cache.get(key) if cache is not None else None
+    if lt is None:
+        lt = layer_time(cl, model, b, model.max_seq_len, s.tp, s.tp_mode, s.sp, s.precision)
+        if cache is not None:
+            cache[key] = lt
+    return LayerTime(lt.forward * halves, lt.backward * halves)
 
 
 def _tp_allreduce(model: ModelConfig, cl: Cluster, s: Strategy, groups) -> float:
