@@ -137,9 +137,12 @@ class ChunkRuntime:
         self.hooks.flush()
         m = self.manager
         total = torch.zeros((), dtype=torch.float32, device=m.device.device)
-        owned = [(c, g) for c in m.own_chunks() if (g := self.readable(c, Kind.GRAD)) is not None]
-        grads = [g for _, g in owned]
-        for chunk, g in owned:
+        # One chunk at a time, using each payload before reading the next: reading a chunk
+        # back from disk may evict another's gradient, and a tensor kept from before that
+        # eviction is a stale copy (scaling it would be lost).
+        owned = [c for c in m.own_chunks() if Kind.GRAD in c.tier]
+        for chunk in owned:
+            g = self.readable(chunk, Kind.GRAD)
             if self.tp_group is None:
                 total += g.float().pow(2).sum().to(total.device)
                 continue
@@ -152,7 +155,8 @@ class ChunkRuntime:
             dist.all_reduce(total, group=self.tp_group)
         norm = total.sqrt()
         coef = torch.clamp(max_norm / (norm + 1e-6), max=1.0)
-        for g in grads:
+        for chunk in owned:
+            g = self.readable(chunk, Kind.GRAD)
             g.mul_(coef.to(g.device))
         return norm
 
