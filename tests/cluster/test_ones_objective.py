@@ -95,3 +95,24 @@ def test_ones_variants_finish_a_trace_and_bad_settings_are_refused(models):
         ONES(batching="sqrt")
     with pytest.raises(ValueError, match="cap_growth_epochs must be > 0"):
         ONES(cap_growth_epochs=0)
+
+
+def test_best_batch_per_distinct_triple_equals_the_full_goodput_grid(models):
+    # best_batch prices each distinct (app, GPUs, nodes) once; the result must equal the
+    # goodput over every row's own grid (same jobs at several counts, two jobs of one app).
+    jobs = [JobSpec("a", 0, "cifar10", 1, 0), JobSpec("b", 0, "cifar10", 1, 0),
+            JobSpec("c", 0, "bert", 1, 0)]
+    view = view_of(models, jobs, gpus=16)
+    view.jobs.progress[:] = [0.0, 0.3, 0.1] * view.jobs.work[:3]
+    ids = np.array([0, 1, 2, 0, 1, 2, 0, 0])
+    n = np.array([1, 1, 2, 4, 4, 8, 16, 4])
+    nodes = np.array([1, 1, 1, 1, 2, 2, 4, 1])
+    good, b = fit.best_batch(view, ids, n, nodes)
+    app, frac = view.jobs.app[ids], view.jobs.fraction(ids)
+    b0, bmax = models.param("base_batch", app), models.param("max_batch", app)
+    lo = np.minimum(np.maximum(b0, np.ceil(models.param("min_local", app) * n)), bmax)
+    grid = np.round(lo[:, None] * (bmax / lo)[:, None] ** np.linspace(0, 1, fit.BATCH_STEPS))
+    full = models.goodput(app[:, None], n[:, None], nodes[:, None], grid, frac[:, None])
+    assert np.array_equal(good, full.max(axis=1))
+    assert np.array_equal(b, grid[np.arange(len(ids)), full.argmax(axis=1)])
+    assert good[1] != good[0]  # same app and count, other progress: not shared by mistake

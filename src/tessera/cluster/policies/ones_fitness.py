@@ -30,15 +30,31 @@ def best_batch(view: ClusterView, ids: np.ndarray, n: np.ndarray,
     """
     j, models = view.jobs, view.models
     app = j.app[ids]
-    b0, bmax = models.param("base_batch", app), models.param("max_batch", app)
-    lo = np.minimum(np.maximum(b0, np.ceil(models.param("min_local", app) * n)), bmax)
-    steps = np.linspace(0.0, 1.0, BATCH_STEPS)[None, :]
-    b = np.round(lo[:, None] * (bmax / lo)[:, None] ** steps)  # (P, S)
-    good = models.goodput(app[:, None], n[:, None], nodes[:, None], b,
-                          j.fraction(ids)[:, None])
+    # The batch grid and throughput depend on (app, n, nodes) only, not on the job: compute
+    # them once per distinct triple (a round asks for thousands of rows, a few distinct).
+    code = (app.astype(np.int64) * (view.cluster.gpus + 1)
+            + np.asarray(n, dtype=np.int64)) * (view.cluster.gpus + 1) + np.asarray(
+                nodes, dtype=np.int64)
+    _, first, inverse = np.unique(code, return_index=True, return_inverse=True)
+    inverse = inverse.reshape(-1)
+    b, thr = _grid(models, app[first], np.asarray(n)[first], np.asarray(nodes)[first])
+    b, thr = b[inverse], thr[inverse]  # (P, S)
+    good = thr * models.efficiency(app[:, None], b, j.fraction(ids)[:, None])
     pick = good.argmax(axis=1)
     rows = np.arange(len(ids))
     return good[rows, pick], b[rows, pick]
+
+
+def _grid(models, app: np.ndarray, n: np.ndarray, nodes: np.ndarray
+          ) -> tuple[np.ndarray, np.ndarray]:
+    """(batch, throughput), each (U, S): the log grid of candidate batches between the base
+    batch (at least the smallest profiled per-GPU batch) and the largest allowed, and the
+    throughput of each on ``n`` GPUs over ``nodes`` nodes."""
+    b0, bmax = models.param("base_batch", app), models.param("max_batch", app)
+    lo = np.minimum(np.maximum(b0, np.ceil(models.param("min_local", app) * n)), bmax)
+    steps = np.linspace(0.0, 1.0, BATCH_STEPS)[None, :]
+    b = np.round(lo[:, None] * (bmax / lo)[:, None] ** steps)
+    return b, models.throughput(app[:, None], n[:, None], nodes[:, None], b)
 
 
 def completion_sum(t: np.ndarray, n: np.ndarray, pop: np.ndarray, t1: np.ndarray,
@@ -109,7 +125,11 @@ def greedy_counts(view: ClusterView, ids: np.ndarray, t1: np.ndarray, cap: np.nd
     nn = np.arange(1, top + 1)
     jj = np.repeat(cand, top)
     n_flat = np.tile(nn, cand.size)
-    good, _ = best_batch(view, ids[jj], n_flat, np.ceil(n_flat / gpn))
+    # Only counts within a job's cap are priced: the gains towards counts above it are masked
+    # below, and the running minimum only carries values rightwards, so those rows never matter.
+    live = n_flat <= np.repeat(cap[cand], top)
+    good = np.ones(n_flat.shape)
+    good[live], _ = best_batch(view, ids[jj[live]], n_flat[live], np.ceil(n_flat[live] / gpn))
     rem = view.remaining(ids[jj])
     t = (rem / np.maximum(good, 1e-30)).reshape(cand.size, top)
     gain = (t[:, :-1] - t[:, 1:]) * weight[cand][:, None]  # (Jc, top-1): from n to n+1 GPUs
