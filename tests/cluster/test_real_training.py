@@ -22,6 +22,10 @@ TINY = ("model.preset=tiny", "data.seq_len=32", "data.max_bytes=200000",
         "train.progress=lines", "train.logging_steps=1", "train.warmup_steps=2")
 
 
+# Long enough that a pause requested after step 3 lands before the job ends on an idle machine.
+STEPS = 60
+
+
 def losses(out: Path) -> dict[int, float]:
     lines = (out / "metrics.jsonl").read_text().splitlines()
     steps = [json.loads(x) for x in lines if '"loss"' in x]
@@ -41,8 +45,8 @@ def wait(executor: RealExecutor, until, timeout: float = 240.0) -> None:
 def test_a_resized_job_continues_exactly_from_its_checkpoint(tmp_path):
     # Job 0 starts on 2 devices and is shrunk to 1 mid-run; job 1 is the same job run on 1
     # device throughout, as the reference. Same gbs, so the same samples in the same order.
-    jobs = (RealJob("resized", 2, 8, 30, 2, overrides=TINY),
-            RealJob("straight", 1, 8, 30, 2, overrides=TINY))
+    jobs = (RealJob("resized", 2, 8, STEPS, 2, overrides=TINY),
+            RealJob("straight", 1, 8, STEPS, 2, overrides=TINY))
     executor = RealExecutor(jobs, LocalLauncher(3), tmp_path, Measurements(),
                             threads_per_device=1)
     batch = lambda g: Assignment(np.array(g), 8)  # noqa: E731
@@ -53,15 +57,15 @@ def test_a_resized_job_continues_exactly_from_its_checkpoint(tmp_path):
     wait(executor, lambda: all(r.finished for r in executor.runs))
 
     k = paused_at["step"]
-    assert 3 <= k < 30 and paused_at["strategy"] == "dp=2,tp=1,pp=1,mbs=2,gbs=8"
+    assert 3 <= k < STEPS and paused_at["strategy"] == "dp=2,tp=1,pp=1,mbs=2,gbs=8"
     final = read_meta(list_complete(tmp_path / "resized" / "checkpoints")[-1])
-    assert final["step"] == 30 and final["strategy"] == "dp=1,tp=1,pp=1,mbs=2,gbs=8"
+    assert final["step"] == STEPS and final["strategy"] == "dp=1,tp=1,pp=1,mbs=2,gbs=8"
     resized, straight = losses(tmp_path / "resized"), losses(tmp_path / "straight")
-    assert len(resized) == len(straight) == 30
+    assert len(resized) == len(straight) == STEPS
     # dp=2 and dp=1 see the same samples; only the order of float sums differs (mean of two
     # half-batch means vs one mean; 4 vs 2 accumulation steps), so the losses agree to ~1e-5.
     # A repeated or skipped batch after the resume would move the loss by ~1e-2.
-    for step in range(1, 31):
+    for step in range(1, STEPS + 1):
         assert resized[step] == pytest.approx(straight[step], abs=2e-4), step
     log = (tmp_path / "resized" / "launch.log").read_text()
     assert log.index("dp=2,tp=1,pp=1,mbs=2,gbs=8 on 2 worker") < log.index(
@@ -72,8 +76,9 @@ def test_a_resized_job_continues_exactly_from_its_checkpoint(tmp_path):
 @pytest.mark.slow
 def test_a_resize_with_a_new_batch_resumes_at_its_samples_with_the_scaled_rate(tmp_path):
     # 2 devices at gbs 4, then 1 device at gbs 8 (the policy's choice, up to max_gbs): the job
-    # trains 40 x 4 = 160 samples in all, resuming the stream at the checkpoint's samples.
-    job = RealJob("grow", 2, 4, 40, 2, max_gbs=8, lr=1e-3,
+    # trains 200 x 4 = 800 samples in all, resuming the stream at the checkpoint's samples.
+    # (200 steps, not fewer: on an idle machine a short job finished before its pause landed.)
+    job = RealJob("grow", 2, 4, 200, 2, max_gbs=8, lr=1e-3,
                   overrides=(*TINY, "train.lr_scheduler_type=constant"))
     executor = RealExecutor((job,), LocalLauncher(2), tmp_path, Measurements(),
                             threads_per_device=1)
@@ -85,9 +90,9 @@ def test_a_resize_with_a_new_batch_resumes_at_its_samples_with_the_scaled_rate(t
     wait(executor, lambda: executor.runs[0].finished)
 
     k = paused["step"]
-    assert 3 <= k < 40 and paused["strategy"] == "dp=2,tp=1,pp=1,mbs=2,gbs=4"
+    assert 3 <= k < 200 and paused["strategy"] == "dp=2,tp=1,pp=1,mbs=2,gbs=4"
     assert paused["samples_consumed"] == 4 * k
-    n = k + -(-(160 - 4 * k) // 8)  # the remaining samples at gbs 8, rounded up
+    n = k + -(-(800 - 4 * k) // 8)  # the remaining samples at gbs 8, rounded up
     final = read_meta(list_complete(ckpts)[-1])
     assert final["step"] == n and final["strategy"] == "dp=1,tp=1,pp=1,mbs=2,gbs=8"
     assert final["samples_consumed"] == 4 * k + 8 * (n - k)  # none skipped or repeated
