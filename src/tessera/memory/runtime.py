@@ -23,9 +23,10 @@ from tessera.memory.hybrid_adam import HybridAdam
 from tessera.memory.manager import ChunkManager, MemoryOptions
 from tessera.memory.scaler import ChunkLossScaler
 from tessera.memory.shard_state import ShardStateDicts
-from tessera.memory.shards import has_shards, local_of, replicas
+from tessera.memory.shards import has_shards, local_of
 from tessera.memory.tensor_state import TensorState
 from tessera.memory.tiers import DEVICE, DISK, HOST
+from tessera.parallel.tensor.loss import replica_count
 
 S = TensorState
 _DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
@@ -141,6 +142,7 @@ class ChunkRuntime:
         # back from disk may evict another's gradient, and a tensor kept from before that
         # eviction is a stale copy (scaling it would be lost).
         owned = [c for c in m.own_chunks() if Kind.GRAD in c.tier]
+        tp = 1 if self.tp_group is None else dist.get_world_size(self.tp_group)
         for chunk in owned:
             g = self.readable(chunk, Kind.GRAD)
             if self.tp_group is None:
@@ -148,7 +150,7 @@ class ChunkRuntime:
                 continue
             for slot in chunk.slots:  # a piece held by several tp ranks is counted once
                 piece = g[slot.offset: slot.end].float().pow(2).sum()
-                total += (piece / replicas(slot.param)).to(total.device)
+                total += (piece / replica_count(slot.param, tp)).to(total.device)
         if m.world > 1:
             dist.all_reduce(total, group=m.zero.group)
         if self.tp_group is not None:

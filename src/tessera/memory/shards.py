@@ -13,11 +13,9 @@ wrapper and any views taken afterwards then see the chunk.
 
 from __future__ import annotations
 
-import math
-
 import torch
 from torch import nn
-from torch.distributed.tensor import DTensor, Replicate
+from torch.distributed.tensor import DTensor
 
 
 def is_shard(param: torch.Tensor) -> bool:
@@ -36,15 +34,6 @@ def local_grad(grad: torch.Tensor) -> torch.Tensor:
 def point_at(param: torch.Tensor, data: torch.Tensor) -> None:
     """Make ``param`` (its local shard under tp) use ``data`` as its storage."""
     local_of(param).data = data
-
-
-def replicas(param: torch.Tensor) -> int:
-    """How many tensor-parallel ranks hold the same piece of ``param`` (1: a plain shard)."""
-    if not isinstance(param, DTensor):
-        return 1
-    mesh = param.device_mesh
-    return math.prod(mesh.size(d) for d, p in enumerate(param.placements)
-                     if isinstance(p, Replicate))
 
 
 def as_layout(param: torch.Tensor, value: torch.Tensor) -> torch.Tensor:
