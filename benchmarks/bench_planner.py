@@ -125,9 +125,13 @@ def _profile(world: int, quick: bool):
 def with_contention(cluster, contention: dict):
     """The profiled cluster with its contention figures replaced by those probed during the
     timed run (the shared machine's load drifts between the profile and the run)."""
+    # A profile measures its collective fits under load, which includes the sync penalty; only
+    # clusters written before that carry a separate penalty, and only those get it replaced.
+    penalty = ({**cluster.sync_penalty, **contention["sync_penalty"]} if cluster.sync_penalty
+               else {})
     return dataclasses.replace(
         cluster, concurrency={**cluster.concurrency, **contention["concurrency"]},
-        sync_penalty={**cluster.sync_penalty, **contention["sync_penalty"]})
+        sync_penalty=penalty)
 
 
 def _family(s: Strategy) -> str:

@@ -21,7 +21,11 @@ import yaml
 
 from tessera.planner.hardware import DeviceSpec, HardwareError, get_device
 
-COLLECTIVES = ("all_reduce", "all_gather", "reduce_scatter", "all_to_all", "p2p")
+# ring_step: every member sends to the next and receives from the previous at once (a ring
+# attention step); broadcast: from one member to the others (SUMMA's block exchange). Both are
+# measured by `tessera profile` only.
+COLLECTIVES = ("all_reduce", "all_gather", "reduce_scatter", "all_to_all", "p2p", "ring_step",
+               "broadcast")
 
 
 class ClusterError(ValueError):
@@ -53,7 +57,7 @@ class Cluster:
             node; empty means alpha-beta from the device's links.
         compute_slots: cores that a node's workers share (CPU); None when each device computes
             on its own. More workers than slots slows each one down proportionally.
-        concurrency: measured fraction of a lone worker's matmul rate that each of g workers
+        concurrency: measured fraction of a lone worker's training-step rate that each of g workers
             gets when all run at once, ``{g: fraction}`` (profile; it sees other load on the
             machine too). Preferred over ``compute_slots`` when present.
         sync_penalty: measured extra seconds of one blocking collective in a group of g

@@ -29,15 +29,18 @@ parallel groups are the most local.
 
 from __future__ import annotations
 
+import math
+
 from dataclasses import dataclass
 
 from tessera.planner.cluster import Cluster
 
 _WIRE = {"all_reduce": lambda g: 2 * (g - 1) / g, "all_gather": lambda g: (g - 1) / g,
          "reduce_scatter": lambda g: (g - 1) / g, "all_to_all": lambda g: (g - 1) / g,
-         "p2p": lambda g: 1.0}
+         "p2p": lambda g: 1.0, "ring_step": lambda g: 1.0, "broadcast": lambda g: 1.0}
 _STEPS = {"all_reduce": lambda g: 2 * (g - 1), "all_gather": lambda g: g - 1,
-          "reduce_scatter": lambda g: g - 1, "all_to_all": lambda g: g - 1, "p2p": lambda g: 1}
+          "reduce_scatter": lambda g: g - 1, "all_to_all": lambda g: g - 1, "p2p": lambda g: 1,
+          "ring_step": lambda g: 1, "broadcast": lambda g: max(1, math.ceil(math.log2(g)))}
 
 
 @dataclass(frozen=True)
@@ -66,7 +69,8 @@ def collective_time(cluster: Cluster, op: str, nbytes: float, group: Group) -> f
 
     Args:
         cluster: devices and, optionally, measured fits.
-        op: one of all_reduce, all_gather, reduce_scatter, all_to_all, p2p.
+        op: one of all_reduce, all_gather, reduce_scatter, all_to_all, p2p, ring_step,
+            broadcast.
         nbytes: the buffer per device (all_gather: the gathered output; p2p: the message).
         group: the process group; for p2p, the ring or pair the message travels in (a pair
             of neighbouring pipeline stages is ``Group(2, pp_stride)``).
@@ -99,12 +103,18 @@ def summa_time(cluster: Cluster, m: float, n: float, k: float, count: int, q: in
     Each of the q steps broadcasts an ``(m/q, k/q)`` block along the row and a ``(k/q, n/q)``
     block along the column; a pipelined broadcast costs about an all-gather of the same data,
     so each device moves ``(m k + k n) / q`` elements per product. The runtime issues it as
-    q broadcasts per operand, so each product pays 2 q collective latencies, not 2.
+    q broadcasts per operand, so each product pays 2 q collective latencies, not 2. A profiled
+    cluster prices exactly those broadcasts (of ``(m/q, k/q)`` and ``(k/q, n/q)`` blocks) from
+    its measured broadcast fits; backward's reduces are priced like broadcasts.
     """
     if q <= 1:
         return 0.0
     row = Group(q, group.stride)
     col = Group(q, group.stride * q)
+    if "broadcast" in cluster.collectives:  # profiled: the runtime's q broadcasts per operand
+        a_block, b_block = m * k / q / q * nbytes_el, k * n / q / q * nbytes_el
+        return count * q * (collective_time(cluster, "broadcast", a_block, row)
+                            + collective_time(cluster, "broadcast", b_block, col))
     a_bytes = m * k / q * nbytes_el
     b_bytes = k * n / q * nbytes_el
     per = collective_time(cluster, "all_gather", a_bytes, row) + collective_time(

@@ -11,10 +11,13 @@ holds ``s_loc = seq / sp`` positions, with tensor parallelism of degree ``t``:
 - Attention core: ``4 * b * s_loc * seq * h / t`` forward FLOPs counted the way
   ``ModelConfig.flops_per_token`` counts them (PaLM appendix B, no causal saving); a causal fused
   kernel does half of that work, at ``attention_efficiency`` of peak; backward is 2.5x forward
-  (flash attention recomputes the scores).
-- Element-wise kernels (norms, residual adds, activation, rope): memory traffic of about
-  ``n * (14 h + c f)`` elements forward (c = 2 for gelu, 5 for swiglu's silu-and-multiply) and
-  twice that backward, at ``memory_efficiency`` of memory bandwidth.
+  (flash attention recomputes the scores). With sequence parallelism the runtime runs its
+  own explicit block attention instead, priced per score element (:func:`sp_attention_time`).
+- Element-wise kernels (norms, residual adds, activation, rope): about ``n * (14 h + c f)``
+  elements forward (c = 2 for gelu, 5 for swiglu's silu-and-multiply). A profiled device
+  prices them at its measured seconds per element of real transformer layers (forward and
+  backward separately); otherwise as memory traffic at ``memory_efficiency`` of memory
+  bandwidth, twice that backward.
 - Fixed per-layer seconds: the profiled ``overheads`` (Python and launches of a tiny reference
   layer) when the device has them, else ``kernel_overhead`` for about 16 kernels forward and 32
   backward.
@@ -96,11 +99,54 @@ def layer_matmuls(model: ModelConfig, n: int, tp: int, tp_mode: str
     return [(n, qkv_out / tp, h, 1), (n, h, h / tp, 1), (n, f / tp, h, mlp_in), (n, h, f / tp, 1)]
 
 
-def layer_time(cluster: Cluster, model: ModelConfig, b: int, seq: int, tp: int, tp_mode: str,
-               sp: int, precision: str) -> LayerTime:
-    """Forward and backward seconds of one transformer layer for one micro-batch."""
+def layer_elements(model: ModelConfig, n: float, tp: int) -> float:
+    """Element-wise work of one layer's forward on one device, in elements: about
+    ``n (14 h + c f) / t`` (norms, residual adds, rope and the activation; c = 2 for gelu,
+    5 for swiglu's silu-and-multiply)."""
+    c_f = 5 if model.activation == "swiglu" else 2
+    return n * (14 * model.d_model + c_f * model.d_ff) / tp
+
+
+def sp_attention_time(cluster: Cluster, model: ModelConfig, b: int, seq: int, tp: int,
+                      tp_mode: str, sp: int, sp_mode: str) -> LayerTime:
+    """Seconds of the sequence-parallel runtime's explicit attention (fp32 block attention in
+    pieces of query rows: scores, mask, log-sum-exp, exp, then the value matmul; backward
+    recomputes the probabilities) on one rank for one layer, at a lone worker's rate.
+
+    Score elements per rank: ``b * heads * (seq / sp) * seq`` (Ulysses: heads / sp ranks of
+    whole sequences, the same count), times ``(sp + 1) / (2 sp)`` for the causal zigzag ring,
+    which computes half blocks off the diagonal; Ulysses and RSA compute masked rows in full.
+    Calls per layer: one block per ring step (sp), two ring passes for RSA (2 sp), one for
+    Ulysses. A profiled device prices each call at its measured ``c + E (a + b head_size)``;
+    otherwise four (eight backward) FLOPs per score and head dimension at the matmul rate,
+    six (ten) fp32 passes over the scores at the memory bandwidth and twenty kernel launches
+    per call."""
     device = cluster.device
-    share = cluster.compute_share()
+    heads = model.n_heads / (math.isqrt(tp) if tp_mode == "2d" else tp)
+    hs = model.head_dim
+    fraction = (sp + 1) / (2 * sp) if sp_mode == "ring" else 1.0
+    elements = b * heads * seq / sp * seq * fraction
+    calls = {"ring": sp, "rsa": 2 * sp}.get(sp_mode, 1)
+    fixed = device.overheads
+    if "attn_fwd_elem" in fixed:
+        return LayerTime(
+            calls * fixed["attn_fwd_call"]
+            + elements * (fixed["attn_fwd_elem"] + fixed["attn_fwd_elem_hs"] * hs),
+            calls * fixed["attn_bwd_call"]
+            + elements * (fixed["attn_bwd_elem"] + fixed["attn_bwd_elem_hs"] * hs))
+    rate = device.peak("fp32") * device.matmul_efficiency
+    bw = device.memory_bandwidth * device.memory_efficiency
+    launches = calls * 20 * device.kernel_overhead
+    return LayerTime(4 * elements * hs / rate + 6 * 4 * elements / bw + launches,
+                     8 * elements * hs / rate + 10 * 4 * elements / bw + launches)
+
+
+def layer_core_time(cluster: Cluster, model: ModelConfig, b: int, seq: int, tp: int,
+                    tp_mode: str, sp: int, precision: str, sp_mode: str = "ring") -> LayerTime:
+    """Matmul and attention seconds of one layer for one micro-batch, at a lone worker's
+    rate (no element-wise work, no fixed cost, no contention). With sp > 1 the attention is
+    the sequence-parallel runtime's own (:func:`sp_attention_time`), not a fused kernel."""
+    device = cluster.device
     s_loc = seq // sp
     n = b * s_loc
     fwd = bwd = 0.0
@@ -109,17 +155,45 @@ def layer_time(cluster: Cluster, model: ModelConfig, b: int, seq: int, tp: int, 
         t = count * 2.0 * m * o * k / rate
         fwd += t
         bwd += BWD_MATMUL_FACTOR * t
+    if sp > 1:
+        attn = sp_attention_time(cluster, model, b, seq, tp, tp_mode, sp, sp_mode)
+        return LayerTime(fwd + attn.forward, bwd + attn.backward)
     attn_flops = 4.0 * b * s_loc * seq * model.d_model / tp * 0.5
     t_attn = attn_flops / (device.peak(precision) * device.attention_efficiency)
-    fwd += t_attn
-    bwd += BWD_ATTENTION_FACTOR * t_attn
-    c_f = 5 if model.activation == "swiglu" else 2
-    elem_bytes = n * (14 * model.d_model + c_f * model.d_ff) / tp * bytes_per_element(precision)
-    t_elem = elem_bytes / (device.memory_bandwidth * device.memory_efficiency)
+    return LayerTime(fwd + t_attn, bwd + BWD_ATTENTION_FACTOR * t_attn)
+
+
+def elementwise_time(cluster: Cluster, model: ModelConfig, n: float, tp: int,
+                     precision: str) -> LayerTime:
+    """Element-wise seconds of one layer at a lone worker's rate.
+
+    A profiled device carries seconds per element (``overheads["elem_fwd_<activation>"]`` and
+    ``elem_bwd_``), measured on real transformer layers by ``tessera profile``: on CPUs the
+    activation (erf, sigmoid) and the norms are compute-bound, so the memory bandwidth of a
+    plain add prices them several times too cheap. Otherwise: bytes over memory bandwidth."""
+    device = cluster.device
+    elements = layer_elements(model, n, tp)
+    key = "swiglu" if model.activation == "swiglu" else "gelu"
+    per_element = device.overheads.get(f"elem_fwd_{key}")
+    if per_element is not None:
+        return LayerTime(elements * per_element,
+                         elements * device.overheads.get(f"elem_bwd_{key}", 2 * per_element))
+    t_elem = (elements * bytes_per_element(precision)
+              / (device.memory_bandwidth * device.memory_efficiency))
+    return LayerTime(t_elem, BWD_ELEMENTWISE_FACTOR * t_elem)
+
+
+def layer_time(cluster: Cluster, model: ModelConfig, b: int, seq: int, tp: int, tp_mode: str,
+               sp: int, precision: str, sp_mode: str = "ring") -> LayerTime:
+    """Forward and backward seconds of one transformer layer for one micro-batch."""
+    device = cluster.device
+    share = cluster.compute_share()
+    core = layer_core_time(cluster, model, b, seq, tp, tp_mode, sp, precision, sp_mode)
+    elem = elementwise_time(cluster, model, b * seq // sp, tp, precision)
     fixed = device.overheads
-    fwd += t_elem + fixed.get("layer_fwd", KERNELS_FWD * device.kernel_overhead)
-    bwd += BWD_ELEMENTWISE_FACTOR * t_elem + fixed.get("layer_bwd",
-                                                       KERNELS_BWD * device.kernel_overhead)
+    fwd = core.forward + elem.forward + fixed.get("layer_fwd", KERNELS_FWD * device.kernel_overhead)
+    bwd = core.backward + elem.backward + fixed.get("layer_bwd",
+                                                    KERNELS_BWD * device.kernel_overhead)
     return LayerTime(fwd / share, bwd / share)
 
 

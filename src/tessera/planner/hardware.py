@@ -30,7 +30,12 @@ TF = 1e12
 
 
 OVERHEAD_KEYS = ("layer_fwd", "layer_bwd", "model_fwd", "model_bwd", "optim_fixed",
-                 "optim_layer", "chunk_layer")
+                 "optim_layer", "chunk_layer",
+                 # seconds per element of a layer's element-wise work (planner/calibrate.py)
+                 "elem_fwd_gelu", "elem_bwd_gelu", "elem_fwd_swiglu", "elem_bwd_swiglu",
+                 # explicit sequence-parallel attention: c per call + E (a + b * head size)
+                 "attn_fwd_call", "attn_fwd_elem", "attn_fwd_elem_hs",
+                 "attn_bwd_call", "attn_bwd_elem", "attn_bwd_elem_hs")
 
 
 class HardwareError(ValueError):
@@ -77,6 +82,8 @@ class DeviceSpec:
         memory_efficiency: fraction of memory bandwidth element-wise kernels reach.
         kernel_overhead: fixed seconds per kernel (launch, tail), which small matmuls feel.
         overlap_efficiency: fraction of concurrent compute that communication can hide under.
+        p2p_overlap_efficiency: the same for asynchronous send/recv rings (ring attention);
+            None: ``overlap_efficiency``.
         reserved_bytes: memory not available to the model (runtime, allocator, comm buffers).
         flash_attention: fused attention that keeps no (s x s) scores.
         optimizer_bytes_per_param: memory traffic of one Adam update per parameter; a fused
@@ -105,6 +112,7 @@ class DeviceSpec:
     memory_efficiency: float = 0.8
     kernel_overhead: float = 5e-6
     overlap_efficiency: float = 0.9
+    p2p_overlap_efficiency: float | None = None
     reserved_bytes: float = 2 * GIB
     flash_attention: bool = True
     optimizer_bytes_per_param: float = 48.0
@@ -125,8 +133,17 @@ class DeviceSpec:
         for name in ("matmul_efficiency", "attention_efficiency", "memory_efficiency"):
             if not 0 < getattr(self, name) <= 1:
                 raise HardwareError(f"device.{name} must lie in (0, 1], got {getattr(self, name)}")
-        if not 0 <= self.overlap_efficiency <= 1:
-            raise HardwareError("device.overlap_efficiency must lie in [0, 1]")
+        for name in ("overlap_efficiency", "p2p_overlap_efficiency"):
+            value = getattr(self, name)
+            if value is not None and not 0 <= value <= 1:
+                raise HardwareError(f"device.{name} must lie in [0, 1], got {value!r}")
+
+    @property
+    def ring_overlap(self) -> float:
+        """Fraction of a ring step's send/recv that hides under the step's compute."""
+        if self.p2p_overlap_efficiency is None:
+            return self.overlap_efficiency
+        return self.p2p_overlap_efficiency
 
     def peak(self, precision: str) -> float:
         """Peak FLOP/s for a training precision.

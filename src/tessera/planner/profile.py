@@ -7,16 +7,22 @@ What is measured, each with one thread per worker (as training workers run, OMP_
   the best matmul rate;
 - element-wise memory bandwidth (an out-of-place add), one AdamW update's traffic per parameter,
   and the fixed cost of one small autograd kernel;
-- collectives (all_reduce, all_gather, reduce_scatter, all_to_all, p2p) over gloo for each
-  group size 2..workers, fitted as latency + bytes / bandwidth by least squares;
-- how much of an all_reduce hides under a concurrent matmul (the overlap efficiency);
-- the matmul rate each of g workers gets when g run at once (more workers than cores, or other
-  load on a shared machine, show up here);
-- the extra time of a blocking collective in groups of g while every worker computes between
-  collectives (the sync penalty: a member that shares a core with busy workers answers late);
+- collectives (all_reduce, all_gather, reduce_scatter, all_to_all, p2p, broadcast, and a ring
+  step in which every member sends to the next and receives from the previous) over gloo for group
+  sizes 2, 4, 8, ... and ``workers``, every group at once, each call following about a
+  millisecond of compute on every worker (as in training: a member that shares a core with
+  busy workers answers late), fitted as latency + bytes / bandwidth by least squares;
+- how much of an all_reduce hides under a concurrent matmul (the overlap efficiency), and how
+  much of an asynchronous send/recv ring step hides under compute (ring attention's overlap);
+- the rate of a reference transformer block's forward + backward that each of g workers gets
+  when g run at once (more workers than cores, or other load on a shared machine, show up
+  here);
 - the fixed Python and kernel-launch seconds of a training step of a tiny reference
   transformer (per layer, per model, per optimizer step), where FLOPs are negligible, and
-  what the memory=chunk runtime adds per layer (a one-worker Trainer, chunk against ddp).
+  what the memory=chunk runtime adds per layer (a one-worker Trainer, chunk against ddp);
+- the element-wise seconds per element of real reference transformer layers, and the seconds
+  per score element of the sequence-parallel runtime's explicit block attention
+  (calibrate.py).
 """
 
 from __future__ import annotations
@@ -32,6 +38,7 @@ from typing import Callable
 import torch
 import torch.nn.functional as F
 
+from tessera.planner.calibrate import calibrate_block_attention, calibrate_elementwise
 from tessera.planner.cluster import COLLECTIVES, Cluster, CollectiveFit
 from tessera.planner.hardware import local_cpu
 
@@ -176,6 +183,11 @@ def _sizes(quick: bool) -> list[int]:
     return [2**p for p in (range(12, 25, 3) if quick else range(10, 26, 2))]
 
 
+def _group_sizes(world: int) -> list[int]:
+    """Group sizes to measure: powers of two below ``world``, and ``world`` itself."""
+    return sorted({g for g in (2, 4, 8, 16, 32) if g < world} | {world})
+
+
 def _worker(rank: int, world: int, port: int, quick: bool, out_dir: str) -> None:
     import torch.distributed as dist
 
@@ -183,63 +195,136 @@ def _worker(rank: int, world: int, port: int, quick: bool, out_dir: str) -> None
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank,
                             world_size=world)
     results: dict[str, dict[int, list[tuple[int, float]]]] = {op: {} for op in COLLECTIVES}
-    sizes = [g for g in range(2, world + 1)]
-    groups = {g: dist.new_group(list(range(g))) for g in sizes}
-    for g in sizes:
-        group = groups[g]
-        member = rank < g
+    for g in _group_sizes(world):
+        group, size = partition_group(dist, rank, world, g)
+        members = _members(world, g, rank)
         for nbytes in _sizes(quick):
-            n = nbytes // 4
-            if member:
-                for op in COLLECTIVES:
-                    t = _collective(dist, op, n, g, rank, group)
-                    results[op].setdefault(g, []).append((nbytes, t))
-            dist.barrier()
+            for op in COLLECTIVES:
+                t = _loaded_collective(dist, op, nbytes // 4, rank, group, members)
+                results[op].setdefault(g, []).append((nbytes, t))
     overlap = _overlap(dist, quick) if world >= 2 else 0.5
+    ring_overlap = _ring_overlap(dist, rank, world) if world >= 2 else overlap
     concurrency = {g: _concurrent_rate(dist, rank, g) for g in range(1, world + 1)}
-    penalty = {g: _sync_penalty(dist, rank, world, g) for g in range(2, world + 1)}
     if rank == 0:
-        torch.save({"results": results, "overlap": overlap, "concurrency": concurrency,
-                    "sync_penalty": penalty},
+        torch.save({"results": results, "overlap": overlap, "ring_overlap": ring_overlap,
+                    "concurrency": concurrency},
                    os.path.join(out_dir, "coll.pt"))
     dist.destroy_process_group()
 
 
-def _collective(dist, op: str, n: int, g: int, rank: int, group) -> float:
-    x = torch.randn(n - n % g or g)
-    if op == "all_reduce":
-        fn = lambda: dist.all_reduce(x, group=group)  # noqa: E731
-    elif op == "all_gather":  # the gathered output is n elements, as comm.py counts it
-        part = x[: x.numel() // g]
-        fn = lambda: dist.all_gather_into_tensor(x, part, group=group)  # noqa: E731
-    elif op == "reduce_scatter":
-        out = torch.empty(x.numel() // g)
-        fn = lambda: dist.reduce_scatter_tensor(out, x, group=group)  # noqa: E731
-    elif op == "all_to_all":
-        out = torch.empty_like(x)
-        fn = lambda: dist.all_to_all_single(out, x, group=group)  # noqa: E731
-    else:  # p2p between ranks 0 and 1 of the group; one message each way, halved
-        peer = 1 - rank if rank < 2 else None
+def _members(world: int, g: int, rank: int) -> list[int]:
+    """The global ranks of this rank's group of ``g`` (consecutive ranks, as partition_group)."""
+    start = rank - rank % g
+    return list(range(start, min(start + g, world)))
 
-        def fn():
-            if peer is None:
-                return
-            if rank == 0:
-                dist.send(x, peer)
-                dist.recv(x, peer)
-            else:
-                dist.recv(x, peer)
-                dist.send(x, peer)
-    dist.barrier(group=group)
-    fn()
-    times = []
-    for _ in range(3):
-        dist.barrier(group=group)
+
+def _collective_fn(dist, op: str, n: int, rank: int, group, members: list[int]):
+    """One call of ``op`` on ``n`` fp32 elements in ``group``; None for a group of one."""
+    g = len(members)
+    if g < 2:
+        return None
+    x = torch.randn(max(g, n - n % g))
+    if op == "all_reduce":
+        return lambda: dist.all_reduce(x, group=group)
+    if op == "all_gather":  # the gathered output is n elements, as comm.py counts it
+        part = x[: x.numel() // g]
+        return lambda: dist.all_gather_into_tensor(x, part, group=group)
+    if op == "reduce_scatter":
+        out = torch.empty(x.numel() // g)
+        return lambda: dist.reduce_scatter_tensor(out, x, group=group)
+    if op == "all_to_all":
+        out = torch.empty_like(x)
+        return lambda: dist.all_to_all_single(out, x, group=group)
+    if op == "broadcast":  # from the group's first member
+        return lambda: dist.broadcast(x, src=members[0], group=group)
+    index = members.index(rank)
+    if op == "ring_step":  # every member sends to the next, receives from the previous
+        nxt, prv = members[(index + 1) % g], members[(index - 1) % g]
+        inbox = torch.empty_like(x)
+
+        def ring_step():
+            for req in dist.batch_isend_irecv([dist.P2POp(dist.isend, x, nxt, group),
+                                               dist.P2POp(dist.irecv, inbox, prv, group)]):
+                req.wait()
+        return ring_step
+    # p2p: members in pairs (0, 1), (2, 3), ...; one message each way (halved by the caller)
+    peer = members[index ^ 1] if (index ^ 1) < g else None
+    if peer is None:
+        return None
+    first = index % 2 == 0
+
+    def exchange():
+        if first:
+            dist.send(x, peer)
+            dist.recv(x, peer)
+        else:
+            dist.recv(x, peer)
+            dist.send(x, peer)
+    return exchange
+
+
+def _loaded_collective(dist, op: str, n: int, rank: int, group, members: list[int]) -> float:
+    """Extra seconds per call of ``op`` on ``n`` fp32 elements, measured as training sees it:
+    every worker (every group at once) computes about a millisecond between calls, and the
+    loop with the calls is compared with the same loop without them. With more workers than
+    cores a call also waits for members to be scheduled again, and a member's copy competes
+    with the others' compute; a fit measured on otherwise idle workers sees neither (it was
+    2-4x low for the 3 MB gradient all-reduce of 4 workers on 2 cores)."""
+    fn = _collective_fn(dist, op, n, rank, group, members)
+    a = torch.randn(160, 160)
+    rounds = 20 if n * 4 <= 1 << 18 else 6
+
+    def loop(sync: bool) -> float:
+        dist.barrier()
         start = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - start)
-    t = min(times)
-    return t / 2 if op == "p2p" else t
+        for _ in range(rounds):
+            for _ in range(4):
+                a @ a
+            if sync and fn is not None:
+                fn()
+        return time.perf_counter() - start
+
+    loop(True)
+    free = statistics.median(loop(False) for _ in range(5))
+    synced = statistics.median(loop(True) for _ in range(5))
+    extra = _mean_over_ranks(dist, max(0.0, (synced - free) / rounds))
+    return extra / 2 if op == "p2p" else extra
+
+
+def _mean_over_ranks(dist, value: float) -> float:
+    """Every rank's value averaged (each rank's loop is one sample of the same quantity)."""
+    t = torch.tensor([value], dtype=torch.float64)
+    dist.all_reduce(t)
+    return float(t.item()) / dist.get_world_size()
+
+
+def _ring_overlap(dist, rank: int, world: int, rounds: int = 10) -> float:
+    """Fraction of a ring step's send/recv (256 KB to the next rank, from the previous, posted
+    asynchronously as ring attention does) hidden under about a millisecond of compute,
+    with every worker in the ring at once: (compute + comm - both) / min(compute, comm)."""
+    nxt, prv = (rank + 1) % world, (rank - 1) % world
+    out, inp = torch.randn(1 << 16), torch.empty(1 << 16)
+    a = torch.randn(160, 160)
+
+    def loop(compute: bool, send: bool) -> float:
+        dist.barrier()
+        start = time.perf_counter()
+        for _ in range(rounds):
+            reqs = dist.batch_isend_irecv([dist.P2POp(dist.isend, out, nxt),
+                                           dist.P2POp(dist.irecv, inp, prv)]) if send else []
+            if compute:
+                for _ in range(4):
+                    a @ a
+            for req in reqs:
+                req.wait()
+        return time.perf_counter() - start
+
+    loop(True, True)
+    times = {key: statistics.median(loop(*key) for _ in range(5))
+             for key in ((True, False), (False, True), (True, True))}
+    comp, comm, both = times[(True, False)], times[(False, True)], times[(True, True)]
+    hidden = max(0.0, comp + comm - both) / max(min(comp, comm), 1e-9)
+    return min(1.0, _mean_over_ranks(dist, hidden))
 
 
 def _overlap(dist, quick: bool) -> float:
@@ -277,33 +362,41 @@ def _overlap(dist, quick: bool) -> float:
     return float(max(0.0, min(1.0, hidden / min(t_ar, t_mm_total))))
 
 
-def _concurrent_rate(dist, rank: int, g: int, windows: int = 5) -> float:
-    """Mean matmul FLOP/s of ranks 0..g-1 computing at the same time (the others wait); the
-    median of ``windows`` windows of 30 products, so a burst of other load counts once."""
-    a = torch.randn(384, 384)
-    calls = 30
+def _layer_step() -> Callable[[], object]:
+    """Forward and backward of one small reference transformer block: the mix of matmuls,
+    attention and element-wise kernels a training step runs (a matmul alone overstates what
+    workers sharing cores get: it stays in cache, the element-wise kernels do not)."""
+    from tessera.models.config import ModelConfig
+    from tessera.models.transformer import Block
+
+    torch.manual_seed(0)
+    block = Block(ModelConfig(n_layers=1, d_model=96, n_heads=3, vocab_size=16, max_seq_len=128))
+    x = torch.randn(2, 128, 96, requires_grad=True)
+    grad = torch.randn(2, 128, 96)
+    return lambda: block(x).backward(grad)
+
+
+def _concurrent_rate(dist, rank: int, g: int, windows: int = 7) -> float:
+    """Rate (steps/s) of one reference block's forward + backward on each of ranks 0..g-1
+    computing at the same time (the others wait), over the slowest of them: a synchronous
+    step ends when its last worker does, and a scheduler that runs two of four workers
+    first would otherwise look fair. The median of ``windows`` windows of 20 steps, so a
+    burst of other load counts once."""
+    step = _layer_step()
+    calls = 20
+    step()
     rates = []
     for _ in range(windows):
         dist.barrier()
-        rate = 0.0
+        start = time.perf_counter()
         if rank < g:
-            a @ a
-            start = time.perf_counter()
             for _ in range(calls):
-                a @ a
-            rate = calls * 2.0 * 384**3 / (time.perf_counter() - start)
-        total = torch.tensor([rate], dtype=torch.float64)
-        dist.all_reduce(total)
-        rates.append(float(total.item()) / g)
+                step()
+        elapsed = torch.tensor([time.perf_counter() - start if rank < g else 0.0],
+                               dtype=torch.float64)
+        dist.all_reduce(elapsed, op=dist.ReduceOp.MAX)
+        rates.append(calls / float(elapsed.item()))
     return statistics.median(rates)
-
-
-def _sync_penalty(dist, rank: int, world: int, g: int, rounds: int = 40) -> float:
-    """Extra seconds per tiny all_reduce in groups of ``g`` (ranks 0..g-1, g..2g-1, ...)
-    when every worker computes ~1 ms between collectives, over the same loop without them.
-    What remains after the idle latency is the wait for members that share a busy core."""
-    group, size = partition_group(dist, rank, world, g)
-    return sync_penalty_of(dist, group, size, rounds)
 
 
 def partition_group(dist, rank: int, world: int, g: int):
@@ -316,7 +409,10 @@ def partition_group(dist, rank: int, world: int, g: int):
 
 
 def sync_penalty_of(dist, group, size: int, rounds: int = 40, repeats: int = 3) -> float:
-    """The sync penalty measured in ``group`` (see :func:`_sync_penalty`); every rank calls."""
+    """Extra seconds per tiny all_reduce in ``group`` while every worker computes about a
+    millisecond between collectives, over the same loop without them: the wait for members
+    that share a busy core (every rank calls). ``tessera profile`` folds this into its loaded
+    collective fits; the local validation probes it between rounds to see load drift."""
     a, flag = torch.randn(160, 160), torch.zeros(1)
 
     def loop(sync: bool) -> float:
@@ -336,7 +432,8 @@ def sync_penalty_of(dist, group, size: int, rounds: int = 40, repeats: int = 3) 
 
 
 def concurrent_share(dist, rank: int, world: int, windows: int = 3) -> float:
-    """Matmul rate of each of ``world`` workers computing at once over one alone."""
+    """Training-step rate (a reference block's forward + backward) of each of ``world``
+    workers computing at once, over one alone."""
     return min(1.0, _concurrent_rate(dist, rank, world, windows)
                / _concurrent_rate(dist, rank, 1, windows))
 
@@ -360,10 +457,11 @@ def _fit(points: list[tuple[int, float]]) -> CollectiveFit:
     return CollectiveFit(latency=latency, bandwidth=1.0 / slope)
 
 
-def measure_collectives(workers: int, quick: bool) -> tuple[dict, float, dict, dict]:
-    """Spawn ``workers`` gloo processes; return fits by op and group size, the overlap, the
-    compute share each of g concurrent workers gets (relative to one alone), and the sync
-    penalty by group size."""
+def measure_collectives(workers: int, quick: bool) -> tuple[dict, tuple[float, float], dict]:
+    """Spawn ``workers`` gloo processes; return fits by op and group size (measured under
+    load, :func:`_loaded_collective`), the overlap of an all-reduce and of a send/recv ring
+    with compute, and the compute share each of g concurrent workers gets (relative to one
+    alone)."""
     import torch.multiprocessing as mp
 
     with tempfile.TemporaryDirectory() as tmp:
@@ -373,7 +471,7 @@ def measure_collectives(workers: int, quick: bool) -> tuple[dict, float, dict, d
             for op, by_size in data["results"].items()}
     solo = data["concurrency"][1]
     shares = {g: min(1.0, rate / solo) for g, rate in data["concurrency"].items()}
-    return fits, data["overlap"], shares, data["sync_penalty"]
+    return fits, (data["overlap"], data["ring_overlap"]), shares
 
 
 def profile_cluster(workers: int | None = None, quick: bool = False,
@@ -400,7 +498,7 @@ def profile_cluster(workers: int | None = None, quick: bool = False,
     finally:
         torch.set_num_threads(threads)
     log(f"collectives over gloo with {workers} workers ...")
-    fits, overlap, shares, penalty = measure_collectives(workers, quick)
+    fits, (overlap, ring_overlap), shares = measure_collectives(workers, quick)
     log("memory=chunk runtime overhead (one worker, tiny reference transformer) ...")
     overheads["chunk_layer"] = measure_chunk_overhead()
     base = local_cpu(workers)
@@ -408,10 +506,19 @@ def profile_cluster(workers: int | None = None, quick: bool = False,
         base, peak_flops={"fp32": peak, "bf16": peak}, memory_bandwidth=bandwidth,
         attention_efficiency=attention, kernel_overhead=overhead,
         optimizer_bytes_per_param=adam_bytes, overlap_efficiency=overlap,
+        p2p_overlap_efficiency=ring_overlap,
         memory_bytes=_memory_per_worker(workers), overheads=overheads)
-    return Cluster(device=device, devices_per_node=workers, nodes=1, name=f"local-cpu:{workers}x1",
-                   matmul_table=tuple(table), collectives=fits, compute_slots=os.cpu_count() or 1,
-                   concurrency=shares, sync_penalty=penalty)
+    cluster = Cluster(device=device, devices_per_node=workers, nodes=1,
+                      name=f"local-cpu:{workers}x1", matmul_table=tuple(table), collectives=fits,
+                      compute_slots=os.cpu_count() or 1, concurrency=shares)
+    log("element-wise cost of reference layers and of block attention (one worker) ...")
+    torch.set_num_threads(1)
+    try:
+        elementwise = {**calibrate_elementwise(cluster), **calibrate_block_attention()}
+    finally:
+        torch.set_num_threads(threads)
+    device = dataclasses.replace(device, overheads={**overheads, **elementwise})
+    return dataclasses.replace(cluster, device=device)
 
 
 def _memory_per_worker(workers: int) -> float:

@@ -29,12 +29,13 @@ from tessera.models.config import ModelConfig
 from tessera.planner import comm
 from tessera.planner.cluster import Cluster
 from tessera.planner.compute import (LayerTime, bytes_per_element, embedding_time, head_time,
-                                     layer_matmuls, layer_time, optimizer_time)
+                                     layer_time, optimizer_time)
 from tessera.planner.memory import (INTERLEAVE_CHUNKS, MemoryBreakdown, device_memory,
                                     local_params, recomputed_layers, stage_params, state_bytes)
 from tessera.strategy import Strategy, StrategyError
 
 DDP_BUCKET_BYTES = 25 * 2**20
+DDP_FIRST_BUCKET_BYTES = 2**20
 HOST_ADAM_BANDWIDTH = 20e9  # bytes/s per device of a CPU Adam (ZeRO-Offload's is memory-bound)
 
 
@@ -46,10 +47,14 @@ class SimOptions:
         tp_overlap: fraction of tensor-parallel communication that sub-pipelined tensor
             parallelism (Merak) or async TP hides under compute; 0 = none.
         dp_overlap: overlap gradient synchronisation with the last backward (DDP buckets).
+        fused_tp_inputs: 1D tensor parallelism sums the input gradient once per block input
+            (Megatron-LM fuses q|k|v and gate|up); False prices tessera's runtime, which sums
+            it for every column-parallel linear (q, k, v, up, gate) on its own.
     """
 
     tp_overlap: float = 0.0
     dp_overlap: bool = True
+    fused_tp_inputs: bool = False
 
 
 @dataclass(frozen=True)
@@ -153,7 +158,7 @@ def _stage_costs(model: ModelConfig, cl: Cluster, s: Strategy, groups, opt: SimO
                  cache: dict | None = None) -> list[_Stage]:
     seq, b = model.max_seq_len, s.micro_batch_size
     lt = _cached_layer_time(model, cl, s, cache)
-    tp_f, tp_b = _tp_comm(model, cl, s, groups)
+    tp_f, tp_b = _tp_comm(model, cl, s, groups, opt.fused_tp_inputs)
     sp_f, sp_b = _sp_comm(model, cl, s, groups, lt)
     out = []
     for i, sp_params in enumerate(stage_params(model, s.pp)):
@@ -191,10 +196,12 @@ def _cached_layer_time(model: ModelConfig, cl: Cluster, s: Strategy,
     two half micro-batches (smaller matmuls, so a lower achieved rate, priced as such)."""
     halves = 2 if s.tp_overlap == "subpipe" else 1
     b = s.micro_batch_size // halves
-    key = (id(cl.device), cl.devices_per_node, cl.nodes, b, s.tp, s.tp_mode, s.sp, s.precision)
+    key = (id(cl.device), cl.devices_per_node, cl.nodes, b, s.tp, s.tp_mode, s.sp, s.sp_mode,
+           s.precision)
     lt = cache.get(key) if cache is not None else None
     if lt is None:
-        lt = layer_time(cl, model, b, model.max_seq_len, s.tp, s.tp_mode, s.sp, s.precision)
+        lt = layer_time(cl, model, b, model.max_seq_len, s.tp, s.tp_mode, s.sp, s.precision,
+                        s.sp_mode)
         if cache is not None:
             cache[key] = lt
     return LayerTime(lt.forward * halves, lt.backward * halves)
@@ -208,26 +215,46 @@ def _tp_allreduce(model: ModelConfig, cl: Cluster, s: Strategy, groups) -> float
     return comm.collective_time(cl, "all_reduce", nbytes, groups["tp"])
 
 
-def _tp_comm(model: ModelConfig, cl: Cluster, s: Strategy, groups) -> tuple[float, float]:
+def _tensors_per_layer(model: ModelConfig) -> int:
+    """Parameter tensors of one layer: q, k, v, o, the MLP's linears, the two norms, and
+    their biases when the model has them."""
+    linears = 4 + (3 if model.activation == "swiglu" else 2)
+    norms = 2 * (2 if model.norm == "layernorm" and model.bias else 1)
+    return linears * (2 if model.bias else 1) + norms
+
+
+def _tp_comm(model: ModelConfig, cl: Cluster, s: Strategy, groups, fused_inputs: bool = False
+             ) -> tuple[float, float]:
     """Tensor-parallel communication of one layer and micro-batch: (forward, backward)."""
     if s.tp == 1:
         return 0.0, 0.0
     if s.tp_mode == "1d":
-        # Megatron: one all-reduce after attention and one after the MLP, and their
-        # conjugates in backward.
+        # Megatron: one all-reduce after attention and one after the MLP. Backward, tessera's
+        # runtime sums the input gradient of each column-parallel linear on its own: q, k and
+        # v, and the MLP's up (and gate) projection; Megatron-LM once per block input.
         ar = _tp_allreduce(model, cl, s, groups)
+        column_linears = 2 if fused_inputs else 3 + (2 if model.activation == "swiglu" else 1)
         # Row-parallel biases sum their gradient over the group: two small all-reduces.
         bias = 2 * comm.call_time(cl, groups["tp"]) if model.bias else 0.0
-        return 2 * ar, 2 * ar + bias
+        return 2 * ar, column_linears * ar + bias
     q = math.isqrt(s.tp)
     el = bytes_per_element(s.precision)
     n = s.micro_batch_size * model.max_seq_len / s.sp
-    fwd = 0.0
-    for mm, o, k, count in layer_matmuls(model, n, 1, "1d"):
-        fwd += comm.summa_time(cl, mm, o, k, count, q, el, groups["tp"])
-    # Norm statistics are reduced along grid rows: two small all-reduces per layer.
-    stats = comm.collective_time(cl, "all_reduce", n / q * 2 * 4, comm.Group(q, 1))
-    return fwd + 2 * stats, 2 * fwd + 2 * stats
+    h, kv, f = model.d_model, model.n_kv_heads * model.head_dim, model.d_ff
+    # The runtime's products: q, k, v, o separately, then the MLP's.
+    mlp_in = 2 if model.activation == "swiglu" else 1
+    products = [(n, h, h, 2), (n, kv, h, 2), (n, f, h, mlp_in), (n, h, f, 1)]
+    fwd = sum(comm.summa_time(cl, mm, o, k, count, q, el, groups["tp"])
+              for mm, o, k, count in products)
+    row, col = comm.Group(q, groups["tp"].stride), comm.Group(q, groups["tp"].stride * q)
+    # Each norm reduces its statistics along grid rows (mean and variance forward; two
+    # projections backward) and its weight (and bias) gradients down grid columns; each
+    # linear's bias gradient is summed down the columns too.
+    stats = comm.collective_time(cl, "all_reduce", n / q * 4, row)
+    norm_grads = (2 if model.bias and model.norm == "layernorm" else 1) * comm.call_time(cl, col)
+    linears = 4 + mlp_in + 1
+    bias_grads = linears * comm.call_time(cl, col) if model.bias else 0.0
+    return fwd + 2 * 2 * stats, 2 * fwd + 2 * (2 * stats + norm_grads) + bias_grads
 
 
 def _sp_comm(model: ModelConfig, cl: Cluster, s: Strategy, groups, lt: LayerTime
@@ -244,15 +271,20 @@ def _sp_comm(model: ModelConfig, cl: Cluster, s: Strategy, groups, lt: LayerTime
         # Four all-to-alls forward (q, k, v in; output back) and four backward.
         nbytes = n_loc * (2 * model.d_model + 2 * kv) / heads_split * el
         t = 4 * comm.collective_time(cl, "all_to_all", nbytes / 4, group)
-        return t, t
+        # The forward also gathers the token metadata (index, segment) of the whole sequence.
+        meta = comm.collective_time(cl, "all_gather", n_loc * s.sp * 2 * 8, group)
+        return t + meta, t
     # Ring: sp - 1 steps passing this rank's K and V blocks; backward also passes dK, dV.
-    step = comm.collective_time(cl, "p2p", n_loc * 2 * kv / heads_split * el, group)
+    # A step waits for the whole ring (each rank for its predecessor): a profiled cluster
+    # measured exactly that ("ring_step"); otherwise one p2p message.
+    op = "ring_step" if "ring_step" in cl.collectives else "p2p"
+    step = comm.collective_time(cl, op, n_loc * 2 * kv / heads_split * el, group)
     ring_f, ring_b = (s.sp - 1) * step, 2 * (s.sp - 1) * step
     if s.sp_mode == "rsa":
         return ring_f, ring_b  # paper-faithful RSA: keys then values, not overlapped
     # Ring attention overlaps each step with the attention block it feeds.
     attn_f = lt.forward * 0.3
-    ovl = cl.device.overlap_efficiency
+    ovl = cl.device.ring_overlap
     return (max(step, ring_f - ovl * attn_f), max(step, ring_b - ovl * 2.5 * attn_f))
 
 
@@ -321,18 +353,24 @@ def _data_parallel(model: ModelConfig, cl: Cluster, s: Strategy, groups, stages:
         if s.memory == "ddp" and s.tp > 1:
             # Tensor-parallel shards are averaged one parameter at a time, each all-reduce
             # blocking in its gradient hook (DDP cannot bucket DTensors): no overlap.
-            tensors = 12 * max(1, model.n_layers // s.pp) + 4
+            tensors = _tensors_per_layer(model) * max(1, model.n_layers // s.pp) + 4
             sync = (comm.collective_time(cl, "all_reduce", p * g_b, group)
                     + (tensors - 1) * comm.call_time(cl, group))
         elif s.memory == "ddp":
-            ar = comm.collective_time(cl, "all_reduce", p * g_b, group)
+            # torch DDP: a first bucket of 1 MiB, then 25 MiB buckets, one all-reduce each.
+            rest = max(0.0, p * g_b - DDP_FIRST_BUCKET_BYTES)
+            buckets = 1 + math.ceil(rest / DDP_BUCKET_BYTES)
+            ar = (comm.collective_time(cl, "all_reduce", p * g_b, group)
+                  + (buckets - 1) * comm.call_time(cl, group))
             last = comm.collective_time(cl, "all_reduce", min(p * g_b, DDP_BUCKET_BYTES), group)
             sync = max(last, ar - ovl * st.bwd) + 2 * p * g_b / bw  # bucket copies
         elif s.memory in ("zero1", "zero2"):
             rs = comm.collective_time(cl, "reduce_scatter", p * g_b, group)
             ag = comm.collective_time(cl, "all_gather", p * w_b, group)
             sync = max(0.0, rs - ovl * st.bwd) + max(0.0, ag - ovl * st.fwd)
-        else:  # zero3 / chunk: gather weights for forward and backward of every micro-batch
+        elif s.memory == "chunk":
+            sync = _chunk_collectives(model, cl, s, p, group)
+        else:  # zero3: gather weights for forward and backward of every micro-batch
             ag = comm.collective_time(cl, "all_gather", p * w_b, group)
             rs = comm.collective_time(cl, "reduce_scatter", p * g_b, group)
             sync = m * max(0.0, 2 * ag - ovl * (st.fwd + st.bwd)) + max(0.0, rs - ovl * st.bwd)
@@ -348,7 +386,33 @@ def _data_parallel(model: ModelConfig, cl: Cluster, s: Strategy, groups, stages:
     else:
         optim = optimizer_time(cl, p / shard, n_tensors)
     return {"dp_comm": sync, "optimizer": optim, "offload": offload,
-            "chunk_runtime": _chunk_runtime(cl, s, model)}
+            "chunk_runtime": _chunk_runtime(cl, s, model), "step_sync": _step_sync(cl, s)}
+
+
+def _step_sync(cl: Cluster, s: Strategy) -> float:
+    """With workers sharing cores, a step ends when its last worker has been scheduled
+    through its optimizer update, and the next step's first collective waits for it: one
+    more blocking call of the whole job, at the measured (loaded) latency. With a core per
+    worker (every GPU cluster) ranks finish together and this is 0."""
+    if s.world_size == 1 or cl.compute_share() >= 1.0:
+        return 0.0
+    return comm.call_time(cl, comm.Group(s.world_size, 1))
+
+
+def _chunk_collectives(model: ModelConfig, cl: Cluster, s: Strategy, p: float, group) -> float:
+    """ZeRO collectives of the memory=chunk runtime over a step. It gathers each group of dp
+    chunks before the forward and again before the backward of every micro-batch, and
+    reduce-scatters each group's gradients after it, all blocking (nothing to overlap with).
+    The chunk size search lands near the largest tensor, so a rank holds about
+    ``p / largest`` chunks, in ``ceil(chunks / dp)`` groups."""
+    w_b, g_b, _ = state_bytes(s.precision)
+    h, f = model.d_model, model.d_ff
+    largest = max(model.vocab_size * h, h * f, h * (h + 2 * model.n_kv_heads * model.head_dim))
+    groups = math.ceil(math.ceil(p / (largest / s.tp)) / group.size)
+    extra_calls = (groups - 1) * comm.call_time(cl, group)
+    ag = comm.collective_time(cl, "all_gather", p * w_b, group) + extra_calls
+    rs = comm.collective_time(cl, "reduce_scatter", p * g_b, group) + extra_calls
+    return s.grad_accum_steps * (2 * ag + rs)
 
 
 def _chunk_runtime(cl: Cluster, s: Strategy, model: ModelConfig) -> float:

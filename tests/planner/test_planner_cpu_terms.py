@@ -1,0 +1,88 @@
+"""Simulator terms that matter for CPU workers sharing cores (what `tessera profile` measures):
+profiled element-wise cost, blocking chunk collectives, DDP buckets, the end-of-step sync."""
+
+import dataclasses
+
+import pytest
+
+from tessera.models.config import ModelConfig
+from tessera.planner import estimate, parse_cluster
+from tessera.planner.cluster import CollectiveFit
+from tessera.planner.compute import elementwise_time, layer_elements, sp_attention_time
+from tessera.planner.simulator import SimOptions
+from tessera.strategy import Strategy
+
+MODEL = ModelConfig(n_layers=4, d_model=128, n_heads=4, vocab_size=256, max_seq_len=128)
+
+
+def _cpu_cluster(share: float, overheads: dict | None = None):
+    """A 4-worker CPU node with loaded collective fits, as a profile writes it."""
+    base = parse_cluster("cpu:4x1")
+    fits = {op: {2: CollectiveFit(1e-3, 1e9), 4: CollectiveFit(2e-3, 5e8)}
+            for op in ("all_reduce", "all_gather", "reduce_scatter", "all_to_all", "p2p")}
+    device = dataclasses.replace(base.device, overheads=overheads or {})
+    return dataclasses.replace(base, device=device, collectives=fits, concurrency={4: share})
+
+
+def test_profiled_elementwise_cost_is_used_per_activation_style():
+    cluster = _cpu_cluster(0.5, {"elem_fwd_gelu": 1e-9, "elem_bwd_gelu": 3e-9,
+                                 "elem_fwd_swiglu": 2e-9, "elem_bwd_swiglu": 5e-9})
+    elements = layer_elements(MODEL, 256, 1)
+    t = elementwise_time(cluster, MODEL, 256, 1, "fp32")
+    assert (t.forward, t.backward) == pytest.approx((elements * 1e-9, elements * 3e-9))
+    llama = dataclasses.replace(MODEL, activation="swiglu", norm="rmsnorm", position="rope")
+    t = elementwise_time(cluster, llama, 256, 1, "fp32")
+    assert t.forward == pytest.approx(layer_elements(llama, 256, 1) * 2e-9)
+    # Without a profile: bytes over memory bandwidth, twice that backward.
+    plain = elementwise_time(_cpu_cluster(0.5), MODEL, 256, 1, "fp32")
+    assert plain.backward == pytest.approx(2 * plain.forward) and plain.forward > 0
+
+
+def test_chunk_collectives_are_blocking_and_counted_per_gather_group():
+    cluster = _cpu_cluster(0.5)
+    ddp = estimate(MODEL, cluster, Strategy.parse("dp=4,mbs=2,gbs=8"))
+    chunk = estimate(MODEL, cluster, Strategy.parse("dp=4,mbs=2,gbs=8,memory=chunk"))
+    # Nothing is hidden: two gathers and a reduce-scatter per micro-batch, each paying one
+    # latency per group of dp chunks (842,496 parameters in ~13 chunks of the 65,536-element
+    # largest tensor: 4 groups of 4), so at least 3 x 4 latencies of 2 ms.
+    assert chunk.breakdown["dp_comm"] >= 12 * 2e-3
+    assert chunk.breakdown["dp_comm"] > ddp.breakdown["dp_comm"]
+    two = estimate(MODEL, cluster, Strategy.parse("dp=4,mbs=1,gbs=8,memory=chunk"))
+    assert two.breakdown["dp_comm"] == pytest.approx(2 * chunk.breakdown["dp_comm"])
+
+
+def test_step_sync_only_when_workers_share_cores():
+    s = Strategy.parse("dp=4,mbs=2,gbs=8")
+    shared = estimate(MODEL, _cpu_cluster(0.45), s)
+    assert shared.breakdown["step_sync"] == pytest.approx(2e-3 + 4 / 5e8)  # one 4-byte call
+    alone = estimate(MODEL, _cpu_cluster(1.0), s)
+    assert alone.breakdown["step_sync"] == 0.0
+    gpu = estimate(MODEL, parse_cluster("a100-80gb:8x1"), s)
+    assert gpu.breakdown["step_sync"] == 0.0
+    for est in (shared, alone, gpu):
+        assert sum(est.breakdown.values()) == pytest.approx(est.step_time, rel=1e-9)
+
+
+def test_sequence_parallel_attention_is_the_runtimes_explicit_kernel():
+    overheads = {"attn_fwd_call": 1e-4, "attn_fwd_elem": 2e-9, "attn_fwd_elem_hs": 1e-11,
+                 "attn_bwd_call": 2e-4, "attn_bwd_elem": 3e-9, "attn_bwd_elem_hs": 2e-11}
+    cluster = _cpu_cluster(1.0, overheads)
+    ring = sp_attention_time(cluster, MODEL, 2, 128, 1, "1d", 4, "ring")
+    # 2 x 4 heads x 32 rows x 128 keys, 5/8 of it computed by the causal zigzag ring, in
+    # 4 calls (one per ring step); head size 32.
+    elements = 2 * 4 * 32 * 128 * 5 / 8
+    assert ring.forward == pytest.approx(4 * 1e-4 + elements * (2e-9 + 32 * 1e-11))
+    assert ring.backward == pytest.approx(4 * 2e-4 + elements * (3e-9 + 32 * 2e-11))
+    ulysses = sp_attention_time(cluster, MODEL, 2, 128, 1, "1d", 4, "ulysses")
+    assert ulysses.forward == pytest.approx(1e-4 + elements * 8 / 5 * (2e-9 + 32 * 1e-11))
+
+
+def test_tp_input_gradients_follow_the_runtime_or_megatron():
+    cluster = _cpu_cluster(0.5)
+    s = Strategy.parse("dp=1,tp=4,mbs=8,gbs=8")
+    ours = estimate(MODEL, cluster, s).breakdown["tp_comm"]
+    fused = estimate(MODEL, cluster, s, SimOptions(fused_tp_inputs=True)).breakdown["tp_comm"]
+    # Forward 2 all-reduces per layer either way; backward 4 (q, k, v, up) against 2: two
+    # more all-reduces of the (8 x 128, 128) fp32 activation per layer, at the g=4 fit.
+    all_reduce = 2e-3 + 8 * 128 * 128 * 4 / 5e8
+    assert ours - fused == pytest.approx(MODEL.n_layers * 2 * all_reduce, rel=1e-9)
