@@ -86,3 +86,15 @@ def test_tp_input_gradients_follow_the_runtime_or_megatron():
     # more all-reduces of the (8 x 128, 128) fp32 activation per layer, at the g=4 fit.
     all_reduce = 2e-3 + 8 * 128 * 128 * 4 / 5e8
     assert ours - fused == pytest.approx(MODEL.n_layers * 2 * all_reduce, rel=1e-9)
+
+
+def test_measured_straggler_fraction_prices_the_wait_for_the_slowest_worker():
+    cluster = dataclasses.replace(_cpu_cluster(0.45), straggler={2: 0.03, 4: 0.1})
+    est = estimate(MODEL, cluster, Strategy.parse("dp=4,mbs=2,gbs=8"))
+    # The fraction of the rest of the step replaces the one-call estimate.
+    rest = est.step_time - est.breakdown["step_sync"]
+    assert est.breakdown["step_sync"] == pytest.approx(0.1 * rest)
+    assert sum(est.breakdown.values()) == pytest.approx(est.step_time, rel=1e-9)
+    alone = dataclasses.replace(cluster, concurrency={4: 1.0})
+    assert estimate(MODEL, alone, Strategy.parse("dp=4,mbs=2,gbs=8")
+                    ).breakdown["step_sync"] == 0.0

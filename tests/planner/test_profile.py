@@ -26,6 +26,7 @@ def test_profile_two_workers_round_trip(tmp_path):
     # The contention and fixed-overhead measurements are written and read back. The
     # collective fits are measured under load, so no separate sync penalty is written.
     assert not again.sync_penalty
+    assert set(again.straggler) == {2} and again.straggler == cluster.straggler
     assert 0 < again.compute_share() <= 1
     assert again.device.overheads == cluster.device.overheads
     assert again.device.overheads["layer_fwd"] + again.device.overheads["layer_bwd"] > 0

@@ -64,6 +64,8 @@ class Cluster:
             workers while every worker computes between collectives, ``{g: seconds}``
             (profile). With more workers than cores, a collective waits until each member
             has been scheduled again; idle-machine fits (``collectives``) do not see this.
+        straggler: measured fraction by which the slowest of g workers sharing cores trails
+            their median on the same work, ``{g: fraction}`` (profile).
     """
 
     device: DeviceSpec
@@ -75,6 +77,7 @@ class Cluster:
     compute_slots: int | None = None
     concurrency: Mapping[int, float] = field(default_factory=dict)
     sync_penalty: Mapping[int, float] = field(default_factory=dict)
+    straggler: Mapping[int, float] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
         for key in ("devices_per_node", "nodes"):
@@ -106,6 +109,12 @@ class Cluster:
             return 1.0
         return self.compute_slots / workers
 
+    def straggler_fraction(self, workers: int) -> float | None:
+        """Measured straggler fraction for ``workers`` workers, None without a measurement."""
+        if not self.straggler:
+            return None
+        return self.straggler[_nearest(self.straggler, workers)]
+
     def sync_seconds(self, group_size: int) -> float:
         """Measured extra seconds of one blocking collective of ``group_size`` workers under
         load (0 without a measurement, or for a group of one)."""
@@ -124,6 +133,8 @@ class Cluster:
             out["concurrency"] = {int(g): float(v) for g, v in self.concurrency.items()}
         if self.sync_penalty:
             out["sync_penalty"] = {int(g): float(v) for g, v in self.sync_penalty.items()}
+        if self.straggler:
+            out["straggler"] = {int(g): float(v) for g, v in self.straggler.items()}
         if self.matmul_table:
             out["matmul"] = [{"m": m, "n": n, "k": k, "flops_per_s": float(v)}
                              for (m, n, k), v in self.matmul_table]
@@ -138,7 +149,7 @@ class Cluster:
         """Build from a YAML mapping. ``device`` is a preset name or a full device mapping,
         optionally with ``device_overrides`` applied on top of a preset."""
         known = {"name", "devices_per_node", "nodes", "device", "device_overrides", "matmul",
-                 "collectives", "compute_slots", "concurrency", "sync_penalty"}
+                 "collectives", "compute_slots", "concurrency", "sync_penalty", "straggler"}
         unknown = sorted(set(values) - known)
         if unknown:
             raise ClusterError(f"unknown cluster field(s) {', '.join(unknown)}; "
@@ -160,7 +171,8 @@ class Cluster:
                    matmul_table=matmul, collectives=collectives,
                    compute_slots=values.get("compute_slots"),
                    concurrency=_by_size(values, "concurrency"),
-                   sync_penalty=_by_size(values, "sync_penalty"))
+                   sync_penalty=_by_size(values, "sync_penalty"),
+                   straggler=_by_size(values, "straggler"))
 
 
 def _nearest(table: Mapping[int, float], size: int) -> int:

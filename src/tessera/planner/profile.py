@@ -16,7 +16,7 @@ What is measured, each with one thread per worker (as training workers run, OMP_
   much of an asynchronous send/recv ring step hides under compute (ring attention's overlap);
 - the rate of a reference transformer block's forward + backward that each of g workers gets
   when g run at once (more workers than cores, or other load on a shared machine, show up
-  here);
+  here), and how far the slowest of g such workers trails their median (the straggler);
 - the fixed Python and kernel-launch seconds of a training step of a tiny reference
   transformer (per layer, per model, per optimizer step), where FLOPs are negligible, and
   what the memory=chunk runtime adds per layer (a one-worker Trainer, chunk against ddp);
@@ -205,9 +205,10 @@ def _worker(rank: int, world: int, port: int, quick: bool, out_dir: str) -> None
     overlap = _overlap(dist, quick) if world >= 2 else 0.5
     ring_overlap = _ring_overlap(dist, rank, world) if world >= 2 else overlap
     concurrency = {g: _concurrent_rate(dist, rank, g) for g in range(1, world + 1)}
+    straggler = {g: _straggler(dist, rank, world, g) for g in _group_sizes(world)}
     if rank == 0:
         torch.save({"results": results, "overlap": overlap, "ring_overlap": ring_overlap,
-                    "concurrency": concurrency},
+                    "concurrency": concurrency, "straggler": straggler},
                    os.path.join(out_dir, "coll.pt"))
     dist.destroy_process_group()
 
@@ -399,6 +400,29 @@ def _concurrent_rate(dist, rank: int, g: int, windows: int = 7) -> float:
     return statistics.median(rates)
 
 
+def _straggler(dist, rank: int, world: int, g: int, steps: int = 12, reps: int = 7) -> float:
+    """How far the slowest of ranks 0..g-1 trails their median when each runs the same
+    ``steps`` reference block steps from a common start (the others wait), as a fraction of
+    the median; the median of ``reps`` tries. With more workers than cores the scheduler
+    hands out the cores unevenly, and a synchronous training step waits for the last."""
+    step = _layer_step()
+    step()
+    fractions = []
+    for _ in range(reps):
+        dist.barrier()
+        start = time.perf_counter()
+        if rank < g:
+            for _ in range(steps):
+                step()
+        elapsed = torch.tensor([time.perf_counter() - start if rank < g else 0.0])
+        every = [torch.zeros(1) for _ in range(world)]
+        dist.all_gather(every, elapsed)
+        times = sorted(float(t) for t in every[:g])
+        middle = statistics.median(times)
+        fractions.append((times[-1] - middle) / middle)
+    return statistics.median(fractions)
+
+
 def partition_group(dist, rank: int, world: int, g: int):
     """This rank's group when ranks are cut into consecutive groups of ``g`` (every rank
     creates every group, as torch.distributed requires); returns (group, its size)."""
@@ -457,11 +481,12 @@ def _fit(points: list[tuple[int, float]]) -> CollectiveFit:
     return CollectiveFit(latency=latency, bandwidth=1.0 / slope)
 
 
-def measure_collectives(workers: int, quick: bool) -> tuple[dict, tuple[float, float], dict]:
+def measure_collectives(workers: int, quick: bool
+                        ) -> tuple[dict, tuple[float, float], dict, dict]:
     """Spawn ``workers`` gloo processes; return fits by op and group size (measured under
     load, :func:`_loaded_collective`), the overlap of an all-reduce and of a send/recv ring
-    with compute, and the compute share each of g concurrent workers gets (relative to one
-    alone)."""
+    with compute, the compute share each of g concurrent workers gets (relative to one
+    alone), and the straggler fraction of g workers (:func:`_straggler`)."""
     import torch.multiprocessing as mp
 
     with tempfile.TemporaryDirectory() as tmp:
@@ -471,7 +496,7 @@ def measure_collectives(workers: int, quick: bool) -> tuple[dict, tuple[float, f
             for op, by_size in data["results"].items()}
     solo = data["concurrency"][1]
     shares = {g: min(1.0, rate / solo) for g, rate in data["concurrency"].items()}
-    return fits, (data["overlap"], data["ring_overlap"]), shares
+    return fits, (data["overlap"], data["ring_overlap"]), shares, data["straggler"]
 
 
 def profile_cluster(workers: int | None = None, quick: bool = False,
@@ -498,7 +523,7 @@ def profile_cluster(workers: int | None = None, quick: bool = False,
     finally:
         torch.set_num_threads(threads)
     log(f"collectives over gloo with {workers} workers ...")
-    fits, (overlap, ring_overlap), shares = measure_collectives(workers, quick)
+    fits, (overlap, ring_overlap), shares, straggler = measure_collectives(workers, quick)
     log("memory=chunk runtime overhead (one worker, tiny reference transformer) ...")
     overheads["chunk_layer"] = measure_chunk_overhead()
     base = local_cpu(workers)
@@ -510,7 +535,8 @@ def profile_cluster(workers: int | None = None, quick: bool = False,
         memory_bytes=_memory_per_worker(workers), overheads=overheads)
     cluster = Cluster(device=device, devices_per_node=workers, nodes=1,
                       name=f"local-cpu:{workers}x1", matmul_table=tuple(table), collectives=fits,
-                      compute_slots=os.cpu_count() or 1, concurrency=shares)
+                      compute_slots=os.cpu_count() or 1, concurrency=shares,
+                      straggler=straggler)
     log("element-wise cost of reference layers and of block attention (one worker) ...")
     torch.set_num_threads(1)
     try:

@@ -118,7 +118,9 @@ def estimate(model: ModelConfig, cluster: Cluster, strategy: Strategy,
     pipe, parts = _pipeline(s, stages, m, cl, model, groups)
     dp_parts = _data_parallel(model, cl, s, groups, stages, opt)
     step = pipe + sum(dp_parts.values())
-    breakdown = {**parts, **dp_parts}
+    straggle = _straggler(cl, s, step)
+    step += straggle
+    breakdown = {**parts, **dp_parts, "step_sync": dp_parts["step_sync"] + straggle}
     tokens = s.global_batch_size * seq
     model_flops = model.flops_per_token(seq) * tokens
     peak = cl.device.peak(s.precision)
@@ -392,11 +394,23 @@ def _data_parallel(model: ModelConfig, cl: Cluster, s: Strategy, groups, stages:
 def _step_sync(cl: Cluster, s: Strategy) -> float:
     """With workers sharing cores, a step ends when its last worker has been scheduled
     through its optimizer update, and the next step's first collective waits for it: one
-    more blocking call of the whole job, at the measured (loaded) latency. With a core per
+    more blocking call of the whole job, at the measured (loaded) latency, when the cluster
+    has no measured straggler fraction (:func:`_straggler` then prices it). With a core per
     worker (every GPU cluster) ranks finish together and this is 0."""
-    if s.world_size == 1 or cl.compute_share() >= 1.0:
+    if (s.world_size == 1 or cl.compute_share() >= 1.0
+            or cl.straggler_fraction(s.world_size) is not None):
         return 0.0
     return comm.call_time(cl, comm.Group(s.world_size, 1))
+
+
+def _straggler(cl: Cluster, s: Strategy, step: float) -> float:
+    """Seconds a synchronous step waits for its slowest worker when workers share cores:
+    the profile's measured straggler fraction of the step (0 without one, or with a core
+    per worker)."""
+    fraction = cl.straggler_fraction(s.world_size)
+    if s.world_size == 1 or fraction is None or cl.compute_share() >= 1.0:
+        return 0.0
+    return fraction * step
 
 
 def _chunk_collectives(model: ModelConfig, cl: Cluster, s: Strategy, p: float, group) -> float:
