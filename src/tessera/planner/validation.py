@@ -130,7 +130,8 @@ def _measure_worker(rank: int, world: int, model: dict[str, Any], texts: list[st
 
     from tessera.config import TrainingArguments
     from tessera.models import Transformer
-    from tessera.planner.profile import concurrent_share, partition_group, sync_penalty_of
+    from tessera.planner.profile_comm import (concurrent_share, partition_group,
+                                               sync_penalty_of)
     from tessera.train.trainer import Trainer
 
     config = ModelConfig(**model)
