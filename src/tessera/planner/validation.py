@@ -5,7 +5,8 @@ it, every strategy gets a :class:`tessera.train.trainer.Trainer` for the referen
 (:data:`VALIDATION_MODEL`) on synthetic tokens and ``warmup`` untimed steps; then the strategies
 are timed round-robin, one step each per round. Each timed step starts at a barrier and lasts
 until the slowest rank has finished it (a MAX all-reduce of the per-rank seconds); the figure
-is the median over the rounds.
+is the median over the rounds. In each round a strategy first takes SETTLE_STEPS untimed steps, so
+the timed one runs warm, as the steps of a training run do.
 
 The machine may be shared with other programs whose load changes within minutes, and what
 CPU workers get from shared cores is the largest term of a small model's step. So the two
@@ -70,6 +71,10 @@ _CANDIDATES = {
         "dp=8,mbs=1,gbs=8,memory=chunk",
     ],
 }
+
+
+# Untimed steps a strategy takes in each round before its timed one (see _measure_worker).
+SETTLE_STEPS = 1
 
 
 def validation_model() -> ModelConfig:
@@ -156,6 +161,11 @@ def _measure_worker(rank: int, world: int, model: dict[str, Any], texts: list[st
                            "penalty": {g: sync_penalty_of(dist, *groups[g], rounds=20,
                                                           repeats=1) for g in sizes}})
             for index, trainer in enumerate(trainers):
+                # Untimed steps first: a training run steps the same model again and again,
+                # so its caches, allocator and autograd state are warm; right after another
+                # strategy's step they are not (that cold step was ~20% slower).
+                for _ in range(SETTLE_STEPS):
+                    _timed_step(dist, trainer)
                 times[index].append(_timed_step(dist, trainer))
     return times, probes
 
