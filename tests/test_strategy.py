@@ -92,7 +92,8 @@ def test_unbuilt_features_are_refused_not_ignored():
 
 @pytest.mark.parametrize("text, fragment", [
     ("tp=4,sp=2,tp_mode=2d", "2d tensor (tp_mode=2d) and sequence (sp>1) parallelism together"),
-    ("tp=4,tp_mode=2d,pp=2", "2d tensor (tp_mode=2d) and pipeline (pp>1) parallelism together"),
+    ("tp=4,tp_mode=2d,pp=2,mbs=2,gbs=4,tp_overlap=subpipe",
+     "2d tensor parallelism (tp_mode=2d) and tp_overlap=subpipe together"),
     ("dp=2,tp=2,mbs=1,gbs=2,memory=chunk,precision=bf16",
      "tensor parallelism and memory=chunk in bf16/fp16"),
     ("pp=2,precision=fp16", "fp16 loss scaling"),

@@ -330,8 +330,10 @@ _FEATURE_GATES = {
 _COMBINATIONS_NOT_BUILT = [
     (lambda s: s.tp > 1 and s.sp > 1 and s.tp_mode == "2d",
      "2d tensor (tp_mode=2d) and sequence (sp>1) parallelism", 5),
-    (lambda s: s.tp > 1 and s.pp > 1 and s.tp_mode == "2d",
-     "2d tensor (tp_mode=2d) and pipeline (pp>1) parallelism", 6),
+    # 2d x pp runs (SUMMA layers as custom ops, tensor/ops2d.py); sub-pipelining overlaps 1d
+    # all-reduces only.
+    (lambda s: s.tp > 1 and s.pp > 1 and s.tp_mode == "2d" and s.tp_overlap == "subpipe",
+     "2d tensor parallelism (tp_mode=2d) and tp_overlap=subpipe", 6),
     # memory=chunk holds the tp shards in fp32 only (the DTensor wrappers keep fp32 metadata).
     (lambda s: s.tp > 1 and s.memory == "chunk" and s.precision != "fp32",
      "tensor parallelism and memory=chunk in bf16/fp16 (use precision=fp32)", 4),

@@ -108,6 +108,9 @@ def test_tp_overlap_field_text_form_and_rules():
         Strategy.parse("tp_overlap=async")
 
 
-def test_tp_with_pp_is_runnable_in_1d_only():
+def test_tp_with_pp_is_runnable_in_1d_and_2d_without_2d_subpipelining():
     assert Strategy.parse("dp=2,tp=2,pp=2,mbs=2,gbs=8").is_runnable()
-    assert not Strategy.parse("dp=1,tp=4,tp_mode=2d,pp=2,mbs=2,gbs=8").is_runnable()
+    assert Strategy.parse("dp=1,tp=4,tp_mode=2d,pp=2,mbs=2,gbs=8").is_runnable()
+    # Sub-pipelining overlaps 1D all-reduces; SUMMA layers have none: refused, not ignored.
+    assert not Strategy.parse("dp=1,tp=4,tp_mode=2d,pp=2,mbs=2,gbs=8,"
+                              "tp_overlap=subpipe").is_runnable()

@@ -84,9 +84,11 @@ def _diff(whole: dict[str, torch.Tensor], ref: torch.nn.Module, pick) -> float:
     return max((whole[n] - pick(ref.get_parameter(n))).abs().max().item() for n in whole)
 
 
-def checkpoint_to_one_device(root: str) -> dict[str, list[float]]:
-    """dp=2,tp=2,pp=2 trains 3 steps and saves; dp=8 (one model per rank) resumes for step 4,
-    and so does the tp x pp run: the single-device layout gives the same step-4 loss."""
+def checkpoint_to_one_device(root: str, three_d: str = "dp=2,tp=2,pp=2,mbs=2,gbs=8"
+                             ) -> dict[str, list[float]]:
+    """``three_d`` (8 ranks, gbs=8) trains 3 steps and saves; dp=8 (one model per rank)
+    resumes for step 4, and so does the tp x pp run: the single-device layout gives the same
+    step-4 loss."""
     import shutil
 
     from tessera.run import build_datasets, build_model, build_tokenizer
@@ -102,7 +104,7 @@ def checkpoint_to_one_device(root: str) -> dict[str, list[float]]:
                           strategy=config.strategy)
         return trainer.train(until_step=until)
 
-    root, three_d = Path(root), "dp=2,tp=2,pp=2,mbs=2,gbs=8"
+    root = Path(root)
     torch.distributed.barrier()
     first = train(root / "3d", three_d, until=3)
     torch.distributed.barrier()

@@ -6,8 +6,8 @@ from shapes), ``partition`` (balanced cuts under memory limits, stage-aware reco
 interleaved, scp as action lists), ``comm`` (tagged point-to-point messages), ``stage``
 (forward / recompute / backward of one stage), ``program`` (per-shape stages), ``module``
 (this rank's share under the original names, gradient rules), ``engine`` (PipelineEngine),
-``tp`` (stages of a 1D tensor-parallel model), ``subpipe`` (sub-pipelined tensor parallelism).
-Design and figures: docs/pipeline.md.
+``tp`` (stages of a 1D or 2D tensor-parallel model), ``subpipe`` (sub-pipelined tensor
+parallelism). Design and figures: docs/pipeline.md.
 """
 
 from __future__ import annotations
@@ -29,7 +29,8 @@ from tessera.parallel.pipeline.program import PipelineProgram, capture_for_parti
 from tessera.parallel.pipeline.recompute import stage_aware_ratios
 from tessera.parallel.pipeline.schedules import ScheduleError, build, check_sizes, chunks_for
 from tessera.parallel.plan import Parallelized, lm_loss
-from tessera.parallel.pipeline.tp import carry_permutations, tp_loss, tp_group_of
+from tessera.parallel.pipeline.tp import (carry_permutations, grid_inputs, stage_batch,
+                                          tp_group_of, tp_loss)
 from tessera.strategy import Strategy, StrategyError
 
 __all__ = ["CaptureError", "PartitionError", "PipelineEngine", "ScheduleError", "apply_pipeline",
@@ -78,17 +79,18 @@ def apply_pipeline(plan: Parallelized, strategy: Strategy, mesh: Mesh,
 
     ``inputs`` (sequence parallelism's ``StageInputs``, sequence/staged.py) adds the batch
     inputs the captured model reads besides ``input_ids``, shards each micro-batch and
-    computes the loss; gradients are then averaged over dp x sp.
+    computes the loss; gradients are then averaged over dp x sp. Under 2D tensor
+    parallelism the grid's ``GridInputs`` (pipeline/tp.py) does the same for batch slices.
 
     Sets ``plan.module`` to the :class:`StageModule`, and plan hooks for the optimizer, the
     gradient norm and the engine. Data parallelism is done by the engine's gradient sync.
 
     Raises:
-        StrategyError: for combinations not built yet (chunk memory, fp16;
-            2d tensor parallelism is refused by tensor/apply.py)
-            and for too few micro-batches or splittable blocks.
+        StrategyError: for combinations not built yet (chunk memory, fp16) and for too
+            few micro-batches or splittable blocks.
     """
     _refuse_unsupported(strategy)
+    inputs = inputs if inputs is not None else grid_inputs(strategy, mesh)  # 2D: batch slices
     model, pp = plan.model, strategy.pp
     micro_batches = strategy.grad_accum_steps
     try:
@@ -99,7 +101,7 @@ def apply_pipeline(plan: Parallelized, strategy: Strategy, mesh: Mesh,
     ratios = [strategy.stage_recompute(s % pp) for s in range(n_virtual)]
     model.train()
     extra = inputs.example if inputs is not None else None
-    graph = capture_for_partition(model, strategy.micro_batch_size, extra)
+    graph = capture_for_partition(model, stage_batch(strategy), extra)
     try:
         part = partition(graph, n_virtual, micro_batches, strategy.schedule,
                          recompute=tuple(ratios))

@@ -89,7 +89,7 @@ def _shape(node: Any) -> tuple[int, ...]:
 
 
 def matmul_flops(node: fx.Node) -> float:
-    """Forward FLOPs of linear / addmm / mm / bmm / matmul / sdpa nodes (0 for others)."""
+    """Forward FLOPs of linear / addmm / mm / bmm / matmul / sdpa / summa_linear nodes, else 0."""
     op, args = op_name(node), node.args
     out = _shape(node)
     if op == "linear":  # x (..., K) @ w (N, K)^T
@@ -99,6 +99,10 @@ def matmul_flops(node: fx.Node) -> float:
         return 2.0 * math.prod(out) * _shape(args[1])[-1]
     if op in ("mm", "bmm", "matmul"):
         return 2.0 * math.prod(out) * _shape(args[0])[-1]
+    if op == "summa_linear":  # a 2D tensor-parallel layer (tensor/ops2d.py)
+        from tessera.parallel.tensor.ops2d import summa_linear_flops
+
+        return summa_linear_flops(node)
     if op in ("scaled_dot_product_attention", "_scaled_dot_product_flash_attention",
               "_scaled_dot_product_efficient_attention"):
         q, k = _shape(args[0]), _shape(args[1])  # (B, nh, Tq, hs), (B, nkv, Tk, hs)

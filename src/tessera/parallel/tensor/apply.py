@@ -21,6 +21,7 @@ from tessera.parallel.tensor.modules import (ColumnLinear, Embedding2D, Linear2D
                                              Norm2D, ReplicatedEmbedding, RowLinear,
                                              VocabEmbedding)
 from tessera.parallel.tensor.ops import register_group
+from tessera.parallel.tensor.ops2d import register_grid
 from tessera.parallel.tensor.policy import (ModelDims, PolicyError, check_divisible,
                                             model_dims, policy_for, style_of)
 from tessera.parallel.tensor.shard import (accept_full_tensors, add_optimizer_unpermute_hooks,
@@ -69,7 +70,7 @@ def apply_tensor_parallel(plan: Parallelized, strategy: Strategy, mesh: Mesh,
         plan.forward_loss = make_forward_loss_1d(group)
     _replace_modules(model, policy, builder)
     if strategy.pp > 1:  # the pipeline captures the model: collectives must be graph nodes
-        _make_exportable(model, builder.group)
+        _make_exportable(model, builder)
     if permuted_params(model):
         plan.build_optimizer = _with_unpermute_hooks(plan.build_optimizer)
     plan.clip_grad_norm = make_clip_grad_norm(TPGroup(mesh.group("tp")))
@@ -80,9 +81,15 @@ def apply_tensor_parallel(plan: Parallelized, strategy: Strategy, mesh: Mesh,
     plan.features.append(f"tensor_parallel_{strategy.tp_mode}")
 
 
-def _make_exportable(model: nn.Module, group: TPGroup) -> None:
-    """Switch the 1D layers to the custom-op collectives of tensor/ops.py."""
-    name = register_group(group)
+def _make_exportable(model: nn.Module, builder: "_Builder1D | _Builder2D") -> None:
+    """Switch the layers to custom ops (1D: tensor/ops.py, 2D: tensor/ops2d.py)."""
+    if isinstance(builder, _Builder2D):
+        name = register_grid(builder.grid)
+        for module in model.modules():
+            if isinstance(module, (Linear2D, Embedding2D, Norm2D)):
+                module.export_grid = name
+        return
+    name = register_group(builder.group)
     for module in model.modules():
         if isinstance(module, (ColumnLinear, RowLinear, VocabEmbedding)):
             module.export_group = name
@@ -111,10 +118,10 @@ def _check_mix(strategy: Strategy, what: str, sequence_parallel: bool) -> None:
     if strategy.pp > 1 and sequence_parallel:
         raise PolicyError(f"{what} with pp={strategy.pp}: Megatron sequence parallelism "
                           "inside pipeline stages is not built; drop sequence_parallel")
-    if strategy.pp > 1 and strategy.tp_mode == "2d":
-        raise PolicyError(f"{what} with pp={strategy.pp}: pipeline stages of 2D (SUMMA) "
-                          "layers are not built yet (their collectives are not export-safe "
-                          "custom ops); use tp_mode=1d or pp=1")
+    if strategy.pp > 1 and strategy.tp_mode == "2d" and strategy.tp_overlap == "subpipe":
+        raise PolicyError(f"{what} with pp={strategy.pp}: tp_overlap=subpipe overlaps 1D "
+                          "all-reduces; 2D (SUMMA) layers have none to overlap. Use "
+                          "tp_overlap=none or tp_mode=1d")
     if strategy.memory not in ("ddp", "chunk"):
         raise PolicyError(f"{what} with memory={strategy.memory}: only memory=ddp and "
                           "memory=chunk (chunks holding the local shards) are built")

@@ -15,6 +15,10 @@ along the column, so its gradient is summed over the grid column (the batch slic
 
 Attention needs nothing of its own: the q/k/v projections' output feature slice j is a group
 of whole heads, so each rank attends over its batch slice with its heads (Optimus, sec. 3.3).
+
+The forward and backward of each layer are plain functions (``*_forward`` / ``*_backward``)
+shared by the autograd functions here (eager training) and the ``torch.library`` custom ops
+of ``ops2d.py`` (graphs captured for pipeline stages), so both paths compute the same thing.
 """
 
 from __future__ import annotations
@@ -29,23 +33,57 @@ def _flat(x: torch.Tensor) -> torch.Tensor:
     return x.reshape(-1, x.shape[-1])
 
 
+# ------------------------------------------------------------------------------ linear
+def autocast_operands(x: torch.Tensor, weight: torch.Tensor
+                      ) -> tuple[torch.Tensor, torch.Tensor]:
+    """``x`` and ``weight`` in autocast's dtype when autocast is on, else as they are.
+
+    SUMMA accumulates in place (``addmm_``) and borrows blocks into buffers shaped like its
+    own operands, which autocast does not cast, so both operands must share one dtype.
+    """
+    device = x.device.type
+    if not torch.is_autocast_enabled(device):
+        return x, weight
+    dtype = torch.get_autocast_dtype(device)
+    return x.to(dtype), weight.to(dtype)
+
+
+def linear2d_forward(x: torch.Tensor, weight: torch.Tensor, grid: Grid,
+                     conv1d: bool) -> torch.Tensor:
+    """Block (i, j) of X W^T (nn.Linear weight block (O/q, C/q)) or X W (Conv1D, (C/q, O/q)).
+
+    ``x`` and ``weight`` must share a dtype (:func:`autocast_operands`).
+    """
+    summa = summa_ab if conv1d else summa_abt
+    y = summa(_flat(x), weight, grid)  # (B/q*T, O/q)
+    return y.view(*x.shape[:-1], -1)
+
+
+def linear2d_backward(grad: torch.Tensor, x: torch.Tensor, weight: torch.Tensor, grid: Grid,
+                      conv1d: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    """(dX block (B/q, T, C/q), dW block) from dY block (B/q, T, O/q), in ``weight``'s dtype
+    (autograd casts each gradient to its input's dtype)."""
+    g = _flat(grad.contiguous()).to(weight.dtype)  # (B/q*T, O/q)
+    xf = _flat(x).to(weight.dtype)  # (B/q*T, C/q)
+    if conv1d:
+        return summa_abt(g, weight, grid).view_as(x), summa_atb(xf, g, grid)
+    return summa_ab(g, weight, grid).view_as(x), summa_atb(g, xf, grid)
+
+
 class Linear2DFn(torch.autograd.Function):
     """Y = X W^T for an nn.Linear weight; ``weight`` is this rank's (O/q, C/q) block."""
 
     @staticmethod
     def forward(ctx, x, weight, grid: Grid):
+        x, weight = autocast_operands(x, weight)
         ctx.save_for_backward(x, weight)  # (B/q, T, C/q): 1/q^2 of the activation
         ctx.grid = grid
-        y = summa_abt(_flat(x), weight, grid)  # (B/q*T, O/q)
-        return y.view(*x.shape[:-1], -1)
+        return linear2d_forward(x, weight, grid, conv1d=False)
 
     @staticmethod
     def backward(ctx, grad):
         x, weight = ctx.saved_tensors
-        g = _flat(grad.contiguous())  # (B/q*T, O/q)
-        grad_x = summa_ab(g, weight, ctx.grid).view_as(x)
-        grad_w = summa_atb(g, _flat(x), ctx.grid)  # (O/q, C/q)
-        return grad_x, grad_w, None
+        return (*linear2d_backward(grad, x, weight, ctx.grid, conv1d=False), None)
 
 
 class Conv1D2DFn(torch.autograd.Function):
@@ -53,18 +91,21 @@ class Conv1D2DFn(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, x, weight, grid: Grid):
+        x, weight = autocast_operands(x, weight)
         ctx.save_for_backward(x, weight)
         ctx.grid = grid
-        y = summa_ab(_flat(x), weight, grid)  # (B/q*T, O/q)
-        return y.view(*x.shape[:-1], -1)
+        return linear2d_forward(x, weight, grid, conv1d=True)
 
     @staticmethod
     def backward(ctx, grad):
         x, weight = ctx.saved_tensors
-        g = _flat(grad.contiguous())
-        grad_x = summa_abt(g, weight, ctx.grid).view_as(x)
-        grad_w = summa_atb(_flat(x), g, ctx.grid)  # (C/q, O/q)
-        return grad_x, grad_w, None
+        return (*linear2d_backward(grad, x, weight, ctx.grid, conv1d=True), None)
+
+
+# -------------------------------------------------------------------------------- bias
+def bias2d_grad(grad: torch.Tensor, grid: Grid) -> torch.Tensor:
+    """Gradient of a column-sliced bias: each grid row saw its own batch slice, so sum them."""
+    return grid.col.all_reduce(_flat(grad).sum(0))
 
 
 class AddBias2DFn(torch.autograd.Function):
@@ -77,9 +118,38 @@ class AddBias2DFn(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad):
-        # Each grid row saw its own batch slice: the shared bias sums them all.
-        grad_b = ctx.grid.col.all_reduce(_flat(grad).sum(0))
-        return grad, grad_b, None
+        return grad, bias2d_grad(grad, ctx.grid), None
+
+
+# -------------------------------------------------------------------------------- norm
+def norm2d_forward(x, weight, bias, eps: float, rms: bool, features: int, grid: Grid):
+    """LayerNorm / RMSNorm of (B/q, T, C/q): returns (y, xhat fp32, rstd fp32 (B/q, T, 1))."""
+    x32 = x.float()  # (B/q, T, C/q)
+    if rms:
+        centred = x32
+    else:
+        mean = grid.row.all_reduce(x32.sum(-1, keepdim=True)) / features
+        centred = x32 - mean
+    var = grid.row.all_reduce(centred.pow(2).sum(-1, keepdim=True)) / features
+    rstd = torch.rsqrt(var + eps)
+    xhat = centred * rstd
+    y = xhat.type_as(x) * weight
+    return (y if bias is None else y + bias), xhat, rstd
+
+
+def norm2d_backward(grad, xhat, rstd, weight, has_bias: bool, rms: bool, features: int,
+                    grid: Grid):
+    """(dx, dweight, dbias or None) of :func:`norm2d_forward`."""
+    n = features
+    g = grad.float() * weight.float()  # d loss / d xhat
+    proj = grid.row.all_reduce((g * xhat).sum(-1, keepdim=True)) / n
+    inner = g - xhat * proj
+    if not rms:
+        inner = inner - grid.row.all_reduce(g.sum(-1, keepdim=True)) / n
+    grad_x = (inner * rstd).to(grad.dtype)
+    grad_w = grid.col.all_reduce(_flat(grad.float() * xhat).sum(0)).to(weight.dtype)
+    grad_b = grid.col.all_reduce(_flat(grad).sum(0)) if has_bias else None
+    return grad_x, grad_w, grad_b
 
 
 class Norm2DFn(torch.autograd.Function):
@@ -91,70 +161,66 @@ class Norm2DFn(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, x, weight, bias, eps: float, rms: bool, features: int, grid: Grid):
-        x32 = x.float()  # (B/q, T, C/q)
-        if rms:
-            centred = x32
-        else:
-            mean = grid.row.all_reduce(x32.sum(-1, keepdim=True)) / features
-            centred = x32 - mean
-        var = grid.row.all_reduce(centred.pow(2).sum(-1, keepdim=True)) / features
-        rstd = torch.rsqrt(var + eps)
-        xhat = centred * rstd
+        y, xhat, rstd = norm2d_forward(x, weight, bias, eps, rms, features, grid)
         ctx.save_for_backward(xhat, rstd, weight)
         ctx.rms, ctx.features, ctx.grid, ctx.has_bias = rms, features, grid, bias is not None
-        y = xhat.type_as(x) * weight
-        return y if bias is None else y + bias
+        return y
 
     @staticmethod
     def backward(ctx, grad):
         xhat, rstd, weight = ctx.saved_tensors
-        grid, n = ctx.grid, ctx.features
-        g = grad.float() * weight.float()  # d loss / d xhat
-        proj = grid.row.all_reduce((g * xhat).sum(-1, keepdim=True)) / n
-        inner = g - xhat * proj
-        if not ctx.rms:
-            inner = inner - grid.row.all_reduce(g.sum(-1, keepdim=True)) / n
-        grad_x = (inner * rstd).to(grad.dtype)
-        grad_w = grid.col.all_reduce(_flat(grad.float() * xhat).sum(0)).to(weight.dtype)
-        grad_b = grid.col.all_reduce(_flat(grad).sum(0)) if ctx.has_bias else None
-        return grad_x, grad_w, grad_b, None, None, None, None
+        grads = norm2d_backward(grad, xhat, rstd, weight, ctx.has_bias, ctx.rms, ctx.features,
+                                ctx.grid)
+        return (*grads, None, None, None, None)
 
 
-class Embedding2DFn(torch.autograd.Function):
+# --------------------------------------------------------------------------- embedding
+def embedding2d_forward(ids: torch.Tensor, weight: torch.Tensor, grid: Grid) -> torch.Tensor:
     """Lookup of ``ids`` (this rank's batch slice) in a (V, C) table cut into q x q blocks.
 
     Output block (i, j) = sum_k onehot(ids_i)[:, V_k] W_kj: step k broadcasts W_kj down
-    column j and each rank picks the rows of its ids that fall in V_k. Backward scatters the
-    output gradient into a (V/q, C/q) block per step and reduces it down the column to (k, j).
+    column j and each rank picks the rows of its ids that fall in V_k.
     """
+    rows = weight.shape[0]  # V/q
+    out = None
+    for k in range(grid.q):
+        block = grid.col.broadcast(weight.contiguous() if grid.i == k
+                                   else torch.empty_like(weight), src=k)  # W_kj
+        local_ids = ids - k * rows
+        outside = (local_ids < 0) | (local_ids >= rows)
+        part = block[local_ids.masked_fill(outside, 0)].masked_fill(outside[..., None], 0.0)
+        out = part if out is None else out + part  # (..., C/q)
+    return out
+
+
+def embedding2d_backward(grad: torch.Tensor, ids: torch.Tensor, shape, grid: Grid
+                         ) -> torch.Tensor:
+    """Weight-block gradient: the output gradient scattered into a (V/q, C/q) block per
+    step, reduced down the column to (k, j)."""
+    rows, cols = shape
+    flat_ids, g = ids.reshape(-1), _flat(grad)
+    grad_w = None
+    for k in range(grid.q):
+        local_ids = flat_ids - k * rows
+        inside = (local_ids >= 0) & (local_ids < rows)
+        part = g.new_zeros(rows, cols)
+        part.index_add_(0, local_ids[inside], g[inside])
+        grid.col.reduce(part, dst=k)
+        if grid.i == k:
+            grad_w = part
+    return grad_w
+
+
+class Embedding2DFn(torch.autograd.Function):
+    """Autograd function of :func:`embedding2d_forward` (see there for the algorithm)."""
 
     @staticmethod
     def forward(ctx, ids, weight, grid: Grid):
-        rows = weight.shape[0]  # V/q
-        out = None
-        for k in range(grid.q):
-            block = grid.col.broadcast(weight.contiguous() if grid.i == k
-                                       else torch.empty_like(weight), src=k)  # W_kj
-            local_ids = ids - k * rows
-            outside = (local_ids < 0) | (local_ids >= rows)
-            part = block[local_ids.masked_fill(outside, 0)].masked_fill(outside[..., None], 0.0)
-            out = part if out is None else out + part  # (..., C/q)
         ctx.save_for_backward(ids)
         ctx.grid, ctx.shape = grid, weight.shape
-        return out
+        return embedding2d_forward(ids, weight, grid)
 
     @staticmethod
     def backward(ctx, grad):
         (ids,) = ctx.saved_tensors
-        grid, (rows, cols) = ctx.grid, ctx.shape
-        flat_ids, g = ids.reshape(-1), _flat(grad)
-        grad_w = None
-        for k in range(grid.q):
-            local_ids = flat_ids - k * rows
-            inside = (local_ids >= 0) & (local_ids < rows)
-            part = g.new_zeros(rows, cols)
-            part.index_add_(0, local_ids[inside], g[inside])
-            grid.col.reduce(part, dst=k)
-            if grid.i == k:
-                grad_w = part
-        return None, grad_w, None
+        return None, embedding2d_backward(grad, ids, ctx.shape, ctx.grid), None

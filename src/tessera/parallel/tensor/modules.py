@@ -16,12 +16,15 @@ from tessera.parallel.tensor.layers1d import ColumnLinearFn, RowLinearFn, VocabE
 from tessera.parallel.tensor.layers2d import (AddBias2DFn, Conv1D2DFn, Embedding2DFn,
                                               Linear2DFn, Norm2DFn)
 from tessera.parallel.tensor.ops import tp_copy, tp_reduce
+from tessera.parallel.tensor.ops2d import (summa_add_bias, summa_embedding, summa_linear,
+                                           summa_norm)
 from tessera.parallel.tensor.shard import local
 
 # 1D modules run through autograd Functions by default. With ``export_group`` set (the name
 # of their group in tensor/ops.py) they use the custom ops instead, so torch.export keeps
 # their collectives, backward included, as graph nodes (pipeline stages; see ops.py).
 # apply.py refuses Megatron sequence parallelism there, so these paths never see it.
+# The 2D modules likewise switch to the ops of tensor/ops2d.py when ``export_grid`` is set.
 
 def _opt(param: nn.Parameter | None) -> torch.Tensor | None:
     return None if param is None else local(param)
@@ -140,8 +143,13 @@ class Linear2D(nn.Module):
     def __init__(self, weight, bias, grid: Grid, conv1d: bool) -> None:
         super().__init__()
         self.weight, self.bias, self.grid, self.conv1d = weight, bias, grid, conv1d
+        self.export_grid: str | None = None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.export_grid is not None:
+            y = summa_linear(x, local(self.weight), self.export_grid, self.conv1d)
+            return y if self.bias is None else summa_add_bias(y, local(self.bias),
+                                                              self.export_grid)
         fn = Conv1D2DFn if self.conv1d else Linear2DFn
         y = fn.apply(x, local(self.weight), self.grid)  # (B/q, T, O/q)
         return y if self.bias is None else AddBias2DFn.apply(y, local(self.bias), self.grid)
@@ -153,8 +161,11 @@ class Embedding2D(nn.Module):
     def __init__(self, weight, grid: Grid) -> None:
         super().__init__()
         self.weight, self.grid = weight, grid
+        self.export_grid: str | None = None
 
     def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        if self.export_grid is not None:
+            return summa_embedding(ids, local(self.weight), self.export_grid)
         return Embedding2DFn.apply(ids, local(self.weight), self.grid)
 
 
@@ -165,7 +176,11 @@ class Norm2D(nn.Module):
         super().__init__()
         self.weight, self.bias = weight, bias
         self.eps, self.rms, self.features, self.grid = eps, rms, features, grid
+        self.export_grid: str | None = None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.export_grid is not None:
+            return summa_norm(x, local(self.weight), _opt(self.bias), self.eps, self.rms,
+                              self.features, self.export_grid)[0]
         return Norm2DFn.apply(x, local(self.weight), _opt(self.bias), self.eps, self.rms,
                               self.features, self.grid)
