@@ -1,10 +1,12 @@
 """By-hand check (not collected by pytest): 8-rank sp compositions train like one device.
 
 dp=2 x sp=2 x pp=2 (ring; rsa with full recompute), dp=2 x sp=2 x tp=2 (ring) and
-sp=2 x tp=2 x pp=2 (ring; ulysses).
+sp=2 x tp=2 x pp=2 (ring; ulysses), 5 Trainer steps each.
 
-Eight processes are too slow for the suite on a 2-core machine (about 3-4 minutes under
-load), so this runs the same Trainer parity as ``test_sp_training.py`` on demand:
+The suite runs four of these five for 3 steps in one 8-process launch
+(``test_sp_compositions.py``, which also compares gradient norms). This script adds the
+ring under sp=2 x tp=2 x pp=2 and the longer runs; it takes about 1.5 minutes on a lightly
+loaded machine, 3-4 minutes under load:
 
     OMP_NUM_THREADS=1 .venv/bin/python tests/parallel/sequence/check_sp_8_ranks.py
 

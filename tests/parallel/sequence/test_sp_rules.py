@@ -66,3 +66,24 @@ def test_strategy_rules_for_sequence_parallelism():
         Strategy(sp=4, sp_mode="ulysses").validate_for(model=odd_kv, seq_len=32)
     Strategy(sp=4, sp_mode="ring").validate_for(model=odd_kv, seq_len=32)  # ring: any heads
     Strategy(sp=2).require_available()  # the gate is open
+
+
+def test_block_numerics_stay_fp32_under_bf16_autocast():
+    # precision=bf16 runs the attention hook inside torch.autocast; without fp32_numerics the
+    # block matmuls were cast to bf16 and failed on their fp32 out= buffers.
+    from tessera.parallel.sequence.blocks import block_backward, block_forward, row_delta
+
+    torch.manual_seed(0)
+    q = torch.randn(2, 4, 8, 16).bfloat16()  # (B, nh, T, hs)
+    k, v = torch.randn(2, 2, 8, 16).bfloat16(), torch.randn(2, 2, 8, 16).bfloat16()
+    meta = torch.stack((torch.arange(8), torch.zeros(8, dtype=torch.long)), -1).expand(2, 8, 2)
+    dout = torch.randn(2, 4, 8, 16).bfloat16()
+    out, lse = block_forward(q, k, v, meta, meta, True, 0.25)
+    grads = block_backward(q, k, v, meta, meta, True, 0.25, dout, lse, row_delta(dout, out))
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        out_ac, lse_ac = block_forward(q, k, v, meta, meta, True, 0.25)
+        grads_ac = block_backward(q, k, v, meta, meta, True, 0.25, dout, lse,
+                                  row_delta(dout, out))
+    assert out_ac.dtype == torch.float32 and all(g.dtype == torch.float32 for g in grads_ac)
+    assert torch.equal(out_ac, out) and torch.equal(lse_ac, lse)  # the same fp32 arithmetic
+    assert all(torch.equal(a, b) for a, b in zip(grads_ac, grads))

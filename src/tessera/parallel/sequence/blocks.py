@@ -1,7 +1,8 @@
 """Attention on one (query block, key block) pair, and the log-sum-exp merge: all numerics here.
 
 Every sequence-parallel mode reduces to these pieces, so the numerically delicate parts live in
-one file and are computed in fp32 whatever the input dtype:
+one file and are computed in fp32 whatever the input dtype, also under a caller's autocast
+(:func:`fp32_numerics`):
 
 - :func:`block_mask` says which keys each query may see, from per-token metadata (built per
   piece of query rows, never for a whole block);
@@ -21,9 +22,29 @@ Grouped-query attention: q has nh heads, k and v have nkv heads; q is viewed as
 
 from __future__ import annotations
 
+import functools
+
 import torch
 
 NEG_INF = float("-inf")
+
+
+def fp32_numerics(fn):
+    """Run ``fn`` with autocast disabled on the device of its first tensor argument.
+
+    Mixed-precision training (precision=bf16) runs the model, and so the attention hook,
+    inside ``torch.autocast``, which would cast these matmuls to bf16: the fp32 ``out=``
+    buffers then raise a dtype error, and the score and softmax sums would lose the fp32
+    accuracy the merge depends on. Inputs are cast with ``.float()`` explicitly instead.
+    """
+
+    @functools.wraps(fn)
+    def wrapper(*args, **kwargs):
+        device = next(a.device.type for a in args if isinstance(a, torch.Tensor))
+        with torch.autocast(device, enabled=False):
+            return fn(*args, **kwargs)
+
+    return wrapper
 
 
 def block_mask(meta_q: torch.Tensor, meta_k: torch.Tensor, causal: bool) -> torch.Tensor:
@@ -78,6 +99,7 @@ def _safe(lse: torch.Tensor) -> torch.Tensor:
     return torch.where(torch.isinf(lse), torch.zeros_like(lse), lse)
 
 
+@fp32_numerics
 def block_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, meta_q: torch.Tensor,
                   meta_k: torch.Tensor, causal: bool, scale: float
                   ) -> tuple[torch.Tensor, torch.Tensor]:
@@ -129,6 +151,7 @@ def merge_into(out: torch.Tensor, lse: torch.Tensor, block_out: torch.Tensor,
     lse.copy_(m + torch.log(total))
 
 
+@fp32_numerics
 def block_backward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, meta_q: torch.Tensor,
                    meta_k: torch.Tensor, causal: bool, scale: float, dout: torch.Tensor,
                    lse: torch.Tensor, delta: torch.Tensor

@@ -25,7 +25,7 @@ import torch
 import torch.distributed as dist
 
 from tessera.parallel.sequence import comm
-from tessera.parallel.sequence.blocks import block_mask, row_delta
+from tessera.parallel.sequence.blocks import block_mask, fp32_numerics, row_delta
 
 
 def _grouped(x: torch.Tensor, n_kv: int) -> torch.Tensor:
@@ -41,6 +41,7 @@ class RingSelfAttention(torch.autograd.Function):
     """RSA over a sequence-parallel group; one gradient per forward input."""
 
     @staticmethod
+    @fp32_numerics  # the score and value matmuls stay fp32 under a bf16 autocast
     def forward(ctx, q, k, v, meta, group, causal, scale):
         B, nh, T, hs = q.shape
         n, n_kv = dist.get_world_size(group), k.shape[1]
@@ -68,6 +69,7 @@ class RingSelfAttention(torch.autograd.Function):
         return out
 
     @staticmethod
+    @fp32_numerics
     def backward(ctx, dout):
         q, k, v, probs, out = ctx.saved_tensors
         T, n_kv = q.shape[2], k.shape[1]
