@@ -264,11 +264,12 @@ def _concurrent_rate(dist, rank: int, g: int, windows: int = 7) -> float:
     return statistics.median(rates)
 
 
-def _straggler(dist, rank: int, world: int, g: int, steps: int = 12, reps: int = 7) -> float:
+def _straggler(dist, rank: int, world: int, g: int, steps: int = 12, reps: int = 15) -> float:
     """How far the slowest of ranks 0..g-1 trails their median when each runs the same
     ``steps`` reference block steps from a common start (the others wait), as a fraction of
-    the median; the median of ``reps`` tries. With more workers than cores the scheduler
-    hands out the cores unevenly, and a synchronous training step waits for the last."""
+    the median; the mean of ``reps`` tries (a step waits for the expected slowest worker,
+    and single tries scatter widely). With more workers than cores the scheduler hands out
+    the cores unevenly, and a synchronous training step waits for the last."""
     step = _layer_step()
     step()
     fractions = []
@@ -284,7 +285,7 @@ def _straggler(dist, rank: int, world: int, g: int, steps: int = 12, reps: int =
         times = sorted(float(t) for t in every[:g])
         middle = statistics.median(times)
         fractions.append((times[-1] - middle) / middle)
-    return statistics.median(fractions)
+    return statistics.fmean(fractions)
 
 
 def partition_group(dist, rank: int, world: int, g: int):

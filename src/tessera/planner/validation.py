@@ -69,6 +69,7 @@ _CANDIDATES = {
         "dp=4,pp=2,mbs=1,gbs=8,schedule=1f1b",
         "dp=2,sp=4,mbs=4,gbs=8,sp_mode=ulysses",
         "dp=8,mbs=1,gbs=8,memory=chunk",
+        "dp=1,tp=4,pp=2,mbs=4,gbs=8,tp_mode=2d,schedule=1f1b",
     ],
 }
 
