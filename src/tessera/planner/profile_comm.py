@@ -241,27 +241,36 @@ def _layer_step() -> Callable[[], object]:
     return lambda: block(x).backward(grad)
 
 
+def _group_windows(dist, rank: int, world: int, g: int, steps: int, windows: int
+                   ) -> list[list[float]]:
+    """Seconds each of ranks 0..g-1 takes for ``steps`` reference block steps started
+    together (the other ranks wait), for each of ``windows`` windows: ``[[t_0 .. t_g-1]]``."""
+    step = _layer_step()
+    step()
+    out = []
+    for _ in range(windows):
+        dist.barrier()
+        start = time.perf_counter()
+        if rank < g:
+            for _ in range(steps):
+                step()
+        elapsed = torch.tensor([time.perf_counter() - start if rank < g else 0.0],
+                               dtype=torch.float64)
+        every = [torch.zeros(1, dtype=torch.float64) for _ in range(world)]
+        dist.all_gather(every, elapsed)
+        out.append([float(t) for t in every[:g]])
+    return out
+
+
 def _concurrent_rate(dist, rank: int, g: int, windows: int = 7) -> float:
     """Rate (steps/s) of one reference block's forward + backward on each of ranks 0..g-1
     computing at the same time (the others wait), over the slowest of them: a synchronous
     step ends when its last worker does, and a scheduler that runs two of four workers
     first would otherwise look fair. The median of ``windows`` windows of 20 steps, so a
     burst of other load counts once."""
-    step = _layer_step()
-    calls = 20
-    step()
-    rates = []
-    for _ in range(windows):
-        dist.barrier()
-        start = time.perf_counter()
-        if rank < g:
-            for _ in range(calls):
-                step()
-        elapsed = torch.tensor([time.perf_counter() - start if rank < g else 0.0],
-                               dtype=torch.float64)
-        dist.all_reduce(elapsed, op=dist.ReduceOp.MAX)
-        rates.append(calls / float(elapsed.item()))
-    return statistics.median(rates)
+    steps = 20
+    times = _group_windows(dist, rank, dist.get_world_size(), g, steps, windows)
+    return statistics.median(steps / max(window) for window in times)
 
 
 def _straggler(dist, rank: int, world: int, g: int, steps: int = 12, reps: int = 15) -> float:
@@ -270,22 +279,9 @@ def _straggler(dist, rank: int, world: int, g: int, steps: int = 12, reps: int =
     the median; the mean of ``reps`` tries (a step waits for the expected slowest worker,
     and single tries scatter widely). With more workers than cores the scheduler hands out
     the cores unevenly, and a synchronous training step waits for the last."""
-    step = _layer_step()
-    step()
-    fractions = []
-    for _ in range(reps):
-        dist.barrier()
-        start = time.perf_counter()
-        if rank < g:
-            for _ in range(steps):
-                step()
-        elapsed = torch.tensor([time.perf_counter() - start if rank < g else 0.0])
-        every = [torch.zeros(1) for _ in range(world)]
-        dist.all_gather(every, elapsed)
-        times = sorted(float(t) for t in every[:g])
-        middle = statistics.median(times)
-        fractions.append((times[-1] - middle) / middle)
-    return statistics.fmean(fractions)
+    times = _group_windows(dist, rank, world, g, steps, reps)
+    return statistics.fmean((max(w) - statistics.median(w)) / statistics.median(w)
+                            for w in times)
 
 
 def partition_group(dist, rank: int, world: int, g: int):
