@@ -87,15 +87,17 @@ class RecordingLauncher:
 
 @pytest.mark.parametrize("policy", ["optimus", "ones"])
 def test_policies_resize_jobs_and_no_step_is_repeated_or_skipped(tmp_path, policy):
-    # b (unmeasured: ideal scaling at the prior) gains more from the third device than a can
-    # (at most 60 steps left), so Optimus shrinks a when b arrives whatever the machine load.
-    jobs = [RealJob("a", 1, 8, 60, 2, epoch_steps=5),
-            RealJob("b", 1, 8, 90, 2, arrival=1.0, epoch_steps=5)]
+    # b (unmeasured: ideal scaling at the prior) gains more from another device than a does,
+    # so both policies shrink a a round or two after b arrives. a is long enough (120 steps,
+    # over 3 s) that the resize lands before a ends: with 60 steps ONES's resize of a raced
+    # a's last steps and, under load, sometimes came after it.
+    jobs = [RealJob("a", 1, 8, 120, 2, epoch_steps=5),
+            RealJob("b", 1, 8, 150, 2, arrival=1.0, epoch_steps=5)]
     result, measured = run(tmp_path, jobs, policy)
-    assert result.steps == [60, 90] and not any(result.failed)
+    assert result.steps == [120, 150] and not any(result.failed)
     assert np.isfinite(result.sim.finish).all()
     assert result.sim.resizes.sum() >= 1  # at least one job ran on two device counts
-    for name, steps in (("a", 60), ("b", 90)):
+    for name, steps in (("a", 120), ("b", 150)):
         logged = records(tmp_path / name)
         assert [r["step"] for r in logged] == list(range(1, steps + 1))
     dps = {r["dp"] for r in records(tmp_path / "a")} | {r["dp"] for r in records(tmp_path / "b")}
