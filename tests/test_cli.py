@@ -47,15 +47,20 @@ def wait_for_checkpoint(out: Path, proc: subprocess.Popen, timeout: float = 120)
 
 
 def worker_pids(out: Path) -> list[int]:
-    pids = []
+    """The training workers of the run writing to ``out``. torchrun's own command line names
+    the worker module too, and with pids wrapping around it can hold the highest pid, so it
+    is left out; so is anything a worker forks (same command line, parent a worker)."""
+    parents = {}
     for entry in Path("/proc").iterdir():
         try:
             cmd = (entry / "cmdline").read_bytes().split(b"\0")
-        except (OSError, ValueError):
+            ppid = int((entry / "stat").read_text().rsplit(")", 1)[1].split()[1])
+        except (OSError, ValueError, IndexError):
             continue
-        if b"tessera.worker" in cmd and str(out).encode() in b" ".join(cmd):
-            pids.append(int(entry.name))
-    return pids
+        if (b"tessera.worker" in cmd and b"torch.distributed.run" not in cmd
+                and str(out).encode() in b" ".join(cmd)):
+            parents[int(entry.name)] = ppid
+    return sorted(pid for pid, ppid in parents.items() if ppid not in parents)
 
 
 @pytest.mark.parametrize("args, fragment", [
