@@ -64,13 +64,16 @@ def losses(out: Path) -> list[tuple[int, float]]:
 
 
 def workers(out: Path) -> list[int]:
+    """Pids of the run's training workers; torchrun's own command line names the worker
+    module too (and after a pid wrap-around it can hold the highest pid), so it is skipped."""
     pids = []
     for entry in Path("/proc").iterdir():
         try:
             cmd = (entry / "cmdline").read_bytes()
         except (OSError, ValueError):
             continue
-        if b"tessera.worker" in cmd and str(out).encode() in cmd:
+        if (b"tessera.worker" in cmd and b"torch.distributed.run" not in cmd
+                and str(out).encode() in cmd):
             pids.append(int(entry.name))
     return sorted(pids)
 
