@@ -136,8 +136,16 @@ def _loaded_collective(dist, op: str, n: int, rank: int, group, members: list[in
     with the others' compute; a fit measured on otherwise idle workers sees neither (it was
     2-4x low for the 3 MB gradient all-reduce of 4 workers on 2 cores)."""
     fn = _collective_fn(dist, op, n, rank, group, members)
-    a = torch.randn(160, 160)
     rounds = 20 if n * 4 <= 1 << 18 else 6
+    extra = _mean_over_ranks(dist, _extra_per_call(dist, fn, rounds, repeats=5))
+    return extra / 2 if op == "p2p" else extra
+
+
+def _extra_per_call(dist, fn, rounds: int, repeats: int) -> float:
+    """This rank's extra seconds per call of ``fn`` (None: no call) in a loop where every
+    worker computes about a millisecond between calls, over the same loop without the
+    calls (medians of ``repeats`` loops; every rank must call with the same counts)."""
+    a = torch.randn(160, 160)
 
     def loop(sync: bool) -> float:
         dist.barrier()
@@ -150,10 +158,9 @@ def _loaded_collective(dist, op: str, n: int, rank: int, group, members: list[in
         return time.perf_counter() - start
 
     loop(True)
-    free = statistics.median(loop(False) for _ in range(5))
-    synced = statistics.median(loop(True) for _ in range(5))
-    extra = _mean_over_ranks(dist, max(0.0, (synced - free) / rounds))
-    return extra / 2 if op == "p2p" else extra
+    free = statistics.median(loop(False) for _ in range(repeats))
+    synced = statistics.median(loop(True) for _ in range(repeats))
+    return max(0.0, (synced - free) / rounds)
 
 
 def _mean_over_ranks(dist, value: float) -> float:
@@ -298,22 +305,9 @@ def sync_penalty_of(dist, group, size: int, rounds: int = 40, repeats: int = 3) 
     millisecond between collectives, over the same loop without them: the wait for members
     that share a busy core (every rank calls). ``tessera profile`` folds this into its loaded
     collective fits; the local validation probes it between rounds to see load drift."""
-    a, flag = torch.randn(160, 160), torch.zeros(1)
-
-    def loop(sync: bool) -> float:
-        dist.barrier()
-        start = time.perf_counter()
-        for _ in range(rounds):
-            for _ in range(4):
-                a @ a
-            if sync and size > 1:
-                dist.all_reduce(flag, group=group)
-        return time.perf_counter() - start
-
-    loop(True)
-    free = statistics.median(loop(False) for _ in range(repeats))
-    synced = statistics.median(loop(True) for _ in range(repeats))
-    return _agree(dist, max(0.0, (synced - free) / rounds))
+    flag = torch.zeros(1)
+    fn = (lambda: dist.all_reduce(flag, group=group)) if size > 1 else None
+    return _agree(dist, _extra_per_call(dist, fn, rounds, repeats))
 
 
 def concurrent_share(dist, rank: int, world: int, windows: int = 3) -> float:
