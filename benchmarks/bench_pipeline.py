@@ -4,10 +4,12 @@ Prints JSON lines, one per figure: {"name", "value", "unit", "compared_against",
 with the machine's load average (os.getloadavg) beside timings.
 
 - partition_balance_max_over_mean: max / mean estimated stage time of tessera's partition,
-  against the equal-layer split, on a uniform 24-layer transformer and on GPT-2 small (12
-  layers, 50257-token vocabulary: a heavy LM head); target <= 1.10. Estimates only (no
-  timing). Beside it, the bound no cut along graph nodes can beat: the heaviest node (the LM
-  head's matmul) over the mean stage time.
+  against the equal-layer split, on a uniform 24-layer transformer and on models with a large
+  embedding and LM head: Hugging Face GPT-2 small, medium and large (12 / 24 / 36 layers,
+  50257-token vocabulary) and Llama with Llama-3-8B's shape (32 layers, 128256-token
+  vocabulary); target <= 1.10. Estimates only (no timing), on the meta device. Beside it, the
+  bound no cut along graph nodes can beat: the heaviest node (the LM head's matmul) over the
+  mean stage time.
 - gpipe_step_over_ideal, 1f1b_step_over_ideal: measured step time over the ideal
   (m + p - 1) / m * T1 / p, where T1 is one process running all stages for the step.
 - scp_vs_1f1b_recompute_tokens_ratio: shifted critical path over 1F1B, both with full
@@ -55,12 +57,28 @@ def load() -> list[float]:
 
 
 # ------------------------------------------------------------------------------ balance
-def balance_figures() -> None:
+# (label, Hugging Face family, reference preset, overrides): models whose embedding and LM
+# head are heavy next to a block; GPT-2 small's head outweighs a stage at pp >= 4.
+HEAVY_HEAD_MODELS = (
+    ("gpt2_small_vocab_50257", "gpt2", "gpt2", {}),
+    ("gpt2_medium_vocab_50257", "gpt2", "gpt2-medium", {}),
+    ("gpt2_large_vocab_50257", "gpt2", "gpt2-large", {}),
+    ("llama3_8b_shape_vocab_128256", "llama", "llama-7b",
+     dict(vocab_size=128256, n_kv_heads=8, d_ff=14336)),
+)
+
+
+def _balance_models():
+    """(label, meta-device model) pairs: a uniform transformer, then the heavy-head ones."""
     with torch.device("meta"):
-        uniform = Transformer(preset("small", n_layers=24))
-        heavy = build_hf_model("gpt2", **hf_config_from_reference(
-            "gpt2", preset("gpt2", max_seq_len=SEQ)))
-    for label, model in (("uniform_24_layers", uniform), ("gpt2_small_vocab_50257", heavy)):
+        yield "uniform_24_layers", Transformer(preset("small", n_layers=24))
+        for label, family, name, overrides in HEAVY_HEAD_MODELS:
+            config = preset(name, max_seq_len=SEQ, **overrides)
+            yield label, build_hf_model(family, **hf_config_from_reference(family, config))
+
+
+def balance_figures() -> None:
+    for label, model in _balance_models():
         graph = capture(model, 1, SEQ)
         table = CostTable(graph, DeviceRates())
         heaviest = max(table.fwd[i + 1] - table.fwd[i] + table.bwd[i + 1] - table.bwd[i]
