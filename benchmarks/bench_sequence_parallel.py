@@ -12,6 +12,10 @@ Prints JSON lines {"name", "value", "unit", "compared_against", ...context}:
   a + bL + cL^2, solved for the budget, and the solution re-measured (``fits``). Also
   max_batch_ratio_ring_vs_tp likewise at fixed L. Target >= 2.5 (the paper: 3.0x). Without
   --quick, the same against 1D tp=4 with Megatron sequence parallelism (``_megatron_sp``).
+- max_seq_ratio_ring_vs_tp_math_attention: the paper's baseline. At the same budget, the
+  ring's longest sequence over that of tp=4 whose attention materialises the (L x L) scores
+  (SDPA's math backend), as Megatron's did when the paper measured its 3.0x. Not the target's
+  peer (tessera's tp uses fused attention): it shows where the paper's figure came from.
 - comm_bytes_<mode>: bytes one rank sends for one attention layer's forward+backward, with
   the formula's value and their ratio.
 - step_time_<mode>: forward+backward of the model on 4 CPU workers (1 thread each, on a shared
@@ -23,6 +27,7 @@ Prints JSON lines {"name", "value", "unit", "compared_against", ...context}:
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import statistics
@@ -32,6 +37,7 @@ import weakref
 
 import torch
 import torch.distributed as dist
+from torch.nn.attention import SDPBackend, sdpa_kernel
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten
 
@@ -132,12 +138,14 @@ def _build(kind: str, L: int, name: str, meshes: dict):
 
 
 def _step_memory(kind: str, L: int, name: str, meshes: dict, B: int = 1) -> tuple[int, int]:
-    """(peak tracked bytes of one fwd+bwd, state bytes) on this rank."""
-    forward_loss, module, model = _build(kind, L, name, meshes)
+    """(peak tracked bytes of one fwd+bwd, state bytes) on this rank. ``tp_math`` is ``tp``
+    with SDPA forced onto its math backend, which materialises the attention scores."""
+    forward_loss, module, model = _build(kind.removesuffix("_math"), L, name, meshes)
     batch = _batch(B, L)
     for p in model.parameters():  # gradients are model state, not activations: allocate
         p.grad = torch.zeros_like(p)  # them outside the tracker (backward adds in place)
-    with PeakMemory() as tracker:
+    math = sdpa_kernel([SDPBackend.MATH]) if kind.endswith("_math") else contextlib.nullcontext()
+    with math, PeakMemory() as tracker:
         forward_loss(module, batch).backward()
     return tracker.peak, _state_bytes(model)
 
@@ -182,7 +190,16 @@ def _memory(rank, name, L_ref, peers, meshes):
         verified = _max(sum(mem("ring", L_max)))
         out[kind] = dict(budget=budget, b2=_max(sum(mem(kind, L_ref, 2))), state=tp_state,
                          L_max=L_max, verified=verified)
+    out["tp_math"] = _math_attention_max(mem, out["tp"]["budget"], L_ref)
     return out
+
+
+def _math_attention_max(mem, budget: float, L_ref: int) -> dict:
+    """Longest sequence tp=4 with materialised attention scores fits in ``budget`` (the
+    headline's budget): quadratic fit through three short lengths, solved, re-measured."""
+    points = {L: _max(sum(mem("tp_math", L))) for L in (L_ref // 16, L_ref // 8, L_ref // 4)}
+    L_max = int(_fit_max(points, budget)) // (2 * SP) * (2 * SP)
+    return dict(L_max=L_max, verified=_max(sum(mem("tp_math", L_max))))
 
 
 def _worker(rank, world, name, L_ref, peers, L_time, repeats):
@@ -313,6 +330,8 @@ def _memory_figures(mem, L_ref, peers, ctx):
               method="budget = tp's params+grads+Adam+peak activations at tp_max_seq; ring "
                      "fitted a+bL+cL^2 on 3 lengths, solved, then re-measured",
               target=">= 2.5 (paper: 3.0x vs Megatron TP)", **ctx)
+        if kind == "tp":
+            _math_attention_figure(mem, peer, ctx)
         ring_per_sample = mem["ring_b2"] - ring
         _emit(f"max_batch_ratio_ring_vs_tp{suffix}",
               round(1 + (peer["budget"] - ring - state) / ring_per_sample, 2), "ratio",
@@ -321,6 +340,18 @@ def _memory_figures(mem, L_ref, peers, ctx):
               ring_bytes_per_sample_mib=_mib(ring_per_sample),
               method="ring memory linear in batch, from B=1 and B=2",
               target="paper: 13.7x", **ctx)
+
+
+def _math_attention_figure(mem, peer, ctx):
+    math = mem["tp_math"]
+    _emit("max_seq_ratio_ring_vs_tp_math_attention", round(peer["L_max"] / math["L_max"], 2),
+          "ratio", "tessera 1D tp=4 with SDPA's math backend ((L x L) scores kept, as "
+          "Megatron's attention in the paper), same per-rank budget as max_seq_ratio_ring_vs_tp",
+          budget_mib=_mib(peer["budget"]), ring_max_seq=peer["L_max"],
+          tp_math_max_seq=math["L_max"], tp_math_bytes_at_max_mib=_mib(math["verified"]),
+          fits=math["verified"] <= peer["budget"],
+          note="the paper's baseline, not the target's peer (tessera's tp attention is fused)",
+          **ctx)
 
 
 def _comm_figures(sent):
