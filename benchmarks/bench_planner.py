@@ -79,6 +79,7 @@ def bench_local(quick: bool, out_dir: str | None, plot: str | None) -> None:
             continue
         cluster, profile_s = _profile(world, quick)
         profiled_share = cluster.compute_share()
+        profiled_straggler = cluster.straggler_fraction(world)
         load = os.getloadavg()[0]
         measured, contention = measure_strategies(world, strategies, steps=5 if quick else 7,
                                                   warmup=1 if quick else 2)
@@ -89,7 +90,9 @@ def bench_local(quick: bool, out_dir: str | None, plot: str | None) -> None:
         emit(f"local_contention_{world}w", round(contention["concurrency"][world], 4),
              "compute share per worker", "probed between the timed rounds (profile: "
              f"{profiled_share:.4f})", sync_penalty_s={g: round(v, 6) for g, v in
-                                                      contention["sync_penalty"].items()})
+                                                      contention["sync_penalty"].items()},
+             straggler=round(contention["straggler"][world], 4),
+             profiled_straggler=profiled_straggler)
         for strategy, meas in zip(strategies, measured):
             pred = estimate(model, cluster, strategy)
             error = (pred.step_time - meas["measured_s"]) / meas["measured_s"]
@@ -131,7 +134,7 @@ def with_contention(cluster, contention: dict):
                else {})
     return dataclasses.replace(
         cluster, concurrency={**cluster.concurrency, **contention["concurrency"]},
-        sync_penalty=penalty)
+        sync_penalty=penalty, straggler={**cluster.straggler, **contention["straggler"]})
 
 
 def _family(s: Strategy) -> str:

@@ -49,6 +49,7 @@ def test_measure_strategies_times_real_steps_and_probes_contention():
         assert min(row["steps_s"]) <= row["measured_s"] <= max(row["steps_s"])
     assert set(contention["concurrency"]) == {2} and 0 < contention["concurrency"][2] <= 1
     assert set(contention["sync_penalty"]) == {2} and contention["sync_penalty"][2] >= 0
+    assert set(contention["straggler"]) == {2} and contention["straggler"][2] >= 0
     with pytest.raises(ValueError, match="steps must be >= 1"):
         measure_strategies(2, runs, steps=0)
 

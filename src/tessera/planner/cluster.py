@@ -22,7 +22,7 @@ import yaml
 from tessera.planner.hardware import DeviceSpec, HardwareError, get_device
 
 # ring_step: every member sends to the next and receives from the previous at once (a ring
-# attention step); broadcast: from one member to the others (SUMMA's block exchange). Both are
+# attention step: K, V and token metadata, three messages in one batch); broadcast: from one member to the others (SUMMA's block exchange). Both are
 # measured by `tessera profile` only.
 COLLECTIVES = ("all_reduce", "all_gather", "reduce_scatter", "all_to_all", "p2p", "ring_step",
                "broadcast")

@@ -276,14 +276,19 @@ def _sp_comm(model: ModelConfig, cl: Cluster, s: Strategy, groups, lt: LayerTime
         # The forward also gathers the token metadata (index, segment) of the whole sequence.
         meta = comm.collective_time(cl, "all_gather", n_loc * s.sp * 2 * 8, group)
         return t + meta, t
-    # Ring: sp - 1 steps passing this rank's K and V blocks; backward also passes dK, dV.
+    # Ring: sp - 1 steps passing this rank's K and V blocks. Backward passes the blocks again
+    # (sp - 1 steps) and, on a second ring one step behind, their dK, dV contributions, which
+    # take sp hops to reach their owner (sequence/comm.py ring_pass_with_grads): 2 sp - 1.
     # A step waits for the whole ring (each rank for its predecessor): a profiled cluster
     # measured exactly that ("ring_step"); otherwise one p2p message.
     op = "ring_step" if "ring_step" in cl.collectives else "p2p"
     step = comm.collective_time(cl, op, n_loc * 2 * kv / heads_split * el, group)
-    ring_f, ring_b = (s.sp - 1) * step, 2 * (s.sp - 1) * step
+    ring_f, ring_b = (s.sp - 1) * step, (2 * s.sp - 1) * step
     if s.sp_mode == "rsa":
-        return ring_f, ring_b  # paper-faithful RSA: keys then values, not overlapped
+        # Paper-faithful RSA: a pass of keys, then one of values, neither overlapped; each
+        # step carries one of the two (the ring_step fit, of three messages, prices it high).
+        half = comm.collective_time(cl, op, n_loc * kv / heads_split * el, group)
+        return 2 * (s.sp - 1) * half, 2 * (2 * s.sp - 1) * half
     # Ring attention overlaps each step with the attention block it feeds.
     attn_f = lt.forward * 0.3
     ovl = cl.device.ring_overlap

@@ -10,9 +10,10 @@ the timed one runs warm, as the steps of a training run do.
 
 The machine may be shared with other programs whose load changes within minutes, and what
 CPU workers get from shared cores is the largest term of a small model's step. So the two
-contention figures of ``tessera profile`` (the compute share of ``world`` concurrent workers
-and the sync penalty of a blocking collective by group size) are measured again inside the
-same run, once per round between the timed steps, and returned with the times (medians):
+contention figures of ``tessera profile`` (the compute share of ``world`` concurrent workers,
+the sync penalty of a blocking collective by group size, and the straggler fraction of
+``world`` workers) are measured again inside the same run, once per round between the timed
+steps, and returned with the times (medians; the straggler's mean over all its tries):
 the prediction then describes the machine as the steps saw it. Nothing is fitted to the
 measured steps. :func:`candidate_strategies` lists the strategies measured, keeping
 only those that :meth:`Strategy.is_runnable` accepts when it is called, so the set grows as
@@ -102,7 +103,8 @@ def measure_strategies(world: int, strategies: list[Strategy], steps: int = 5,
 
     Returns one dict per strategy: ``strategy`` (text), ``measured_s`` (median) and
     ``steps_s`` (every timed step); and the contention measured between the rounds:
-    ``{"concurrency": {world: share}, "sync_penalty": {g: seconds}}`` (medians).
+    ``{"concurrency": {world: share}, "sync_penalty": {g: seconds}, "straggler": {world:
+    fraction}}`` (medians over the rounds; the straggler's mean, as ``tessera profile`` takes it).
     ``model`` overrides :data:`VALIDATION_MODEL` (ModelConfig fields).
     """
     from tessera.testing import run_distributed
@@ -117,7 +119,8 @@ def measure_strategies(world: int, strategies: list[Strategy], steps: int = 5,
             for text, t in zip(texts, times)]
     contention = {"concurrency": {world: statistics.median(p["share"] for p in probes)},
                   "sync_penalty": {g: statistics.median(p["penalty"][g] for p in probes)
-                                   for g in probes[0]["penalty"]}}
+                                   for g in probes[0]["penalty"]},
+                  "straggler": {world: statistics.fmean(p["straggler"] for p in probes)}}
     return rows, contention
 
 
@@ -137,7 +140,7 @@ def _measure_worker(rank: int, world: int, model: dict[str, Any], texts: list[st
     from tessera.config import TrainingArguments
     from tessera.models import Transformer
     from tessera.planner.profile_comm import (concurrent_share, partition_group,
-                                               sync_penalty_of)
+                                               straggler_of, sync_penalty_of)
     from tessera.train.trainer import Trainer
 
     config = ModelConfig(**model)
@@ -160,7 +163,9 @@ def _measure_worker(rank: int, world: int, model: dict[str, Any], texts: list[st
         for _ in range(steps):
             probes.append({"share": concurrent_share(dist, rank, world),
                            "penalty": {g: sync_penalty_of(dist, *groups[g], rounds=20,
-                                                          repeats=1) for g in sizes}})
+                                                          repeats=1) for g in sizes},
+                           # Equal tries per round: their mean over rounds is the mean of all.
+                           "straggler": straggler_of(dist, rank, world, world, reps=8)})
             for index, trainer in enumerate(trainers):
                 # Untimed steps first: a training run steps the same model again and again,
                 # so its caches, allocator and autograd state are warm; right after another
