@@ -98,3 +98,15 @@ def test_measured_straggler_fraction_prices_the_wait_for_the_slowest_worker():
     alone = dataclasses.replace(cluster, concurrency={4: 1.0})
     assert estimate(MODEL, alone, Strategy.parse("dp=4,mbs=2,gbs=8")
                     ).breakdown["step_sync"] == 0.0
+
+
+def test_profiled_recompute_overhead_is_charged_per_recomputed_layer():
+    s = Strategy.parse("dp=4,mbs=2,gbs=8,recompute=full")
+    free, hooked = (_cpu_cluster(0.5, {"recompute_layer": t}) for t in (0.0, 1e-3))
+    # Four recomputed layers, one micro-batch, at half a core: 4 x 1 ms / 0.5 more.
+    extra = (estimate(MODEL, hooked, s).breakdown["recompute"]
+             - estimate(MODEL, free, s).breakdown["recompute"])
+    assert extra == pytest.approx(4 * 1e-3 / 0.5)
+    none = Strategy.parse("dp=4,mbs=2,gbs=8")
+    assert (estimate(MODEL, hooked, none).step_time
+            == pytest.approx(estimate(MODEL, free, none).step_time))

@@ -143,17 +143,23 @@ def _tiny_step(n_layers: int) -> tuple[Callable[[], object], ...]:
     return forward, forward_backward, optimizer
 
 
-def measure_chunk_overhead(n_layers: int = 4) -> float:
-    """Seconds per layer and micro-batch that the ``memory=chunk`` runtime (its hooks, chunk
-    copies and placement) adds over ``memory=ddp``: one worker training a tiny reference
-    transformer with each, through the tessera Trainer."""
+def measure_runtime_overheads(layer_fwd: float, n_layers: int = 4) -> dict[str, float]:
+    """Seconds per layer and micro-batch that two runtimes add over a plain step, from one
+    worker training a tiny reference transformer (arithmetic negligible) through the tessera
+    Trainer with each: ``chunk_layer``, the ``memory=chunk`` runtime's hooks, chunk copies and
+    placement; ``recompute_layer``, what full recomputation costs beyond running the layer's
+    forward again (``layer_fwd``, priced already): the checkpoint's saved-tensor hooks, RNG
+    state and bookkeeping."""
     from tessera.planner.validation import measure_strategies
     from tessera.strategy import Strategy
 
     model = dict(n_layers=n_layers, d_model=8, n_heads=2, vocab_size=16, max_seq_len=4)
-    runs = [Strategy.parse(f"dp=1,mbs=1,gbs=1,memory={mem}") for mem in ("ddp", "chunk")]
+    runs = [Strategy.parse(f"dp=1,mbs=1,gbs=1,{extra}")
+            for extra in ("memory=ddp", "memory=chunk", "recompute=full")]
     rows, _ = measure_strategies(1, runs, steps=7, warmup=2, model=model)
-    return max(0.0, rows[1]["measured_s"] - rows[0]["measured_s"]) / n_layers
+    plain, chunk, recompute = (row["measured_s"] for row in rows)
+    return {"chunk_layer": max(0.0, chunk - plain) / n_layers,
+            "recompute_layer": max(0.0, (recompute - plain) / n_layers - layer_fwd)}
 
 
 def profile_cluster(workers: int | None = None, quick: bool = False,
@@ -181,8 +187,8 @@ def profile_cluster(workers: int | None = None, quick: bool = False,
         torch.set_num_threads(threads)
     log(f"collectives over gloo with {workers} workers ...")
     fits, (overlap, ring_overlap), shares, straggler = measure_collectives(workers, quick)
-    log("memory=chunk runtime overhead (one worker, tiny reference transformer) ...")
-    overheads["chunk_layer"] = measure_chunk_overhead()
+    log("memory=chunk and recomputation overheads (one worker, tiny reference transformer) ...")
+    overheads.update(measure_runtime_overheads(overheads["layer_fwd"]))
     base = local_cpu(workers)
     device = dataclasses.replace(
         base, peak_flops={"fp32": peak, "bf16": peak}, memory_bandwidth=bandwidth,

@@ -177,7 +177,10 @@ def _stage_costs(model: ModelConfig, cl: Cluster, s: Strategy, groups, opt: SimO
             if s.tp > 1:  # vocab-parallel cross-entropy: max, sum of exp, target logit
                 extra_tp += 3 * comm.call_time(cl, groups["tp"])
         n_rec = recomputed_layers(s.stage_recompute(i), layers)
-        rec = n_rec * lt.forward
+        # The forward again, plus the checkpoint's own hooks (profiled, at a lone worker's
+        # rate like the layer's other fixed costs).
+        rec = n_rec * (lt.forward + cl.device.overheads.get("recompute_layer", 0.0)
+                       / cl.compute_share())
         tp = layers * (tp_f + tp_b) + n_rec * tp_f + extra_tp
         sp = layers * (sp_f + sp_b) + n_rec * sp_f
         hidden = opt.tp_overlap * tp
