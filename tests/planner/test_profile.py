@@ -30,9 +30,11 @@ def test_profile_two_workers_round_trip(tmp_path):
     assert 0 < again.compute_share() <= 1
     assert again.device.overheads == cluster.device.overheads
     assert again.device.overheads["layer_fwd"] + again.device.overheads["layer_bwd"] > 0
-    # The runtimes' own costs beyond a plain step: measured (>= 0 by construction), and the
-    # chunk runtime's hooks and copies are never free.
-    assert again.device.overheads["chunk_layer"] > 0
+    # The runtimes' own costs beyond a plain step: each measured (>= 0 by construction), and
+    # the chunk runtime (hooks and copies per micro-batch, reduction and optimizer per step)
+    # is never free.
+    chunk = [again.device.overheads[k] for k in ("chunk_layer", "chunk_step_layer")]
+    assert min(chunk) >= 0 and sum(chunk) > 0
     assert again.device.overheads["recompute_layer"] >= 0
     # Element-wise seconds per element of real layers, for both activation styles: positive,
     # and no cheaper than streaming 4 bytes per element at the measured bandwidth would be.

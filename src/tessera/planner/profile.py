@@ -144,21 +144,28 @@ def _tiny_step(n_layers: int) -> tuple[Callable[[], object], ...]:
 
 
 def measure_runtime_overheads(layer_fwd: float, n_layers: int = 4) -> dict[str, float]:
-    """Seconds per layer and micro-batch that two runtimes add over a plain step, from one
-    worker training a tiny reference transformer (arithmetic negligible) through the tessera
-    Trainer with each: ``chunk_layer``, the ``memory=chunk`` runtime's hooks, chunk copies and
-    placement; ``recompute_layer``, what full recomputation costs beyond running the layer's
-    forward again (``layer_fwd``, priced already): the checkpoint's saved-tensor hooks, RNG
-    state and bookkeeping."""
+    """Seconds per layer that two runtimes add over a plain step, from one worker training a
+    tiny reference transformer (arithmetic negligible) through the tessera Trainer with each,
+    at one and at two micro-batches per step:
+
+    - ``chunk_layer`` per micro-batch and ``chunk_step_layer`` per step: the ``memory=chunk``
+      runtime's hooks, chunk copies and placement (each micro-batch), and its gradient
+      reduction, clipping and chunked AdamW (once per step);
+    - ``recompute_layer`` per micro-batch: what full recomputation costs beyond running the
+      layer's forward again (``layer_fwd``, priced already): the checkpoint's saved-tensor
+      hooks, RNG state and bookkeeping."""
     from tessera.planner.validation import measure_strategies
     from tessera.strategy import Strategy
 
     model = dict(n_layers=n_layers, d_model=8, n_heads=2, vocab_size=16, max_seq_len=4)
-    runs = [Strategy.parse(f"dp=1,mbs=1,gbs=1,{extra}")
-            for extra in ("memory=ddp", "memory=chunk", "recompute=full")]
+    runs = [Strategy.parse(f"dp=1,mbs=1,gbs={gbs},{extra}") for gbs, extra in
+            ((1, "memory=ddp"), (1, "memory=chunk"), (1, "recompute=full"),
+             (2, "memory=ddp"), (2, "memory=chunk"))]
     rows, _ = measure_strategies(1, runs, steps=7, warmup=2, model=model)
-    plain, chunk, recompute = (row["measured_s"] for row in rows)
-    return {"chunk_layer": max(0.0, chunk - plain) / n_layers,
+    plain, chunk, recompute, plain2, chunk2 = (row["measured_s"] for row in rows)
+    per_micro_batch = max(0.0, (chunk2 - plain2) - (chunk - plain))
+    return {"chunk_layer": per_micro_batch / n_layers,
+            "chunk_step_layer": max(0.0, chunk - plain - per_micro_batch) / n_layers,
             "recompute_layer": max(0.0, (recompute - plain) / n_layers - layer_fwd)}
 
 

@@ -424,7 +424,8 @@ def _straggler(cl: Cluster, s: Strategy, step: float) -> float:
 def _chunk_collectives(model: ModelConfig, cl: Cluster, s: Strategy, p: float, group) -> float:
     """ZeRO collectives of the memory=chunk runtime over a step. It gathers each group of dp
     chunks before the forward and again before the backward of every micro-batch, and
-    reduce-scatters each group's gradients after it, all blocking (nothing to overlap with).
+    reduce-scatters each group's gradients once, after the last micro-batch's backward (the
+    others accumulate locally under no_sync), all blocking (nothing to overlap with).
     The chunk size search lands near the largest tensor, so a rank holds about
     ``p / largest`` chunks, in ``ceil(chunks / dp)`` groups."""
     w_b, g_b, _ = state_bytes(s.precision)
@@ -434,16 +435,19 @@ def _chunk_collectives(model: ModelConfig, cl: Cluster, s: Strategy, p: float, g
     extra_calls = (groups - 1) * comm.call_time(cl, group)
     ag = comm.collective_time(cl, "all_gather", p * w_b, group) + extra_calls
     rs = comm.collective_time(cl, "reduce_scatter", p * g_b, group) + extra_calls
-    return s.grad_accum_steps * (2 * ag + rs)
+    return s.grad_accum_steps * 2 * ag + rs
 
 
 def _chunk_runtime(cl: Cluster, s: Strategy, model: ModelConfig) -> float:
-    """Profiled cost of the memory=chunk runtime (hooks, chunk copies) over a step."""
-    per_layer = cl.device.overheads.get("chunk_layer", 0.0)
+    """Profiled cost of the memory=chunk runtime over a step: hooks and chunk copies every
+    micro-batch, gradient reduction and the chunked optimizer once."""
+    fixed = cl.device.overheads
+    per_layer = s.grad_accum_steps * fixed.get("chunk_layer", 0.0)
+    per_layer += fixed.get("chunk_step_layer", 0.0)
     if s.memory != "chunk" or not per_layer:
         return 0.0
     layers = max(1, model.n_layers // s.pp)
-    return s.grad_accum_steps * per_layer * layers / cl.compute_share()
+    return per_layer * layers / cl.compute_share()
 
 
 def _offload_time(cl: Cluster, s: Strategy, p_shard: float, bwd: float) -> float:
