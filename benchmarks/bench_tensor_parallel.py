@@ -106,10 +106,11 @@ def measured_layer_bytes(mesh: Mesh, batch) -> float:
     return per_rank[1] - per_rank[0]
 
 
-def formula_1d(n: int, c: int, f: int, column_layers: int = 4) -> float:
-    """1D per rank: all-reduce of (N, C) after each row layer forward (2) and of each column
-    layer's input gradient backward (q, k, v, up: 4 for a gelu MLP). fp32 bytes."""
-    return 4.0 * (2 + column_layers) * n * c
+def formula_1d(n: int, c: int, f: int) -> float:
+    """1D per rank: all-reduce of (N, C) after each row layer forward (o, down: 2) and of each
+    block input's gradient backward (attention, MLP: 2; one f per block, however many column
+    layers read the input). fp32 bytes."""
+    return 4.0 * (2 + 2) * n * c
 
 
 def formula_2d(n: int, c: int, f: int, q: int) -> float:

@@ -2,7 +2,8 @@
 
 The launch builds three meshes on 4 ranks: 1D tp=2 (two tp groups, under dp=2), 1D tp=4 and
 the 2x2 grid, and checks each layer kind and each model (reference GPT-2 and Llama style,
-Hugging Face GPT-2 and Llama) against the same module on one device.
+Hugging Face GPT-2 and Llama) against the same module on one device. It also counts the
+all-reduces of one 1D backward (exact counts, no tolerance): one per block input.
 
 Tolerance: fp32 on CPU. A tensor-parallel layer sums the same products in a different order
 (partial sums over shards, then a collective), so results agree to rounding, not bit for bit:
@@ -22,6 +23,10 @@ import tp_checks
 TOL = 1e-5
 MESHES = ("1d_tp2", "1d_tp4", "2d_2x2")
 MODELS = ("ref-gpt", "ref-llama", "hf-gpt2", "hf-llama")
+# (mesh, model, exportable layers): tp=2 reference Llama (plain and as pipeline stages run
+# it), GPT-2's fused q|k|v, and tp=4 Llama whose 2 kv heads are replicated.
+ALL_REDUCE_CASES = (("1d_tp2", "ref-llama", False), ("1d_tp2", "ref-llama", True),
+                    ("1d_tp2", "hf-gpt2", False), ("1d_tp4", "hf-llama", False))
 
 
 def _all_checks(rank, world_size, folder):
@@ -36,7 +41,10 @@ def _all_checks(rank, world_size, folder):
             for kind in ("ref-gpt", "ref-llama"):  # Megatron sequence parallelism
                 out["models"][name, kind + "+sp"] = tp_checks.model_parity(mesh, kind, True)
     out["counts"] = counts
+    out["all_reduces"] = {(m, kind, exp): tp_checks.backward_all_reduces(meshes[m], kind, exp)
+                          for m, kind, exp in ALL_REDUCE_CASES}
     out["refusals"] = tp_checks.refusals(meshes["2d_2x2"])
+    out["refusals"]["no_block"] = tp_checks.refusal_without_block(meshes["1d_tp2"])
     out["checkpoints"] = {(m, kind): tp_checks.checkpoint_roundtrip(meshes[m], kind,
                                                                      f"{folder}/{m}-{kind}")
                           for m in ("1d_tp4", "2d_2x2") for kind in ("ref-gpt", "hf-gpt2")}
@@ -98,6 +106,9 @@ def test_bad_input_is_refused_with_the_rule_named(results):
     assert "mbs=1 must be divisible by 2" in got["mbs"]
     assert "vocab_size=255 is not divisible by 2" in got["vocab"]
     assert "n_kv_heads=1 must be divisible by 2" in got["kv_heads"]
+    # 1D column layers leave the input-gradient sum to their attention / MLP block's hook.
+    assert "blocks.0.attn.q_proj of Transformer is column-parallel but not inside a module " \
+           "of style 'attention' or 'mlp'" in got["no_block"]
 
 
 @pytest.mark.slow
@@ -110,3 +121,17 @@ def test_checkpoints_hold_the_unsharded_model_and_adam_states(results):
         assert got["saved"] <= TOL, (mesh, kind, got)
         assert got["loaded"] == 0.0, (mesh, kind, got)  # loading copies
     assert results[0]["checkpoints"]["2d_2x2", "hf-gpt2"]["permuted"] == 1.0
+
+
+@pytest.mark.slow
+def test_one_input_gradient_all_reduce_per_attention_and_mlp_block(results):
+    # Megatron's f once per block input, not once per column layer: 2 per layer (attention,
+    # MLP) + 1 for the output layer's input, where summing in each column layer took 5 per
+    # Llama layer (q, k, v, gate, up) and 4 per GPT-2 layer (fused q|k|v counts 1, plus c_fc
+    # counts 1: 2 already, checked for the fused path). The embedding's backward needs none.
+    for rank, res in enumerate(results):
+        for (mesh, kind, exportable), got in res["all_reduces"].items():
+            case = (rank, mesh, kind, exportable, got)
+            assert got["activations"] == 2 * got["layers"] + 1, case
+            # tp=4 replicates tiny-llama's 2 kv heads: k and v weight gradients are summed.
+            assert got["other"] == (2 * got["layers"] if mesh == "1d_tp4" else 0), case

@@ -204,10 +204,15 @@ def layer_checks(mesh: Mesh) -> dict[str, dict[str, float]]:
     def case(builder, style, module, inp, split_in, split_out):
         return _layer_case(lambda m: builder.build(style, m), module, inp, split_in, split_out)
 
+    def column(module):  # a lone column layer is its own block: its BlockInput sums dx
+        layer = dense.build("colwise", module)
+        dense.hook_block_input(layer)
+        return layer
+
     return {
-        "column": case(dense, "colwise", lin, x, same, feat),
+        "column": _layer_case(column, lin, x, same, feat),
         "row": case(dense, "rowwise", nn.Linear(O, C), h, feat, same),
-        "conv1d_column": case(dense, "colwise", conv, x, same, feat),
+        "conv1d_column": _layer_case(column, conv, x, same, feat),
         "conv1d_row": case(dense, "rowwise", Conv1D(C, O), h, feat, same),
         "vocab_embedding": case(dense, "vocab_embed", emb, ids, same, same),
         "layernorm": case(dense, "norm", ln, x, same, same),
@@ -295,3 +300,53 @@ def _max_state_diff(model_sd, ref_model, optim_sd, ref_optim) -> float:
         for key in ("exp_avg", "exp_avg_sq"):
             worst = max(worst, _diff(full(state[key]), ref_optim["state"][fqn][key]))
     return worst
+
+
+def backward_all_reduces(mesh: Mesh, kind: str, exportable: bool = False) -> dict[str, int]:
+    """How many all-reduces one backward of a 1D TP model issues, by what they sum.
+
+    ``activations``: (B, T, C) input gradients (each block input, the output layer's input);
+    ``other``: anything else (e.g. replicated k/v weights when kv heads < tp). ``exportable``
+    builds the layers as the custom ops pipeline stages use (run eagerly here).
+    """
+    model = build(kind)
+    plan = Parallelized(module=model, model=model, loss_group=None)
+    strategy = mesh.strategy.replace(dp=1, global_batch_size=1)
+    if exportable:  # pp > 1 is what switches the layers to tensor/ops.py
+        strategy = strategy.replace(pp=2)
+    apply_tensor_parallel(plan, strategy, mesh)
+    loss_value = plan.forward_loss(plan.module, batch())
+    seen: list[tuple[int, ...]] = []
+    original = TPGroup.all_reduce
+
+    def counting(self, tensor, *args, **kwargs):
+        seen.append(tuple(tensor.shape))
+        return original(self, tensor, *args, **kwargs)
+
+    TPGroup.all_reduce = counting
+    try:
+        loss_value.backward()
+    finally:
+        TPGroup.all_reduce = original
+    width = model_dims(model).d_model
+    n_act = sum(shape == (B, T, width) for shape in seen)
+    return {"activations": n_act, "other": len(seen) - n_act,
+            "layers": model.config.n_layers if hasattr(model.config, "n_layers")
+            else model.config.num_hidden_layers}
+
+
+def refusal_without_block(mesh: Mesh) -> str:
+    """The message when a policy's column layers have no attention / MLP block to sum dx."""
+    from tessera.parallel.tensor import policy as tp_policy
+
+    saved = tp_policy.POLICIES["Transformer"]
+    tp_policy.POLICIES["Transformer"] = [(p, s) for p, s in saved if s not in ("attention", "mlp")]
+    model = Transformer(preset("tiny"))
+    try:
+        apply_tensor_parallel(Parallelized(model, model, None), mesh.strategy.replace(
+            dp=1, global_batch_size=1), mesh)
+        return ""
+    except ValueError as err:
+        return str(err)
+    finally:
+        tp_policy.POLICIES["Transformer"] = saved

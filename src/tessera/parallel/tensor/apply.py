@@ -13,12 +13,12 @@ from torch.distributed.tensor import DTensor, Replicate, Shard
 
 from tessera.mesh import Mesh
 from tessera.parallel.plan import Parallelized
-from tessera.parallel.tensor.comm import CommCounter, GatherSeq, Grid, TPGroup
+from tessera.parallel.tensor.comm import CommCounter, Grid, TPGroup
 from tessera.parallel.tensor.data_parallel import ShardGradSync
 from tessera.parallel.tensor.loss import (make_clip_grad_norm, make_forward_loss_1d,
                                           make_forward_loss_2d)
-from tessera.parallel.tensor.modules import (ColumnLinear, Embedding2D, Linear2D, Norm1D,
-                                             Norm2D, ReplicatedEmbedding, RowLinear,
+from tessera.parallel.tensor.modules import (BlockInput, ColumnLinear, Embedding2D, Linear2D,
+                                             Norm1D, Norm2D, ReplicatedEmbedding, RowLinear,
                                              VocabEmbedding)
 from tessera.parallel.tensor.ops import register_group
 from tessera.parallel.tensor.ops2d import register_grid
@@ -69,6 +69,8 @@ def apply_tensor_parallel(plan: Parallelized, strategy: Strategy, mesh: Mesh,
         builder = _Builder1D(dims, group, mesh.submesh("tp"), sequence_parallel)
         plan.forward_loss = make_forward_loss_1d(group)
     _replace_modules(model, policy, builder)
+    if isinstance(builder, _Builder1D):
+        _check_block_inputs(model, builder)
     if strategy.pp > 1:  # the pipeline captures the model: collectives must be graph nodes
         _make_exportable(model, builder)
     if permuted_params(model):
@@ -93,6 +95,8 @@ def _make_exportable(model: nn.Module, builder: "_Builder1D | _Builder2D") -> No
     for module in model.modules():
         if isinstance(module, (ColumnLinear, RowLinear, VocabEmbedding)):
             module.export_group = name
+    for hook in builder.block_inputs.values():
+        hook.export_group = name
 
 
 def _with_unpermute_hooks(base):
@@ -150,6 +154,23 @@ def _replace_modules(model: nn.Module, policy, builder) -> None:
             "tessera/parallel/tensor/policy.py")
 
 
+def _check_block_inputs(model: nn.Module, builder: "_Builder1D") -> None:
+    """Refuse a column layer that skips its input-gradient sum with no block to do it.
+
+    Column layers inside attention / MLP run in mode "gathered" and rely on the enclosing
+    block's :class:`BlockInput`; a policy whose column pattern matches a module outside any
+    "attention" / "mlp" module would silently lose the sum over ranks.
+    """
+    hooked = [path for path, m in model.named_modules() if id(m) in builder.block_inputs]
+    for path, module in model.named_modules():
+        if isinstance(module, ColumnLinear) and module.mode == "gathered" and not any(
+                path.startswith(block + ".") for block in hooked):
+            raise PolicyError(
+                f"{path} of {type(model).__name__} is column-parallel but not inside a module "
+                "of style 'attention' or 'mlp', whose pre-hook sums its input gradient: add "
+                "its enclosing block to POLICIES in tessera/parallel/tensor/policy.py")
+
+
 def _is_conv1d(module: nn.Module) -> bool:
     return type(module).__name__ == "Conv1D"  # GPT-2: weight (in, out)
 
@@ -187,16 +208,25 @@ class _Builder1D(_Builder):
     def __init__(self, dims: ModelDims, group: TPGroup, dmesh, seq_parallel: bool) -> None:
         super().__init__(dims, dmesh)
         self.group, self.sp = group, seq_parallel
-        # Column layers inside attention / MLP: under SP the block's pre-hook gathered the input.
-        self.inner = "gathered" if seq_parallel else "replicated"
+        # Column layers inside attention / MLP: the block's BlockInput pre-hook sums their
+        # input gradient once (f), or under SP gathers the input (backward: reduce-scatter).
+        self.inner = "gathered"
+        self.block_inputs: dict[int, BlockInput] = {}  # id(block module) -> its pre-hook
+
+    def hook_block_input(self, block: nn.Module) -> None:
+        """Give ``block`` (attention or MLP) the pre-hook that applies f to its input once."""
+        hook = BlockInput(self.group, self.sp)
+        block.register_forward_pre_hook(hook, with_kwargs=True)
+        self.block_inputs[id(block)] = hook
 
     def build(self, style: str, m: nn.Module) -> nn.Module | None:
         g, sp, rep, s0, s1 = self.group, self.sp, (Replicate(),), (Shard(0),), (Shard(1),)
         conv = _is_conv1d(m)
         out_dim, in_dim = (s1, s0) if conv else (s0, s1)  # weight dims of out / in features
         kv_split = self.dims.n_kv_heads % g.size == 0
-        # Under SP the attention / MLP input is gathered once (a pre-hook), so the column
-        # layers inside see the whole sequence; the row layers reduce-scatter it again.
+        # The attention / MLP input gets f (under SP: is gathered) once, in a pre-hook, so the
+        # column layers inside need no collective; the row layers all-reduce (SP:
+        # reduce-scatter) their partial outputs.
         if style == "colwise" or (style == "colwise_kv" and kv_split):
             return ColumnLinear(self.param(m.weight, out_dim), self.param(m.bias, s0), g,
                                 self.inner, conv)
@@ -224,9 +254,7 @@ class _Builder1D(_Builder):
             if style == "attention":
                 kv = self.dims.n_kv_heads
                 self.attention(m, g.size, kv // g.size if kv % g.size == 0 else 1)
-            if sp:
-                m.register_forward_pre_hook(
-                    lambda mod, args: (GatherSeq.apply(args[0], g), *args[1:]))
+            self.hook_block_input(m)
             return None
         raise PolicyError(f"unknown tensor-parallel style {style!r}")
 

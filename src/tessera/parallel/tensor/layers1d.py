@@ -4,9 +4,10 @@ Activations are whole on every rank of the tp group (or, with Megatron sequence 
 split along the sequence between the layers). A column-parallel linear holds a slice of the
 output features, a row-parallel one a slice of the input features; a column layer followed by
 a row layer needs one all-reduce forward (after the row layer) and one backward (before the
-column layer). With sequence parallelism those become an all-gather before the column layer
-and a reduce-scatter after the row layer: the same bytes, but norms and dropout in between
-work on 1/tp of the sequence.
+column layer; the column layers reading one block input share it: ``modules.BlockInput``).
+With sequence parallelism those become an all-gather before the column layer and a
+reduce-scatter after the row layer: the same bytes, but norms and dropout in between work on
+1/tp of the sequence.
 
 Weights are given as (out, in) local tensors; a Conv1D (GPT-2) weight is passed transposed.
 Shapes: N tokens (B*T flattened in the functions), C in features, O out features.
@@ -29,8 +30,10 @@ class ColumnLinearFn(torch.autograd.Function):
 
     ``mode`` says where the input gradient's sum over ranks happens:
     "replicated": x is whole on every rank; all-reduce the input gradient here (Megatron f).
+        Used by the output layer, the only column layer outside a block.
     "gather": x is a sequence slice (SP); all-gather it here, reduce-scatter the gradient.
-    "gathered": x was gathered by the enclosing block (SP); the gather's own backward sums.
+    "gathered": the enclosing attention / MLP block applied f to x (or, under SP, gathered
+        it) once for all its column layers; that op's backward sums, so nothing here does.
     """
 
     @staticmethod

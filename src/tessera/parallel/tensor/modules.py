@@ -11,7 +11,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from tessera.parallel.tensor.comm import CopyToTP, Grid, TPGroup
+from tessera.parallel.tensor.comm import CopyToTP, GatherSeq, Grid, TPGroup
 from tessera.parallel.tensor.layers1d import ColumnLinearFn, RowLinearFn, VocabEmbeddingFn
 from tessera.parallel.tensor.layers2d import (AddBias2DFn, Conv1D2DFn, Embedding2DFn,
                                               Linear2DFn, Norm2DFn)
@@ -33,7 +33,8 @@ def _opt(param: nn.Parameter | None) -> torch.Tensor | None:
 class ColumnLinear(nn.Module):
     """1D column-parallel linear: output features split over the tp group.
 
-    ``mode``: "replicated", "gather" or "gathered" (see :class:`ColumnLinearFn`). ``rows``
+    ``mode``: "replicated", "gather" or "gathered" (see :class:`ColumnLinearFn`; inside an
+    attention or MLP block "gathered": its :class:`BlockInput` sums the gradient). ``rows``
     (optional) picks rows of a replicated weight: the key/value heads this rank needs when
     there are fewer key/value heads than ranks (grouped-query attention).
     """
@@ -57,12 +58,51 @@ class ColumnLinear(nn.Module):
         return ColumnLinearFn.apply(x, w, b, self.group, self.mode)
 
     def _exportable(self, x, w, b, name: str) -> torch.Tensor:
-        if self.mode != "replicated":
+        if self.mode == "gather":
             raise RuntimeError("exportable 1D layers do not take sequence parallelism")
         if self.rows is not None:  # replicated k/v weight: every rank's slice adds to it
             w = tp_copy(w, name)[self.rows]
             b = None if b is None else tp_copy(b, name)[self.rows]
-        return F.linear(tp_copy(x, name), w, b)  # (B, T, O/tp)
+        if self.mode == "replicated":  # else the enclosing block's BlockInput applied f
+            x = tp_copy(x, name)
+        return F.linear(x, w, b)  # (B, T, O/tp)
+
+
+class BlockInput:
+    """Forward pre-hook of an attention or MLP block: its input enters tensor parallelism once.
+
+    Every column layer inside the block (q, k, v; gate, up) reads the same input, and each
+    rank's gradient of that input is a partial sum over its output features. Summing once
+    here with Megatron's f (identity forward, all-reduce backward) replaces one all-reduce per
+    column layer; those layers run in mode "gathered" and do not sum. Under Megatron sequence
+    parallelism the input is a sequence slice: it is all-gathered here instead (backward:
+    reduce-scatter). With ``export_group`` set, f is the custom op ``tp_copy`` (tensor/ops.py),
+    so torch.export keeps its backward all-reduce.
+
+    Registered with ``with_kwargs=True``: Hugging Face decoder layers pass ``hidden_states``
+    to the attention as a keyword.
+    """
+
+    def __init__(self, group: TPGroup, seq_parallel: bool) -> None:
+        self.group, self.seq_parallel = group, seq_parallel
+        self.export_group: str | None = None
+
+    def __call__(self, module: nn.Module, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
+        if args:
+            return (self.enter(args[0]), *args[1:]), kwargs
+        if "hidden_states" in kwargs:
+            return args, {**kwargs, "hidden_states": self.enter(kwargs["hidden_states"])}
+        raise TypeError(f"tensor parallelism: {type(module).__name__} was called without a "
+                        "positional input or a hidden_states keyword; its input cannot be "
+                        "marked for the one input-gradient all-reduce of the block")
+
+    def enter(self, x: torch.Tensor) -> torch.Tensor:
+        """f (or the sequence gather) applied to the block input (B, T, C)."""
+        if self.seq_parallel:
+            return GatherSeq.apply(x, self.group)  # (B, T/tp, C) -> (B, T, C)
+        if self.export_group is not None:
+            return tp_copy(x, self.export_group)
+        return CopyToTP.apply(x, self.group)
 
 
 class RowLinear(nn.Module):

@@ -12,9 +12,10 @@ pattern that matches a module's full path decides its style. Styles:
     vocab_head   output layer, logits stay split by vocabulary
     position     learned position table: replicated (1D) / 2D blocks (2D)
     norm         layernorm / rmsnorm: replicated (1D) / statistics along grid rows (2D)
-    attention    the attention module itself: its head counts become the local ones; under
-                 sequence parallelism its input is gathered along the sequence first
-    mlp          the MLP module: under sequence parallelism its input is gathered first
+    attention    the attention module itself: its head counts become the local ones; (1D)
+                 its input gets Megatron's f once for all its column layers (under
+                 sequence parallelism: is gathered along the sequence)
+    mlp          the MLP module: (1D) its input gets f once (under SP: is gathered)
 
 Adding an architecture means adding one entry to ``POLICIES`` (keyed by model class name) and,
 if its config names differ, to ``model_dims``.
