@@ -38,7 +38,10 @@ class ChunkHooks:
 
     def __init__(self, manager: ChunkManager, model: nn.Module) -> None:
         self.m = manager
-        self.arrived: dict[int, int] = {}  # group -> gradients stored this micro-batch
+        # group -> parameters whose gradient was stored since the group last finished. A set,
+        # not a count: a pipeline stage's pieces may each hold part of a group, and a piece's
+        # next micro-batch may deliver a gradient before another piece delivered its first.
+        self.arrived: dict[int, set[int]] = {}
         self.pending: set[int] = set()  # groups with gradients not yet reduce-scattered
         # Tensors that finished forward since the last backward, per group. Release decisions
         # use these counts, which every rank shares, not the local states of remote tensors
@@ -49,16 +52,27 @@ class ChunkHooks:
         self.handles = []
         self._saved_ctx = None
         for name, module in model.named_modules():
-            params = [p for p in module.parameters(recurse=False) if p in manager.slot_of]
-            if params:
-                self.handles.append(module.register_forward_pre_hook(
-                    functools.partial(self._pre_forward, name or "root", params)))
-                self.handles.append(module.register_forward_hook(
-                    functools.partial(self._post_forward, name or "root", params)))
+            self.hook_module(name or "root", module)
         for param in manager.slot_of:
             self.handles.append(param.register_post_accumulate_grad_hook(self._grad_ready))
-        self.handles.append(model.register_forward_pre_hook(self._enter_saved))
-        self.handles.append(model.register_forward_hook(self._exit_saved, always_call=True))
+        self.watch_saved(model)
+
+    def hook_module(self, name: str, module: nn.Module) -> bool:
+        """Drive the chunks of the parameters ``module`` owns directly around its forward
+        (and, through its outputs, its backward). Returns whether it owns any."""
+        params = [p for p in module.parameters(recurse=False) if p in self.m.slot_of]
+        if params:
+            self.handles.append(module.register_forward_pre_hook(
+                functools.partial(self._pre_forward, name, params)))
+            self.handles.append(module.register_forward_hook(
+                functools.partial(self._post_forward, name, params)))
+        return bool(params)
+
+    def watch_saved(self, module: nn.Module) -> None:
+        """Route what autograd saves inside ``module``'s forward through the chunk
+        saved-tensor hooks (views of chunks as references, the rest counted)."""
+        self.handles.append(module.register_forward_pre_hook(self._enter_saved))
+        self.handles.append(module.register_forward_hook(self._exit_saved, always_call=True))
 
     # ------------------------------------------------------------------------- forward
     def _pre_forward(self, name: str, params: list, module: nn.Module, args: Any) -> None:
@@ -155,10 +169,14 @@ class ChunkHooks:
         m.set_state_of(param, S.HOLD_AFTER_BWD)
         group = chunk.index // m.world
         self.pending.add(group)
-        self.arrived[group] = self.arrived.get(group, 0) + 1
+        arrived = self.arrived.setdefault(group, set())
+        arrived.add(id(param))
         members = m.zero.members(m, chunk.index)
-        if self.arrived[group] == sum(len(c.slots) for c in members):
-            self.arrived[group] = 0
+        # A member still in use (a pipeline piece's backward not done with it) keeps the group:
+        # compute states are the same on every rank, so all ranks decide alike.
+        if (len(arrived) == sum(len(c.slots) for c in members)
+                and not any(c.in_compute() for c in members)):
+            arrived.clear()
             self._finish_group(group)
 
     def _grad_buffer(self, chunk: Chunk) -> torch.Tensor:

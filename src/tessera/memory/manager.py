@@ -66,6 +66,8 @@ class ChunkManager:
         compute_dtype: dtype of parameter and gradient chunks (fp32, bf16 or fp16).
         offload: tiers allowed besides the device: "cpu" (host) and/or "disk".
         dp_group: process group of the data-parallel ranks the chunks are sharded over.
+        param_order: the order parameters are packed in (default: registration order); a
+            pipeline stage packs them in the order its graph reads them.
 
     Raises:
         MemoryBudgetError: when the device budget cannot hold one group of parameter and
@@ -75,8 +77,10 @@ class ChunkManager:
 
     def __init__(self, model: nn.Module, options: MemoryOptions, device: torch.device,
                  compute_dtype: torch.dtype = torch.float32, offload: tuple[str, ...] = ("cpu",),
-                 dp_group: dist.ProcessGroup | None = None) -> None:
+                 dp_group: dist.ProcessGroup | None = None,
+                 param_order: list[nn.Parameter] | None = None) -> None:
         self.model, self.options, self.dtype = model, options, compute_dtype
+        self.param_order = param_order
         self.itemsize = torch.empty((), dtype=compute_dtype).element_size()
         self.zero = ZeroGroups(dp_group)
         self.rank, self.world = self.zero.rank, self.zero.size
@@ -103,6 +107,9 @@ class ChunkManager:
     # ------------------------------------------------------------------------ layout
     def _build(self, chunk_size: int | None) -> None:
         params = [(n, p) for n, p in self.model.named_parameters() if p.requires_grad]
+        if self.param_order is not None:
+            rank = {id(p): i for i, p in enumerate(self.param_order)}
+            params.sort(key=lambda item: rank.get(id(item[1]), len(rank)))
         numels = [local_of(p).numel() for _, p in params]  # tp: the local shard's size
         # Adam momentum and variance (+ an fp32 master below fp32), in compute elements.
         states = (8 + (4 if self.dtype != torch.float32 else 0)) / self.itemsize
@@ -331,14 +338,17 @@ class ChunkManager:
             self.transfers.add(src, dest, data.numel() * data.element_size())
 
     def _key(self, chunk: Chunk, kind: Kind) -> str:
-        return f"rank{self.rank}_chunk{chunk.index}_{kind.value}"
+        # The global rank: ranks of different pipeline stages (or tp shards) share a ZeRO
+        # rank and may share disk_dir, and their chunk files must not collide.
+        rank = dist.get_rank() if dist.is_initialized() else self.rank
+        return f"rank{rank}_chunk{chunk.index}_{kind.value}"
 
     def _make_room(self, tier: str, nbytes: int, protect: set) -> None:
         if tier == DEVICE:
             reserve = self.tracer.reserve(self.tracer.now) if self.tracer.warm else 0
             while self.device.room(reserve) < nbytes:
                 if not self._evict_one(DEVICE, protect):
-                    raise self._too_small(nbytes, reserve)
+                    raise self._too_small(nbytes, reserve, protect)
         elif tier == HOST and self.host is not None and self.host.budget is not None:
             while self.host.room() < nbytes:
                 if self.disk is None or not self._evict_one(HOST, protect):
@@ -370,11 +380,14 @@ class ChunkManager:
             return not chunk.in_compute()
         return True
 
-    def _too_small(self, nbytes: int, reserve: int) -> MemoryBudgetError:
-        # Payloads that cannot leave the device now: in use, pinned (static) or remote.
+    def _too_small(self, nbytes: int, reserve: int, protect: set = frozenset()
+                   ) -> MemoryBudgetError:
+        # Payloads that cannot leave the device now: in use (protected by the caller, e.g.
+        # a pipeline piece's chunks), pinned (static) or remote.
         in_use = self.device.used - sum(
             c.payload[k].numel() * c.payload[k].element_size() for c in self.chunks
-            for k, t in c.tier.items() if t == DEVICE and self._evictable(c, k))
+            for k, t in c.tier.items()
+            if t == DEVICE and (c.index, k) not in protect and self._evictable(c, k))
         nonmodel = max(reserve, self.device.nonmodel)
         need = in_use + nbytes + nonmodel
         return MemoryBudgetError(

@@ -45,10 +45,11 @@ def as_options(memory: Any) -> MemoryOptions:
 
 def check_supported(strategy) -> None:
     """Refuse combinations chunk memory does not run yet (rather than ignore them)."""
-    if strategy.pp > 1:
-        raise NotImplementedError("memory=chunk with pp > 1 is not built yet: the pipeline "
-                                  "captures the model with torch.export, and chunk hooks need "
-                                  "the eager modules")
+    if strategy.pp > 1 and (strategy.tp > 1 or strategy.sp > 1):
+        raise NotImplementedError(
+            "memory=chunk with pp > 1 runs with data parallelism only (dp x pp): with tp > 1 "
+            "or sp > 1 inside the stages it is not built yet (chunks would hold DTensor shards "
+            "or sequence-parallel replicas of exported stage graphs; no parity test)")
     if strategy.tp > 1 and strategy.sp > 1:
         raise NotImplementedError("memory=chunk with both tp > 1 and sp > 1 is not built yet "
                                   "(each composes with chunks alone; the three together have "
@@ -92,9 +93,11 @@ class ChunkRuntime:
     def __init__(self, model: nn.Module, options: MemoryOptions, device: torch.device,
                  compute_dtype: torch.dtype, offload: tuple[str, ...],
                  dp_group: dist.ProcessGroup | None,
-                 tp_group: dist.ProcessGroup | None = None) -> None:
+                 tp_group: dist.ProcessGroup | None = None,
+                 param_order: list[nn.Parameter] | None = None) -> None:
         self.model, self.tp_group = model, tp_group
-        self.manager = ChunkManager(model, options, device, compute_dtype, offload, dp_group)
+        self.manager = ChunkManager(model, options, device, compute_dtype, offload, dp_group,
+                                    param_order)
         self.hooks = ChunkHooks(self.manager, model)
         self.scaler = ChunkLossScaler(self) if compute_dtype == torch.float16 else None
         self.names: dict[nn.Parameter, list[str]] = {}

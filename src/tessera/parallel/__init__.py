@@ -57,6 +57,12 @@ def parallelize(model: nn.Module, strategy: Strategy, mesh: Mesh,
         from tessera.parallel.pipeline import apply_pipeline
 
         apply_pipeline(plan, strategy, mesh, stage_inputs)
+        if strategy.memory == "chunk":
+            # Chunk memory over this rank's stages (dp x pp): the stage pieces are the hooked
+            # modules, the dp reduce-scatter runs after the pipeline drains (memory/stages.py).
+            from tessera.memory.stages import apply_stage_chunk_memory
+
+            apply_stage_chunk_memory(plan, strategy, mesh, memory)
         return plan
     if apply_recompute(model, strategy.stage_recompute(mesh.rank("pp"))):
         plan.features.append("recompute")

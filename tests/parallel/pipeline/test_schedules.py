@@ -101,7 +101,10 @@ def test_scp_recomputation_placement():
     assert not recomputes("scp", 0, s_count, 0, m, 0.0)
 
 
-@pytest.mark.parametrize("text,named", [("pp=2,precision=fp16", "precision=fp16")])
+@pytest.mark.parametrize("text,named", [
+    ("pp=2,precision=fp16", "precision=fp16"),
+    ("pp=2,tp=2,mbs=2,gbs=4,memory=chunk", "memory=chunk, tp=2, sp=1"),
+])
 def test_unbuilt_compositions_are_refused_by_name(text, named):
     from tessera.parallel.pipeline import _refuse_unsupported
     from tessera.strategy import Strategy, StrategyError
@@ -109,3 +112,4 @@ def test_unbuilt_compositions_are_refused_by_name(text, named):
     with pytest.raises(StrategyError, match=f"pp=2 with {named}: .* not built yet"):
         _refuse_unsupported(Strategy.parse(text))
     _refuse_unsupported(Strategy.parse("pp=2,precision=bf16"))  # accepted
+    _refuse_unsupported(Strategy.parse("dp=2,pp=2,mbs=2,gbs=8,memory=chunk"))  # dp x pp x chunk

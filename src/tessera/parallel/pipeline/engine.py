@@ -57,7 +57,8 @@ class PipelineEngine:
         n = len(batches)
         built = self.pipe.program.get(tuple(batches[0]["input_ids"].shape), training=True)
         actions = self.pipe.actions(n)
-        total = self._run(built, batches, actions, train=True)
+        with self.pipe.grad_sync.accumulate():  # chunk memory: no dp reduce mid-pipeline
+            total = self._run(built, batches, actions, train=True)
         self.pipe.grad_sync.sync()
         loss = self._broadcast_loss(total / n)
         # Imported here: tessera.train imports this module (the Trainer picks the engine).

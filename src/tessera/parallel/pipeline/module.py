@@ -20,6 +20,8 @@ the shards over the tp group, counting a replicated piece once.
 
 from __future__ import annotations
 
+import contextlib
+
 import torch
 import torch.distributed as dist
 from torch import nn
@@ -98,6 +100,11 @@ class GradSync:
         self.params, self.norm_owned = params, norm_owned
         self.pp_group, self.dp_group, self.tp_group = pp_group, dp_group, tp_group
         self.tied, self.tied_local, self.device = tied, tied_local, device
+
+    def accumulate(self):
+        """Context for the schedule's micro-batches: nothing to hold back here (gradients
+        accumulate in ``.grad`` and :meth:`sync` reduces them once the pipeline drains)."""
+        return contextlib.nullcontext()
 
     def sync(self) -> None:
         """Sum tied gradients over pp, then average all gradients over dp."""

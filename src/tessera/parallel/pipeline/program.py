@@ -8,7 +8,9 @@ first time each micro-batch shape or train/eval mode is met, and cached.
 
 from __future__ import annotations
 
+import contextlib
 from dataclasses import dataclass
+from typing import Callable
 
 from torch import nn
 
@@ -90,6 +92,19 @@ class PipelineProgram:
         self.autocast, self.sub_batches = autocast, sub_batches
         self._cache: dict[tuple, Built] = {}
         self._seed_graph = graph
+        # Called with each local StageRunner when it is built (chunk memory hooks its pieces).
+        self.on_stage_built: Callable[[StageRunner], None] | None = None
+        # Entered around a capture at a new shape (chunk memory gives its released parameters
+        # their shapes back for it).
+        self.capture_context: Callable[[], contextlib.AbstractContextManager] = (
+            contextlib.nullcontext)
+
+    def param_use_order(self) -> list[str]:
+        """Parameter names in the order the graph first reads them (stage by stage)."""
+        graph = self._seed_graph
+        first = {graph.nodes[p].fqn: min(users) for p, users in graph.param_users.items()
+                 if users}
+        return sorted(first, key=first.__getitem__)
 
     def get(self, shape: tuple[int, int], training: bool) -> Built:
         """Stages for micro-batches of ``shape`` (batch, seq) in train or eval mode."""
@@ -126,6 +141,8 @@ class PipelineProgram:
             own = iter(pieces[first_piece[s]:first_piece[s] + bool(head) + bool(tail)])
             runners[s] = StageRunner(s, next(own) if head else None,
                                      next(own) if tail else None, self.autocast)
+            if self.on_stage_built is not None:
+                self.on_stage_built(runners[s])
         in_specs = [[_whole(spec_of(graph, n), traced[0], parts, n)
                      for n in entering[first_piece[s]]]
                     for s in range(self.n_stages)]
@@ -136,7 +153,8 @@ class PipelineProgram:
         was_training = self.model.training
         self.model.train(training)  # dropout is baked into the export by mode
         try:
-            return capture(self.model, *shape, self.extra_inputs)
+            with self.capture_context():
+                return capture(self.model, *shape, self.extra_inputs)
         finally:
             self.model.train(was_training)
 
