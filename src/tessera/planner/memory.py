@@ -14,6 +14,10 @@ zero3     W / dp (+ 2 layers) G / dp              O / dp
 chunk     as zero3, gathered in chunks of one layer
 ========  ==================  ==================  =========================
 
+memory=chunk keeps remote chunks' gradients on the device while it accumulates (no_sync:
+every micro-batch but the last, the whole schedule under pp), so G then counts whole; under pp
+the gathered unit is a whole stage piece (its recomputed head or its tail), not one layer.
+
 ``offload=cpu`` keeps optimizer states (with the fp32 master) in host memory; ``disk`` on NVMe.
 torch DDP copies gradients into its own buckets, hence the extra G under ``ddp`` with dp > 1.
 
@@ -201,6 +205,10 @@ def stage_memory(model: ModelConfig, s: Strategy, seq: int, reserved: float = 0.
         sharded_w = s.memory in ("zero3", "chunk")
         weights = p * w_b / (shard_dp if sharded_w else 1)
         grads = p * g_b / (shard_dp if s.memory in ("zero2", "zero3", "chunk") else 1)
+        if s.memory == "chunk" and (m > 1 or s.pp > 1):
+            # Under no_sync (every micro-batch but the last; the whole schedule under pp) the
+            # gradients of remote chunks accumulate on the device until the reduce-scatter.
+            grads = p * g_b
         optim = p * o_b / shard_dp
         host = 0.0
         if s.offload:
@@ -215,17 +223,21 @@ def stage_memory(model: ModelConfig, s: Strategy, seq: int, reserved: float = 0.
             acts += keep * recomputed_layers(ratio, stage.layers) * (full - ckpt)
         if i == s.pp - 1:
             acts += logits_bytes(model, s, seq)
-        buffers = reserved + _buffers(model, s, seq, p, stage, w_b, g_b)
+        buffers = reserved + _buffers(model, s, seq, p, stage, w_b, g_b, ratio)
         out.append(MemoryBreakdown(weights, grads, optim, acts, buffers, host))
     return out
 
 
 def _buffers(model: ModelConfig, s: Strategy, seq: int, p: float, stage: StageParams,
-             w_b: int, g_b: int) -> float:
+             w_b: int, g_b: int, recompute: float = 0.0) -> float:
     extra = 0.0
     if s.memory == "ddp" and s.dp * s.sp > 1:
         extra += p * g_b  # torch DDP's gradient buckets are copies
-    if s.memory in ("zero3", "chunk"):
+    if s.memory == "chunk" and s.pp > 1:
+        # Under pp the gathered unit is a stage piece (memory/stages.py): the whole stage, or
+        # the larger of its recomputed head and its tail, beyond this rank's own shard.
+        extra += max(recompute, 1 - recompute) * p * w_b * (1 - 1 / (s.dp * s.sp))
+    elif s.memory in ("zero3", "chunk"):
         # The layer being computed and the one being prefetched, gathered in full.
         extra += 2 * stage.block_params / s.tp * w_b
     if s.pp > 1:

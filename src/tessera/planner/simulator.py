@@ -47,14 +47,10 @@ class SimOptions:
         tp_overlap: fraction of tensor-parallel communication that sub-pipelined tensor
             parallelism (Merak) or async TP hides under compute; 0 = none.
         dp_overlap: overlap gradient synchronisation with the last backward (DDP buckets).
-        fused_tp_inputs: 1D tensor parallelism sums the input gradient once per block input
-            (Megatron-LM fuses q|k|v and gate|up); False prices tessera's runtime, which sums
-            it for every column-parallel linear (q, k, v, up, gate) on its own.
     """
 
     tp_overlap: float = 0.0
     dp_overlap: bool = True
-    fused_tp_inputs: bool = False
 
 
 @dataclass(frozen=True)
@@ -160,7 +156,7 @@ def _stage_costs(model: ModelConfig, cl: Cluster, s: Strategy, groups, opt: SimO
                  cache: dict | None = None) -> list[_Stage]:
     seq, b = model.max_seq_len, s.micro_batch_size
     lt = _cached_layer_time(model, cl, s, cache)
-    tp_f, tp_b = _tp_comm(model, cl, s, groups, opt.fused_tp_inputs)
+    tp_f, tp_b = _tp_comm(model, cl, s, groups)
     sp_f, sp_b = _sp_comm(model, cl, s, groups, lt)
     out = []
     for i, sp_params in enumerate(stage_params(model, s.pp)):
@@ -174,8 +170,10 @@ def _stage_costs(model: ModelConfig, cl: Cluster, s: Strategy, groups, opt: SimO
         if i == s.pp - 1:
             h = head_time(cl, model, b, seq, s.tp, s.sp, s.precision)
             fwd, bwd = fwd + h.forward, bwd + h.backward
-            if s.tp > 1:  # vocab-parallel cross-entropy: max, sum of exp, target logit
+            if s.tp > 1:  # vocab-parallel cross-entropy: max, sum of exp, target logit;
+                # the vocab-split head sums its input gradient (backward)
                 extra_tp += 3 * comm.call_time(cl, groups["tp"])
+                extra_tp += _tp_allreduce(model, cl, s, groups)
         n_rec = recomputed_layers(s.stage_recompute(i), layers)
         # The forward again, plus the checkpoint's own hooks (profiled, at a lone worker's
         # rate like the layer's other fixed costs).
@@ -228,20 +226,21 @@ def _tensors_per_layer(model: ModelConfig) -> int:
     return linears * (2 if model.bias else 1) + norms
 
 
-def _tp_comm(model: ModelConfig, cl: Cluster, s: Strategy, groups, fused_inputs: bool = False
-             ) -> tuple[float, float]:
+def _tp_comm(model: ModelConfig, cl: Cluster, s: Strategy, groups) -> tuple[float, float]:
     """Tensor-parallel communication of one layer and micro-batch: (forward, backward)."""
     if s.tp == 1:
         return 0.0, 0.0
     if s.tp_mode == "1d":
-        # Megatron: one all-reduce after attention and one after the MLP. Backward, tessera's
-        # runtime sums the input gradient of each column-parallel linear on its own: q, k and
-        # v, and the MLP's up (and gate) projection; Megatron-LM once per block input.
+        # Megatron: one all-reduce after attention and one after the MLP; backward, one per
+        # block input (the attention's and the MLP's pre-hook, tensor/modules.BlockInput),
+        # however many column layers read it.
         ar = _tp_allreduce(model, cl, s, groups)
-        column_linears = 2 if fused_inputs else 3 + (2 if model.activation == "swiglu" else 1)
         # Row-parallel biases sum their gradient over the group: two small all-reduces.
-        bias = 2 * comm.call_time(cl, groups["tp"]) if model.bias else 0.0
-        return 2 * ar, column_linears * ar + bias
+        extra = 2 * comm.call_time(cl, groups["tp"]) if model.bias else 0.0
+        if model.n_kv_heads % s.tp:  # k, v weights replicated: their fp32 gradients summed
+            kv_weight = model.n_kv_heads * model.head_dim * (model.d_model + model.bias) * 4.0
+            extra += 2 * comm.collective_time(cl, "all_reduce", kv_weight, groups["tp"])
+        return 2 * ar, 2 * ar + extra
     q = math.isqrt(s.tp)
     el = bytes_per_element(s.precision)
     n = s.micro_batch_size * model.max_seq_len / s.sp
@@ -379,7 +378,7 @@ def _data_parallel(model: ModelConfig, cl: Cluster, s: Strategy, groups, stages:
             ag = comm.collective_time(cl, "all_gather", p * w_b, group)
             sync = max(0.0, rs - ovl * st.bwd) + max(0.0, ag - ovl * st.fwd)
         elif s.memory == "chunk":
-            sync = _chunk_collectives(model, cl, s, p, group)
+            sync = _chunk_collectives(model, cl, s, p, group, s.stage_recompute(worst))
         else:  # zero3: gather weights for forward and backward of every micro-batch
             ag = comm.collective_time(cl, "all_gather", p * w_b, group)
             rs = comm.collective_time(cl, "reduce_scatter", p * g_b, group)
@@ -421,13 +420,16 @@ def _straggler(cl: Cluster, s: Strategy, step: float) -> float:
     return fraction * step
 
 
-def _chunk_collectives(model: ModelConfig, cl: Cluster, s: Strategy, p: float, group) -> float:
+def _chunk_collectives(model: ModelConfig, cl: Cluster, s: Strategy, p: float, group,
+                       recompute: float = 0.0) -> float:
     """ZeRO collectives of the memory=chunk runtime over a step. It gathers each group of dp
     chunks before the forward and again before the backward of every micro-batch, and
     reduce-scatters each group's gradients once, after the last micro-batch's backward (the
     others accumulate locally under no_sync), all blocking (nothing to overlap with).
     The chunk size search lands near the largest tensor, so a rank holds about
-    ``p / largest`` chunks, in ``ceil(chunks / dp)`` groups."""
+    ``p / largest`` chunks, in ``ceil(chunks / dp)`` groups. Under pp a stage's recomputed
+    head is a piece of its own, gathered a third time for its recomputation (memory/stages.py);
+    ``recompute`` is that stage's ratio."""
     w_b, g_b, _ = state_bytes(s.precision)
     h, f = model.d_model, model.d_ff
     largest = max(model.vocab_size * h, h * f, h * (h + 2 * model.n_kv_heads * model.head_dim))
@@ -435,7 +437,8 @@ def _chunk_collectives(model: ModelConfig, cl: Cluster, s: Strategy, p: float, g
     extra_calls = (groups - 1) * comm.call_time(cl, group)
     ag = comm.collective_time(cl, "all_gather", p * w_b, group) + extra_calls
     rs = comm.collective_time(cl, "reduce_scatter", p * g_b, group) + extra_calls
-    return s.grad_accum_steps * 2 * ag + rs
+    head = recompute if s.pp > 1 else 0.0
+    return s.grad_accum_steps * (2 + head) * ag + rs
 
 
 def _chunk_runtime(cl: Cluster, s: Strategy, model: ModelConfig) -> float:

@@ -54,6 +54,7 @@ _CANDIDATES = {
         "dp=1,pp=4,mbs=2,gbs=8,schedule=gpipe",
         "dp=1,pp=4,mbs=1,gbs=8,schedule=1f1b",
         "dp=2,pp=2,mbs=2,gbs=8,schedule=scp,recompute=full",
+        "dp=2,pp=2,mbs=2,gbs=8,schedule=1f1b,memory=chunk",
         "dp=1,sp=4,mbs=8,gbs=8,sp_mode=ring",
         "dp=1,sp=4,mbs=8,gbs=8,sp_mode=ulysses",
         "dp=2,sp=2,mbs=4,gbs=8,sp_mode=ring,recompute=full",
