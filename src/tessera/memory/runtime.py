@@ -154,10 +154,18 @@ class ChunkRuntime:
             for slot in chunk.slots:  # a piece held by several tp ranks is counted once
                 piece = g[slot.offset: slot.end].float().pow(2).sum()
                 total += (piece / replica_count(slot.param, tp)).to(total.device)
-        if m.world > 1:
-            dist.all_reduce(total, group=m.zero.group)
-        if self.tp_group is not None:
-            dist.all_reduce(total, group=self.tp_group)
+        return self.scale_to_norm(total, owned, max_norm, self.tp_group)
+
+    @torch.no_grad()
+    def scale_to_norm(self, total: torch.Tensor, owned: list, max_norm: float,
+                      group: dist.ProcessGroup | None) -> torch.Tensor:
+        """Sum the squared partial ``total`` over the dp owners and ``group`` (tp, or pp
+        under a pipeline), then scale the ``owned`` gradient chunks to ``max_norm``; returns
+        the norm before scaling."""
+        if self.manager.world > 1:
+            dist.all_reduce(total, group=self.manager.zero.group)
+        if group is not None:
+            dist.all_reduce(total, group=group)
         norm = total.sqrt()
         coef = torch.clamp(max_norm / (norm + 1e-6), max=1.0)
         for chunk in owned:

@@ -170,12 +170,4 @@ class ChunkStageSync:
             for slot in chunk.slots:
                 if id(slot.param) not in self.skip_in_norm:
                     total += g[slot.offset: slot.end].float().pow(2).sum().to(total.device)
-        if m.world > 1:
-            dist.all_reduce(total, group=m.zero.group)
-        dist.all_reduce(total, group=self.base.pp_group)
-        norm = total.sqrt()
-        coef = torch.clamp(max_norm / (norm + 1e-6), max=1.0)
-        for chunk in owned:
-            g = rt.readable(chunk, Kind.GRAD)
-            g.mul_(coef.to(g.device))
-        return norm
+        return rt.scale_to_norm(total, owned, max_norm, self.base.pp_group)
