@@ -53,8 +53,8 @@ def apply_stage_chunk_memory(plan: Any, strategy, mesh, memory: Any = None) -> C
     pipe = plan.pipeline
     module = pipe.module
     device = next(module.parameters()).device
-    order = [module.get_parameter(name) for name in pipe.program.param_use_order()
-             if _has(module, name)]
+    own = dict(module.named_parameters(remove_duplicate=False))  # this rank's stages, tied names too
+    order = [own[name] for name in pipe.program.param_use_order() if name in own]
     runtime = ChunkRuntime(module, options, device, _DTYPES[strategy.precision],
                            strategy.offload, _zero_group(strategy, mesh), param_order=order)
     pipe.program.on_stage_built = functools.partial(_hook_stage, runtime)
@@ -65,14 +65,6 @@ def apply_stage_chunk_memory(plan: Any, strategy, mesh, memory: Any = None) -> C
     plan.build_optimizer = lambda _model, *args: runtime.build_optimizer(module, *args)
     plan.clip_grad_norm = lambda _model, max_norm: sync.clip(max_norm)
     return runtime
-
-
-def _has(module: torch.nn.Module, name: str) -> bool:
-    try:
-        module.get_parameter(name)
-        return True
-    except AttributeError:
-        return False
 
 
 @contextlib.contextmanager
