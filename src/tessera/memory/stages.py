@@ -53,7 +53,8 @@ def apply_stage_chunk_memory(plan: Any, strategy, mesh, memory: Any = None) -> C
     pipe = plan.pipeline
     module = pipe.module
     device = next(module.parameters()).device
-    own = dict(module.named_parameters(remove_duplicate=False))  # this rank's stages, tied names too
+    # This rank's stages only; a tied weight under each of its names.
+    own = dict(module.named_parameters(remove_duplicate=False))
     order = [own[name] for name in pipe.program.param_use_order() if name in own]
     runtime = ChunkRuntime(module, options, device, _DTYPES[strategy.precision],
                            strategy.offload, _zero_group(strategy, mesh), param_order=order)
