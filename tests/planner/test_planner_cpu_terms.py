@@ -148,6 +148,20 @@ def test_profiled_recompute_overhead_is_charged_per_recomputed_layer():
             == pytest.approx(estimate(MODEL, free, none).step_time))
 
 
+def test_trainer_overhead_is_charged_per_step_and_per_micro_batch():
+    cluster = _cpu_cluster(0.5, {"trainer_step": 1e-3, "trainer_micro_batch": 2e-4})
+    # A profiled device with the same (zero) per-layer figures, so only the Trainer differs.
+    bare = _cpu_cluster(0.5, {"trainer_step": 0.0, "trainer_micro_batch": 0.0})
+    for mbs, micro_batches in ((2, 1), (1, 2)):
+        s = Strategy.parse(f"dp=4,mbs={mbs},gbs=8")
+        with_trainer, without = estimate(MODEL, cluster, s), estimate(MODEL, bare, s)
+        # (1 ms + m x 0.2 ms) of host work at half a core, added to the step and nowhere else.
+        expected = (1e-3 + micro_batches * 2e-4) / 0.5
+        assert with_trainer.breakdown["trainer"] == pytest.approx(expected)
+        assert without.breakdown["trainer"] == 0.0
+        assert with_trainer.step_time - without.step_time == pytest.approx(expected)
+
+
 def test_chunk_runtime_overhead_splits_per_micro_batch_and_per_step():
     cluster = _cpu_cluster(0.5, {"chunk_layer": 1e-3, "chunk_step_layer": 2e-3})
     one, two = (estimate(MODEL, cluster, Strategy.parse(f"dp=4,mbs={mbs},gbs=8,memory=chunk"))

@@ -36,6 +36,10 @@ def test_profile_two_workers_round_trip(tmp_path):
     chunk = [again.device.overheads[k] for k in ("chunk_layer", "chunk_step_layer")]
     assert min(chunk) >= 0 and sum(chunk) > 0
     assert again.device.overheads["recompute_layer"] >= 0
+    # The Trainer's own work beyond a bare loop (collation, plan clipping, LR schedule) is
+    # measured once per step and once per micro-batch; a step of it is never free.
+    assert again.device.overheads["trainer_step"] > 0
+    assert again.device.overheads["trainer_micro_batch"] >= 0
     # Element-wise seconds per element of real layers, for both activation styles: positive,
     # and no cheaper than streaming 4 bytes per element at the measured bandwidth would be.
     for key in ("elem_fwd_gelu", "elem_bwd_gelu", "elem_fwd_swiglu", "elem_bwd_swiglu"):

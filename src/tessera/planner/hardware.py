@@ -30,7 +30,8 @@ TF = 1e12
 
 
 OVERHEAD_KEYS = ("layer_fwd", "layer_bwd", "model_fwd", "model_bwd", "optim_fixed",
-                 "optim_layer", "chunk_layer", "chunk_step_layer", "recompute_layer",
+                 "optim_layer", "trainer_step", "trainer_micro_batch", "chunk_layer",
+                 "chunk_step_layer", "recompute_layer",
                  # seconds per element of a layer's element-wise work (planner/calibrate.py)
                  "elem_fwd_gelu", "elem_bwd_gelu", "elem_fwd_swiglu", "elem_bwd_swiglu",
                  # explicit sequence-parallel attention: c per call + E (a + b * head size)
@@ -94,10 +95,14 @@ class DeviceSpec:
             transformer): ``layer_fwd``/``layer_bwd`` per transformer layer and micro-batch,
             ``model_fwd``/``model_bwd`` for embedding, head and loss per micro-batch,
             ``optim_fixed`` per step and ``optim_layer`` per layer per step (clipping and
-            AdamW), ``chunk_layer`` per layer and micro-batch for the memory=chunk runtime's
-            hooks and copies, ``chunk_step_layer`` per layer and step for its gradient
-            reduction and chunked optimizer, ``recompute_layer`` per recomputed layer and micro-batch for
-            the checkpoint's own work beyond the repeated forward. Empty: ``kernel_overhead`` times a kernel count is used instead.
+            AdamW); ``trainer_step`` per step and ``trainer_micro_batch`` per micro-batch for
+            what the tessera Trainer adds over a bare loop (collation, loss bookkeeping,
+            clipping through the plan, the LR schedule); ``chunk_layer`` per layer and
+            micro-batch for the memory=chunk runtime's hooks and copies, ``chunk_step_layer``
+            per layer and step for its gradient reduction and chunked optimizer;
+            ``recompute_layer`` per recomputed layer and micro-batch for the checkpoint's own
+            work beyond the repeated forward. Empty: ``kernel_overhead`` times a kernel count
+            is used instead.
     """
 
     name: str

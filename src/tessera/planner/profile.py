@@ -143,11 +143,16 @@ def _tiny_step(n_layers: int) -> tuple[Callable[[], object], ...]:
     return forward, forward_backward, optimizer
 
 
-def measure_runtime_overheads(layer_fwd: float, n_layers: int = 4) -> dict[str, float]:
-    """Seconds per layer that two runtimes add over a plain step, from one worker training a
-    tiny reference transformer (arithmetic negligible) through the tessera Trainer with each,
-    at one and at two micro-batches per step:
+def measure_runtime_overheads(plain_step: dict[str, float], n_layers: int = 4
+                              ) -> dict[str, float]:
+    """Seconds that tessera's runtimes add over a plain step, from one worker training a tiny
+    reference transformer (arithmetic negligible) through the tessera Trainer, at one and at
+    two micro-batches per step. ``plain_step`` is :func:`measure_overheads`' result: the same
+    model's forward, backward, clipping and AdamW in a bare loop.
 
+    - ``trainer_step`` per step and ``trainer_micro_batch`` per micro-batch: the Trainer
+      itself (collating the batch, the engine's loss bookkeeping, clipping through the
+      parallel plan, the learning-rate schedule) beyond the bare loop;
     - ``chunk_layer`` per micro-batch and ``chunk_step_layer`` per step: the ``memory=chunk``
       runtime's hooks, chunk copies and placement (each micro-batch), and its gradient
       reduction, clipping and chunked AdamW (once per step);
@@ -164,9 +169,16 @@ def measure_runtime_overheads(layer_fwd: float, n_layers: int = 4) -> dict[str, 
     rows, _ = measure_strategies(1, runs, steps=7, warmup=2, model=model)
     plain, chunk, recompute, plain2, chunk2 = (row["measured_s"] for row in rows)
     per_micro_batch = max(0.0, (chunk2 - plain2) - (chunk - plain))
-    return {"chunk_layer": per_micro_batch / n_layers,
+    bare_micro_batch = (plain_step["model_fwd"] + plain_step["model_bwd"]
+                        + n_layers * (plain_step["layer_fwd"] + plain_step["layer_bwd"]))
+    bare_optimizer = plain_step["optim_fixed"] + n_layers * plain_step["optim_layer"]
+    trainer_micro_batch = plain2 - plain  # one more micro-batch through the Trainer
+    return {"trainer_micro_batch": max(0.0, trainer_micro_batch - bare_micro_batch),
+            "trainer_step": max(0.0, plain - trainer_micro_batch - bare_optimizer),
+            "chunk_layer": per_micro_batch / n_layers,
             "chunk_step_layer": max(0.0, chunk - plain - per_micro_batch) / n_layers,
-            "recompute_layer": max(0.0, (recompute - plain) / n_layers - layer_fwd)}
+            "recompute_layer": max(0.0, (recompute - plain) / n_layers
+                                   - plain_step["layer_fwd"])}
 
 
 def profile_cluster(workers: int | None = None, quick: bool = False,
@@ -194,8 +206,9 @@ def profile_cluster(workers: int | None = None, quick: bool = False,
         torch.set_num_threads(threads)
     log(f"collectives over gloo with {workers} workers ...")
     fits, (overlap, ring_overlap), shares, straggler = measure_collectives(workers, quick)
-    log("memory=chunk and recomputation overheads (one worker, tiny reference transformer) ...")
-    overheads.update(measure_runtime_overheads(overheads["layer_fwd"]))
+    log("Trainer, memory=chunk and recomputation overheads (one worker, tiny reference "
+        "transformer) ...")
+    overheads.update(measure_runtime_overheads(overheads))
     base = local_cpu(workers)
     device = dataclasses.replace(
         base, peak_flops={"fp32": peak, "bf16": peak}, memory_bandwidth=bandwidth,

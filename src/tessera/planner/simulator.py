@@ -15,7 +15,7 @@ communication that compute cannot hide (comm.py). With m micro-batches:
 
 Then the step adds what the pipeline does not contain: pipeline p2p on the critical path,
 data-parallel gradient synchronisation not hidden under the last backward, the optimizer update,
-and offload transfers. The :class:`Estimate` breakdown sums to the step time.
+the Trainer's own host work and offload transfers. The :class:`Estimate` breakdown sums to the step time.
 """
 
 from __future__ import annotations
@@ -395,7 +395,8 @@ def _data_parallel(model: ModelConfig, cl: Cluster, s: Strategy, groups, stages:
     else:
         optim = optimizer_time(cl, p / shard, n_tensors)
     return {"dp_comm": sync, "optimizer": optim, "offload": offload,
-            "chunk_runtime": _chunk_runtime(cl, s, model), "step_sync": _step_sync(cl, s)}
+            "chunk_runtime": _chunk_runtime(cl, s, model), "trainer": _trainer_runtime(cl, s),
+            "step_sync": _step_sync(cl, s)}
 
 
 def _step_sync(cl: Cluster, s: Strategy) -> float:
@@ -451,6 +452,17 @@ def _chunk_runtime(cl: Cluster, s: Strategy, model: ModelConfig) -> float:
         return 0.0
     layers = max(1, model.n_layers // s.pp)
     return per_layer * layers / cl.compute_share()
+
+
+def _trainer_runtime(cl: Cluster, s: Strategy) -> float:
+    """Profiled cost of the tessera Trainer beyond a bare training loop: collating each
+    micro-batch, the loss bookkeeping, clipping through the parallel plan and the learning-rate
+    schedule (0 on a cluster without a profile: on an accelerator this host work runs ahead
+    of the kernels)."""
+    fixed = cl.device.overheads
+    seconds = (fixed.get("trainer_step", 0.0)
+               + s.grad_accum_steps * fixed.get("trainer_micro_batch", 0.0))
+    return seconds / cl.compute_share()
 
 
 def _offload_time(cl: Cluster, s: Strategy, p_shard: float, bwd: float) -> float:
