@@ -84,9 +84,9 @@ def bench_local(quick: bool, out_dir: str | None, plot: str | None) -> None:
         measured, contention = measure_strategies(world, strategies, steps=5 if quick else 7,
                                                   warmup=1 if quick else 2)
         load = max(load, os.getloadavg()[0])
-        cluster = with_contention(cluster, contention)
         if out_dir:
-            save_cluster(cluster, os.path.join(out_dir, f"local_cluster_{world}.yaml"))
+            save_cluster(with_contention(cluster, contention),
+                         os.path.join(out_dir, f"local_cluster_{world}.yaml"))
         emit(f"local_contention_{world}w", round(contention["concurrency"][world], 4),
              "compute share per worker", "probed between the timed rounds (profile: "
              f"{profiled_share:.4f})", sync_penalty_s={g: round(v, 6) for g, v in
@@ -94,7 +94,8 @@ def bench_local(quick: bool, out_dir: str | None, plot: str | None) -> None:
              straggler=round(contention["straggler"][world], 4),
              profiled_straggler=profiled_straggler)
         for strategy, meas in zip(strategies, measured):
-            pred = estimate(model, cluster, strategy)
+            # Each strategy is priced on the machine as its own batch of workers found it.
+            pred = estimate(model, with_contention(cluster, meas["contention"]), strategy)
             error = (pred.step_time - meas["measured_s"]) / meas["measured_s"]
             rows.append(dict(world=world, strategy=strategy.to_text(), family=_family(strategy),
                              measured_s=meas["measured_s"], predicted_s=pred.step_time,

@@ -40,18 +40,24 @@ def test_candidates_are_runnable_and_mix_parallelisms():
 
 @pytest.mark.slow
 def test_measure_strategies_times_real_steps_and_probes_contention():
-    runs = [Strategy.parse("dp=2,mbs=1,gbs=2"), Strategy.parse("dp=2,mbs=1,gbs=4")]
+    runs = [Strategy.parse(f"dp=2,mbs=1,gbs={gbs}") for gbs in (2, 4, 6)]
     model = dict(n_layers=1, d_model=32, n_heads=2, vocab_size=64, max_seq_len=16)
-    rows, contention = measure_strategies(2, runs, steps=2, warmup=1, model=model)
+    # Two batches (strategies 0 and 2 in one set of workers, 1 in another); rows keep the
+    # order given, and each carries its own batch's contention.
+    rows, contention = measure_strategies(2, runs, steps=2, warmup=1, model=model, batch_size=2)
     assert [r["strategy"] for r in rows] == [s.to_text() for s in runs]
     for row in rows:
         assert len(row["steps_s"]) == 2 and 0 < row["measured_s"] < 30
         assert min(row["steps_s"]) <= row["measured_s"] <= max(row["steps_s"])
+        assert 0 < row["contention"]["concurrency"][2] <= 1
+    assert rows[0]["contention"] == rows[2]["contention"]
     assert set(contention["concurrency"]) == {2} and 0 < contention["concurrency"][2] <= 1
     assert set(contention["sync_penalty"]) == {2} and contention["sync_penalty"][2] >= 0
     assert set(contention["straggler"]) == {2} and contention["straggler"][2] >= 0
-    with pytest.raises(ValueError, match="steps must be >= 1"):
+    with pytest.raises(ValueError, match="steps and batch_size must be >= 1"):
         measure_strategies(2, runs, steps=0)
+    with pytest.raises(ValueError, match="steps and batch_size must be >= 1"):
+        measure_strategies(2, runs, batch_size=0)
 
 
 def test_contention_fields_round_trip_and_bad_values_refused(tmp_path):

@@ -166,7 +166,8 @@ def measure_runtime_overheads(plain_step: dict[str, float], n_layers: int = 4
     runs = [Strategy.parse(f"dp=1,mbs=1,gbs={gbs},{extra}") for gbs, extra in
             ((1, "memory=ddp"), (1, "memory=chunk"), (1, "recompute=full"),
              (2, "memory=ddp"), (2, "memory=chunk"))]
-    rows, _ = measure_strategies(1, runs, steps=7, warmup=2, model=model)
+    # One set of workers for all five: the figures are differences between these runs.
+    rows, _ = measure_strategies(1, runs, steps=7, warmup=2, model=model, batch_size=len(runs))
     plain, chunk, recompute, plain2, chunk2 = (row["measured_s"] for row in rows)
     per_micro_batch = max(0.0, (chunk2 - plain2) - (chunk - plain))
     bare_micro_batch = (plain_step["model_fwd"] + plain_step["model_bwd"]

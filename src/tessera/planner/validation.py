@@ -1,9 +1,10 @@
 """Local validation: time real tessera training steps and compare them with the simulator.
 
-:func:`measure_strategies` runs one set of ``world`` gloo worker processes on this machine. In
-it, every strategy gets a :class:`tessera.train.trainer.Trainer` for the reference transformer
-(:data:`VALIDATION_MODEL`) on synthetic tokens and ``warmup`` untimed steps; then the strategies
-are timed round-robin, one step each per round. Each timed step starts at a barrier and lasts
+:func:`measure_strategies` runs the strategies in small batches (:data:`BATCH_SIZE`), each in
+a fresh set of ``world`` gloo worker processes on this machine. In it, every strategy of the
+batch gets a :class:`tessera.train.trainer.Trainer` for the reference transformer
+(:data:`VALIDATION_MODEL`) on synthetic tokens and ``warmup`` untimed steps; then they are
+timed round-robin, one step each per round. Each timed step starts at a barrier and lasts
 until the slowest rank has finished it (a MAX all-reduce of the per-rank seconds); the figure
 is the median over the rounds. In each round a strategy first takes SETTLE_STEPS untimed steps, so
 the timed one runs warm, as the steps of a training run do.
@@ -12,9 +13,9 @@ The machine may be shared with other programs whose load changes within minutes,
 CPU workers get from shared cores is the largest term of a small model's step. So the two
 contention figures of ``tessera profile`` (the compute share of ``world`` concurrent workers,
 the sync penalty of a blocking collective by group size, and the straggler fraction of
-``world`` workers) are measured again inside the same run, once per round between the timed
-steps, and returned with the times (medians; the straggler's mean over all its tries):
-the prediction then describes the machine as the steps saw it. Nothing is fitted to the
+``world`` workers) are measured again inside each batch, once per round between the timed
+steps, and returned with each strategy's times (medians; the straggler's mean over all its
+tries): the prediction then describes the machine as that strategy's steps saw it. Nothing is fitted to the
 measured steps. :func:`candidate_strategies` lists the strategies measured, keeping
 only those that :meth:`Strategy.is_runnable` accepts when it is called, so the set grows as
 runtimes land.
@@ -22,6 +23,7 @@ runtimes land.
 
 from __future__ import annotations
 
+import math
 import statistics
 import tempfile
 import time
@@ -79,6 +81,13 @@ _CANDIDATES = {
 # Untimed steps a strategy takes in each round before its timed one (see _measure_worker).
 SETTLE_STEPS = 1
 
+# Strategies measured in one set of workers. Every Trainer keeps its process groups, and gloo's
+# loop threads take CPU time even while their groups are idle: with all 22 strategies' Trainers
+# in each worker (251 threads) those threads took twice the CPU time during a dp=4 step, and the
+# step ran 15-20% slower (84 vs 71 ms) than with its own Trainer alone, which is what a
+# training job has. A batch of 4 keeps that under ~2%.
+BATCH_SIZE = 4
+
 
 def validation_model() -> ModelConfig:
     """The model every local validation strategy trains."""
@@ -98,31 +107,47 @@ def candidate_strategies(world: int) -> list[Strategy]:
 
 def measure_strategies(world: int, strategies: list[Strategy], steps: int = 5,
                        warmup: int = 2, timeout: float = 600.0,
-                       model: dict[str, Any] | None = None
+                       model: dict[str, Any] | None = None, batch_size: int = BATCH_SIZE
                        ) -> tuple[list[dict[str, Any]], dict[str, dict[int, float]]]:
     """Median measured step seconds (slowest rank) of each strategy on ``world`` workers.
 
-    Returns one dict per strategy: ``strategy`` (text), ``measured_s`` (median) and
-    ``steps_s`` (every timed step); and the contention measured between the rounds:
-    ``{"concurrency": {world: share}, "sync_penalty": {g: seconds}, "straggler": {world:
-    fraction}}`` (medians over the rounds; the straggler's mean, as ``tessera profile`` takes it).
+    The strategies are measured in batches of at most ``batch_size`` (strategy i in batch
+    ``i mod batches``, so each batch mixes families), each batch in a fresh set of workers.
+
+    Returns one dict per strategy, in the order given: ``strategy`` (text), ``measured_s``
+    (median), ``steps_s`` (every timed step) and ``contention``, what was probed between the
+    rounds of its batch: ``{"concurrency": {world: share}, "sync_penalty": {g: seconds},
+    "straggler": {world: fraction}}`` (medians over the rounds; the straggler's mean, as
+    ``tessera profile`` takes it); and the same figures over every batch's rounds.
     ``model`` overrides :data:`VALIDATION_MODEL` (ModelConfig fields).
     """
     from tessera.testing import run_distributed
 
-    if steps < 1 or warmup < 0:
-        raise ValueError(f"steps must be >= 1 and warmup >= 0, got {steps} and {warmup}")
+    if steps < 1 or warmup < 0 or batch_size < 1:
+        raise ValueError(f"steps and batch_size must be >= 1 and warmup >= 0, got {steps}, "
+                         f"{batch_size} and {warmup}")
     texts = [s.to_text() for s in strategies]
     config = model or VALIDATION_MODEL
-    times, probes = run_distributed(_measure_worker, world,
-                                    args=(config, texts, steps, warmup), timeout=timeout)[0]
-    rows = [{"strategy": text, "measured_s": statistics.median(t), "steps_s": t}
-            for text, t in zip(texts, times)]
-    contention = {"concurrency": {world: statistics.median(p["share"] for p in probes)},
-                  "sync_penalty": {g: statistics.median(p["penalty"][g] for p in probes)
-                                   for g in probes[0]["penalty"]},
-                  "straggler": {world: statistics.fmean(p["straggler"] for p in probes)}}
-    return rows, contention
+    n_batches = max(1, math.ceil(len(texts) / batch_size))
+    rows: dict[int, dict[str, Any]] = {}
+    all_probes = []
+    for batch in range(n_batches):
+        indices = list(range(batch, len(texts), n_batches))
+        times, probes = run_distributed(
+            _measure_worker, world, args=(config, [texts[i] for i in indices], steps, warmup),
+            timeout=timeout)[0]
+        all_probes += probes
+        for i, t in zip(indices, times):
+            rows[i] = {"strategy": texts[i], "measured_s": statistics.median(t), "steps_s": t,
+                       "contention": _contention(world, probes)}
+    return [rows[i] for i in range(len(texts))], _contention(world, all_probes)
+
+
+def _contention(world: int, probes: list[dict[str, Any]]) -> dict[str, dict[int, float]]:
+    return {"concurrency": {world: statistics.median(p["share"] for p in probes)},
+            "sync_penalty": {g: statistics.median(p["penalty"][g] for p in probes)
+                             for g in probes[0]["penalty"]},
+            "straggler": {world: statistics.fmean(p["straggler"] for p in probes)}}
 
 
 def _synthetic_dataset(n: int, seq: int, vocab: int) -> list[dict[str, torch.Tensor]]:
