@@ -15,7 +15,8 @@ communication that compute cannot hide (comm.py). With m micro-batches:
 
 Then the step adds what the pipeline does not contain: pipeline p2p on the critical path,
 data-parallel gradient synchronisation not hidden under the last backward, the optimizer update,
-the Trainer's own host work and offload transfers. The :class:`Estimate` breakdown sums to the step time.
+the Trainer's own host work and offload transfers. The :class:`Estimate` breakdown sums to the
+step time.
 """
 
 from __future__ import annotations

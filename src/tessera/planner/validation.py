@@ -15,8 +15,8 @@ contention figures of ``tessera profile`` (the compute share of ``world`` concur
 the sync penalty of a blocking collective by group size, and the straggler fraction of
 ``world`` workers) are measured again inside each batch, once per round between the timed
 steps, and returned with each strategy's times (medians; the straggler's mean over all its
-tries): the prediction then describes the machine as that strategy's steps saw it. Nothing is fitted to the
-measured steps. :func:`candidate_strategies` lists the strategies measured, keeping
+tries): the prediction then describes the machine as that strategy's steps saw it. Nothing is
+fitted to the measured steps. :func:`candidate_strategies` lists the strategies measured, keeping
 only those that :meth:`Strategy.is_runnable` accepts when it is called, so the set grows as
 runtimes land.
 """
@@ -85,7 +85,8 @@ SETTLE_STEPS = 1
 # loop threads take CPU time even while their groups are idle: with all 22 strategies' Trainers
 # in each worker (251 threads) those threads took twice the CPU time during a dp=4 step, and the
 # step ran 15-20% slower (84 vs 71 ms) than with its own Trainer alone, which is what a
-# training job has. A batch of 4 keeps that under ~2%.
+# training job has; it slowed steadily as the others were built. A batch of 4 holds about a
+# fifth of those threads.
 BATCH_SIZE = 4
 
 
