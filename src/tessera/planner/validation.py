@@ -138,9 +138,10 @@ def measure_strategies(world: int, strategies: list[Strategy], steps: int = 5,
             _measure_worker, world, args=(config, [texts[i] for i in indices], steps, warmup),
             timeout=timeout)[0]
         all_probes += probes
+        contention = _contention(world, probes)
         for i, t in zip(indices, times):
             rows[i] = {"strategy": texts[i], "measured_s": statistics.median(t), "steps_s": t,
-                       "contention": _contention(world, probes)}
+                       "contention": contention}
     return [rows[i] for i in range(len(texts))], _contention(world, all_probes)
 
 
