@@ -131,12 +131,16 @@ def _covers_the_model(per_rank: list[dict], ref: dict) -> None:
     assert keys == set(ref["params"].keys())
 
 
+def _every_rank_equals_one_device(per_rank: list[dict], ref: dict) -> None:
+    for run in per_rank:
+        _same_as_one_device(run, ref)
+    _covers_the_model(per_rank, ref)
+
+
 @pytest.mark.parametrize("name", sorted(PP2) + ["disk"])
 def test_pp2_chunk_runs_equal_one_device(runs, name):
     one, two, _ = runs
-    for rank_out in two:
-        _same_as_one_device(rank_out[name], one["fp32"])
-    _covers_the_model([r[name] for r in two], one["fp32"])
+    _every_rank_equals_one_device([r[name] for r in two], one["fp32"])
 
 
 def test_pp2_chunk_budgets_evict_and_spill(runs):
@@ -152,9 +156,7 @@ def test_pp2_chunk_budgets_evict_and_spill(runs):
 @pytest.mark.parametrize("name", sorted(DP2_PP2))
 def test_dp2_pp2_chunk_runs_equal_one_device(runs, name):
     one, _, four = runs
-    for rank_out in four:
-        _same_as_one_device(rank_out[name], one["fp32"])
-    _covers_the_model([r[name] for r in four], one["fp32"])
+    _every_rank_equals_one_device([r[name] for r in four], one["fp32"])
 
 
 def test_pp2_chunk_bf16_tracks_one_device_chunk_bf16(runs):
