@@ -85,6 +85,9 @@ def test_unbuilt_features_are_refused_not_ignored():
     Strategy.parse("dp=2,mbs=1,gbs=2,memory=chunk").require_available()  # issue 3
     Strategy.parse("dp=2,pp=2,mbs=1,gbs=4,memory=chunk").require_available()  # dp x pp x chunk
     Strategy.parse("pp=2,mbs=1,gbs=4,memory=chunk,precision=bf16").require_available()
+    # chunks in tensor- or sequence-parallel pipeline stages (memory/stages.py)
+    Strategy.parse("tp=2,pp=2,mbs=2,gbs=4,memory=chunk").require_available()
+    Strategy.parse("sp=2,pp=2,mbs=2,gbs=4,memory=chunk").require_available()
     with pytest.raises(NotAvailableError, match=r"ZeRO memory \(memory=zero2\) is not "
                                                 r"available yet.*use memory=ddp, or memory=chunk"):
         Strategy.parse("dp=2,mbs=1,gbs=2,memory=zero2").require_available()
@@ -99,10 +102,8 @@ def test_unbuilt_features_are_refused_not_ignored():
     ("dp=2,tp=2,mbs=1,gbs=2,memory=chunk,precision=bf16",
      "tensor parallelism and memory=chunk in bf16/fp16"),
     ("pp=2,precision=fp16", "fp16 loss scaling"),
-    ("tp=2,pp=2,mbs=2,gbs=4,memory=chunk",
-     "pipeline parallelism, memory=chunk and tensor (tp>1) or sequence (sp>1) parallelism"),
-    ("sp=2,pp=2,mbs=2,gbs=4,memory=chunk",
-     "pipeline parallelism, memory=chunk and tensor (tp>1) or sequence (sp>1) parallelism"),
+    ("tp=2,sp=2,pp=2,mbs=2,gbs=4,memory=chunk",
+     "tensor (tp>1), sequence (sp>1) parallelism and memory=chunk"),
 ])
 def test_compositions_not_built_are_refused_by_name(text, fragment):
     strategy = Strategy.parse(text)

@@ -45,11 +45,6 @@ def as_options(memory: Any) -> MemoryOptions:
 
 def check_supported(strategy) -> None:
     """Refuse combinations chunk memory does not run yet (rather than ignore them)."""
-    if strategy.pp > 1 and (strategy.tp > 1 or strategy.sp > 1):
-        raise NotImplementedError(
-            "memory=chunk with pp > 1 runs with data parallelism only (dp x pp): with tp > 1 "
-            "or sp > 1 inside the stages it is not built yet (chunks would hold DTensor shards "
-            "or sequence-parallel replicas of exported stage graphs; no parity test)")
     if strategy.tp > 1 and strategy.sp > 1:
         raise NotImplementedError("memory=chunk with both tp > 1 and sp > 1 is not built yet "
                                   "(each composes with chunks alone; the three together have "

@@ -1,4 +1,4 @@
-"""Chunk memory under pipeline parallelism (dp x pp, memory=chunk).
+"""Chunk memory under pipeline parallelism (dp x tp x pp or dp x sp x pp, memory=chunk).
 
 The pipeline runs exported graph pieces (``pipeline/split.py``), not the user's modules, but
 each piece is a module that holds, as its own attributes, the very parameters of its stage.
@@ -20,6 +20,12 @@ What changes against pp = 1:
 - The gradient norm sums each owned chunk's slots (a tied weight only on the lowest stage
   holding it), all-reduced over dp (the owners) and then over pp.
 - Under bf16 a piece's floating inputs are cast to the compute dtype (see ``_cast_inputs``).
+- Tensor-parallel stages (1d or 2d) hold DTensor parameters: chunks hold each rank's local
+  shards, ZeRO-sharded over its dp ranks (``shards.py``), as at pp = 1; a tied weight's shards
+  are summed over pp shard by shard (every tp rank of a stage holds the same slice of it), and
+  the norm counts a piece replicated over tp once and sums over tp as well.
+- Sequence-parallel stages: the sp ranks of a dp rank hold the same weights, so chunks are
+  ZeRO-sharded over dp x sp, as at pp = 1 (``runtime._zero_group``).
 """
 
 from __future__ import annotations
@@ -35,8 +41,10 @@ from tessera.memory.chunk import Kind
 from tessera.memory.manager import ChunkManager
 from tessera.memory.runtime import (_DTYPES, ChunkRuntime, _zero_group, as_options,
                                     check_supported)
+from tessera.memory.shards import local_of, point_at
 from tessera.parallel.pipeline.module import GradSync
 from tessera.parallel.pipeline.stage import StageRunner
+from tessera.parallel.tensor.loss import replica_count
 
 
 def apply_stage_chunk_memory(plan: Any, strategy, mesh, memory: Any = None) -> ChunkRuntime:
@@ -52,12 +60,13 @@ def apply_stage_chunk_memory(plan: Any, strategy, mesh, memory: Any = None) -> C
                          "host: it needs offload=cpu in the strategy")
     pipe = plan.pipeline
     module = pipe.module
-    device = next(module.parameters()).device
+    device = local_of(next(module.parameters())).device
     # This rank's stages only; a tied weight under each of its names.
     own = dict(module.named_parameters(remove_duplicate=False))
     order = [own[name] for name in pipe.program.param_use_order() if name in own]
     runtime = ChunkRuntime(module, options, device, _DTYPES[strategy.precision],
-                           strategy.offload, _zero_group(strategy, mesh), param_order=order)
+                           strategy.offload, _zero_group(strategy, mesh),
+                           mesh.group("tp") if strategy.tp > 1 else None, param_order=order)
     pipe.program.on_stage_built = functools.partial(_hook_stage, runtime)
     pipe.program.capture_context = functools.partial(_shaped_for_capture, runtime.manager)
     sync = ChunkStageSync(runtime, pipe.grad_sync)
@@ -79,7 +88,7 @@ def _shaped_for_capture(manager: ChunkManager) -> Iterator[None]:
     """
     device = manager.device.device
     for param, (_, slot) in manager.slot_of.items():
-        param.data = torch.zeros((), device=device).expand(slot.shape)
+        point_at(param, torch.zeros((), device=device).expand(slot.shape))
     try:
         yield
     finally:
@@ -158,9 +167,16 @@ class ChunkStageSync:
         rt.hooks.flush()
         total = torch.zeros((), dtype=torch.float32, device=m.device.device)
         owned = [c for c in m.own_chunks() if Kind.GRAD in c.tier]
+        tp_group = rt.tp_group
+        tp = 1 if tp_group is None else dist.get_world_size(tp_group)
         for chunk in owned:  # one chunk at a time: see ChunkRuntime.clip_grad_norm
             g = rt.readable(chunk, Kind.GRAD)
             for slot in chunk.slots:
                 if id(slot.param) not in self.skip_in_norm:
-                    total += g[slot.offset: slot.end].float().pow(2).sum().to(total.device)
+                    piece = g[slot.offset: slot.end].float().pow(2).sum()
+                    # a piece every tp rank holds (1d norms, 2d biases on a grid row) once
+                    copies = 1 if tp_group is None else replica_count(slot.param, tp)
+                    total += (piece / copies).to(total.device)
+        if tp_group is not None:  # then scale_to_norm sums over the dp owners and pp
+            dist.all_reduce(total, group=tp_group)
         return rt.scale_to_norm(total, owned, max_norm, self.base.pp_group)

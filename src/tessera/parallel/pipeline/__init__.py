@@ -86,8 +86,8 @@ def apply_pipeline(plan: Parallelized, strategy: Strategy, mesh: Mesh,
     gradient norm and the engine. Data parallelism is done by the engine's gradient sync.
 
     Raises:
-        StrategyError: for combinations not built yet (fp16, chunk memory with tp or sp
-            stages) and for too few micro-batches or splittable blocks.
+        StrategyError: for combinations not built yet (fp16, ZeRO memory without chunks)
+            and for too few micro-batches or splittable blocks.
     """
     _refuse_unsupported(strategy)
     inputs = inputs if inputs is not None else grid_inputs(strategy, mesh)  # 2D: batch slices
@@ -135,9 +135,6 @@ def _stage_optimizer(module: StageModule, base, *args):
 def _refuse_unsupported(strategy: Strategy) -> None:
     rules = [(strategy.memory not in ("ddp", "chunk"), f"memory={strategy.memory}",
               "ZeRO memory without chunks with pipeline stages"),
-             (strategy.memory == "chunk" and (strategy.tp > 1 or strategy.sp > 1),
-              f"memory=chunk, tp={strategy.tp}, sp={strategy.sp}",
-              "chunk memory with tensor or sequence parallel stages"),
              (strategy.precision == "fp16", "precision=fp16",
               "fp16 loss scaling across stages (use bf16)")]
     for bad, value, what in rules:

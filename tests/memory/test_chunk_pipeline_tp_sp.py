@@ -1,0 +1,146 @@
+"""Chunk memory in tensor- and sequence-parallel pipeline stages (memory=chunk, pp=2): two
+launches.
+
+One worker trains the single-device references (memory=ddp, pp=1) of the tiny reference model
+and of Hugging Face GPT-2. Eight workers train, with memory=chunk and the Trainer's gradient
+clipping, 3 AdamW steps of:
+
+- dp=2 x tp=2 (1d) x pp=2, 1f1b, half of each stage recomputed, under a device budget that
+  forces evictions (chunks hold each rank's tp shards, ZeRO-sharded over dp);
+- tp=4 as a 2 x 2 SUMMA grid x pp=2, gpipe (the 2d layers are custom ops in the graph);
+- dp=2 x sp=2 (ring) x pp=2, 1f1b (chunks ZeRO-sharded over dp x sp);
+- Hugging Face GPT-2 at dp=2 x tp=2 x pp=2, scp with full recomputation (fused q|k|v shards
+  stored permuted, the embedding tied to the LM head across stages);
+- a checkpoint saved after 2 steps of the first strategy and resumed for the third.
+
+Each rank's stage state dict (tp shards gathered whole, in the single-device layout) must
+equal the single-device one. A stage runs the same aten ops on the same micro-batches, so
+what differs is the order of fp32 sums (tp partial products and norm statistics, the ZeRO
+reduce-scatter mean, the tied gradient summed over pp, the norm's per-chunk partial sums).
+Losses (about 5) within 1e-5: measured <= 9.5e-7. Weights within 3e-5: AdamW divides each
+gradient by its own running magnitude, so rounding on a near-zero gradient becomes a larger
+weight difference; measured <= 7.7e-6 (GPT-2), 2.4e-6 to 6.1e-6 elsewhere. A tp replica
+counted twice in the gradient norm moves losses by 1.6e-3 to 2.5e-3 and weights by 1.5e-3 to
+2.8e-3 (measured by breaking it); a tied-weight sum left out or a stale chunk, by more.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+from torch.distributed.tensor import DTensor
+
+from tessera.run import build_datasets, build_model, build_tokenizer
+from tessera.testing import run_distributed, tiny_run_config
+from tessera.train.trainer import Trainer
+
+TOL, WEIGHT_TOL = dict(rtol=0, atol=1e-5), dict(rtol=0, atol=3e-5)
+STEPS = 3
+AUTO = {"placement": "auto", "chunk_size": 10000}
+GPT2 = {"preset": "tiny", "hf": "gpt2"}
+TP1D = "dp=2,tp=2,pp=2,mbs=2,gbs=8,schedule=1f1b,recompute=0.5,memory=chunk,offload=cpu"
+CASES = {  # name: (model section or None for the reference model, strategy, memory)
+    # A little above one stage piece's chunks and activations: the first stage evicts.
+    "dp2_tp2_pp2_budget": (None, TP1D, {**AUTO, "device_budget": 500_000}),
+    "tp4_2d_pp2": (None, "tp=4,tp_mode=2d,pp=2,mbs=2,gbs=8,schedule=gpipe,memory=chunk,"
+                         "offload=cpu", AUTO),
+    "dp2_sp2_pp2": (None, "dp=2,sp=2,pp=2,mbs=2,gbs=8,schedule=1f1b,memory=chunk,offload=cpu",
+                    AUTO),
+    "gpt2_dp2_tp2_pp2": (GPT2, "dp=2,tp=2,pp=2,mbs=2,gbs=8,schedule=scp,recompute=full,"
+                               "memory=chunk,offload=cpu", AUTO),
+}
+
+
+def _trainer(out: Path, strategy: str, model=None, memory=None, **train) -> Trainer:
+    sections = {"memory": memory} if memory else {}
+    if model:
+        sections["model"] = model
+    config = tiny_run_config(out, strategy, train={"max_steps": STEPS, **train}, **sections)
+    train_ds, val_ds = build_datasets(config, build_tokenizer(config))
+    return Trainer(build_model(config), config.train, train_ds, val_ds,
+                   strategy=config.strategy, memory=config.memory)
+
+
+def _whole_state(trainer: Trainer) -> dict[str, torch.Tensor]:
+    """This rank's stage state dict with tp shards gathered (every tp rank of the stage
+    gathers the same keys in the same order)."""
+    state = trainer.plan.module.state_dict()
+    return {k: (v.full_tensor() if isinstance(v, DTensor) else v).detach().clone()
+            for k, v in state.items()}
+
+
+def _run(out: Path, model, strategy: str, memory=None) -> dict:
+    trainer = _trainer(out, strategy, model, memory)
+    losses = trainer.train().losses
+    runtime = trainer.plan.memory
+    return {"losses": losses, "params": _whole_state(trainer),
+            "features": list(trainer.plan.features),
+            "stats": runtime.stats() if runtime else None}
+
+
+def _reference(rank, world, root):
+    root = Path(root)
+    return {"ref": _run(root / "ref", None, "dp=1,mbs=4,gbs=8"),
+            "gpt2": _run(root / "gpt2", GPT2, "dp=1,mbs=4,gbs=8")}
+
+
+def _eight_ranks(rank, world, root):
+    root = Path(root)
+    out = {name: _run(root / name, model, text, memory)
+           for name, (model, text, memory) in CASES.items()}
+    # Resume: 2 steps, save, then 1 more from the checkpoint = 3 uninterrupted steps.
+    memory = CASES["dp2_tp2_pp2_budget"][2]
+    first = _trainer(root / "resume", TP1D, memory=memory)
+    out["first"] = first.train(until_step=2).losses
+    second = _trainer(root / "resume", TP1D, memory=memory, resume=True)
+    out["second"] = second.train().losses
+    out["resumed_params"] = _whole_state(second)
+    return out
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory):
+    root = tmp_path_factory.mktemp("chunk_pp_tp_sp")
+    one = run_distributed(_reference, 1, args=(str(root / "one"),), timeout=300)[0]
+    eight = run_distributed(_eight_ranks, 8, args=(str(root / "eight"),), timeout=900)
+    return one, eight
+
+
+def _same_params(got: dict, want: dict) -> None:
+    assert got and got.keys() <= want.keys()
+    for name, value in got.items():
+        torch.testing.assert_close(value, want[name], **WEIGHT_TOL,
+                                   msg=lambda m, name=name: f"{name}: {m}")
+
+
+@pytest.mark.parametrize("name", sorted(CASES))
+def test_chunk_memory_in_tp_and_sp_stages_equals_one_device(runs, name):
+    one, eight = runs
+    ref = one["gpt2" if CASES[name][0] else "ref"]
+    for rank, out in enumerate(eight):
+        run = out[name]
+        assert "chunk_memory" in run["features"] and "pipeline" in run["features"], run
+        torch.testing.assert_close(torch.tensor(run["losses"]), torch.tensor(ref["losses"]),
+                                   **TOL)
+        _same_params(run["params"], ref["params"])
+    # The stages' state dicts together are the single-device state dict.
+    keys = set().union(*(out[name]["params"].keys() for out in eight))
+    assert keys == set(ref["params"].keys())
+
+
+def test_the_budget_forces_evictions_in_tp_stages(runs):
+    _, eight = runs
+    stats = [out["dp2_tp2_pp2_budget"]["stats"] for out in eight]
+    assert all(0 < s["device_peak"] <= 500_000 for s in stats), stats
+    assert sum(s["evictions"].get("device", 0) for s in stats) > 0, stats
+
+
+def test_tp_pp_chunk_checkpoint_resumes_exactly(runs):
+    one, eight = runs
+    for out in eight:
+        assert len(out["first"]) == 2 and len(out["second"]) == 1
+        torch.testing.assert_close(torch.tensor(out["first"] + out["second"]),
+                                   torch.tensor(one["ref"]["losses"]), **TOL)
+        _same_params(out["resumed_params"], one["ref"]["params"])
