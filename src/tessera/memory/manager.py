@@ -221,12 +221,24 @@ class ChunkManager:
         return self.device if name == DEVICE else self.host
 
     def set_views(self, chunk: Chunk) -> None:
+        """Point each parameter of ``chunk`` at its slot of the device payload, or at an empty
+        placeholder where the payload is elsewhere or the tensor is FREE."""
         payload = chunk.payload.get(Kind.PARAM)
         on_device = payload is not None and chunk.tier[Kind.PARAM] == DEVICE
+        base = payload.data_ptr() if on_device else 0
+        size = payload.element_size() if on_device else 0
         for slot in chunk.slots:
+            # Every hook re-asserts the views of its chunks: skip those already in place (a
+            # live view's address is unique: its storage cannot be reused while it exists).
+            current = local_of(slot.param)
             if on_device and slot.state is not S.FREE:
+                if (current.data_ptr() == base + slot.offset * size
+                        and current.shape == slot.shape and current.dtype == payload.dtype
+                        and current.is_contiguous()):
+                    continue
                 point_at(slot.param, payload[slot.offset: slot.end].view(slot.shape))
-            else:  # an empty placeholder makes any use outside the hooks fail loudly
+            elif current.numel() or current.dtype != self.dtype:
+                # an empty placeholder makes any use outside the hooks fail loudly
                 point_at(slot.param, torch.empty(0, dtype=self.dtype, device=self.device.device))
 
     def _set_state(self, slot: TensorSlot, new: S) -> None:

@@ -66,6 +66,8 @@ _CANDIDATES = {
         "dp=1,tp=2,sp=2,mbs=8,gbs=8,sp_mode=ulysses",
         "dp=1,sp=2,pp=2,mbs=4,gbs=8,schedule=1f1b",
         "dp=2,tp=2,mbs=4,gbs=8,memory=chunk",
+        "dp=1,tp=2,pp=2,mbs=2,gbs=8,schedule=1f1b,memory=chunk",
+        "dp=1,sp=2,pp=2,mbs=4,gbs=8,schedule=1f1b,memory=chunk",
     ],
     8: [
         "dp=8,mbs=1,gbs=8",
