@@ -2,7 +2,7 @@
 launches.
 
 One worker trains the single-device references (memory=ddp, pp=1) of the tiny reference model
-and of Hugging Face GPT-2. Eight workers train, with memory=chunk and the Trainer's gradient
+and of Hugging Face GPT-2 and Llama. Eight workers train, with memory=chunk and the Trainer's gradient
 clipping, 3 AdamW steps of:
 
 - dp=2 x tp=2 (1d) x pp=2, 1f1b, half of each stage recomputed, under a device budget that
@@ -11,6 +11,7 @@ clipping, 3 AdamW steps of:
 - dp=2 x sp=2 (ring) x pp=2, 1f1b (chunks ZeRO-sharded over dp x sp);
 - Hugging Face GPT-2 at dp=2 x tp=2 x pp=2, scp with full recomputation (fused q|k|v shards
   stored permuted, the embedding tied to the LM head across stages);
+- Hugging Face Llama at dp=2 x sp=2 (ulysses, grouped key/value heads) x pp=2, gpipe;
 - a checkpoint saved after 2 steps of the first strategy and resumed for the third.
 
 Each rank's stage state dict (tp shards gathered whole, in the single-device layout) must
@@ -19,7 +20,7 @@ what differs is the order of fp32 sums (tp partial products and norm statistics,
 reduce-scatter mean, the tied gradient summed over pp, the norm's per-chunk partial sums).
 Losses (about 5) within 1e-5: measured <= 9.5e-7. Weights within 3e-5: AdamW divides each
 gradient by its own running magnitude, so rounding on a near-zero gradient becomes a larger
-weight difference; measured <= 7.7e-6 (GPT-2), 2.4e-6 to 6.1e-6 elsewhere. A tp replica
+weight difference; measured <= 8.9e-6 (Llama), 7.7e-6 (GPT-2), 2.4e-6 to 6.1e-6 elsewhere. A tp replica
 counted twice in the gradient norm moves losses by 1.6e-3 to 2.5e-3 and weights by 1.5e-3 to
 2.8e-3 (measured by breaking it); a tied-weight sum left out or a stale chunk, by more.
 """
@@ -40,9 +41,10 @@ TOL, WEIGHT_TOL = dict(rtol=0, atol=1e-5), dict(rtol=0, atol=3e-5)
 STEPS = 3
 AUTO = {"placement": "auto", "chunk_size": 10000}
 GPT2 = {"preset": "tiny", "hf": "gpt2"}
+LLAMA = {"preset": "tiny-llama", "hf": "llama"}
 TP1D = "dp=2,tp=2,pp=2,mbs=2,gbs=8,schedule=1f1b,recompute=0.5,memory=chunk,offload=cpu"
 CASES = {  # name: (model section or None for the reference model, strategy, memory)
-    # A little above one stage piece's chunks and activations: the first stage evicts.
+    # Below a stage's chunks and activations together: chunks are evicted (6 of 8 ranks).
     "dp2_tp2_pp2_budget": (None, TP1D, {**AUTO, "device_budget": 500_000}),
     "tp4_2d_pp2": (None, "tp=4,tp_mode=2d,pp=2,mbs=2,gbs=8,schedule=gpipe,memory=chunk,"
                          "offload=cpu", AUTO),
@@ -50,7 +52,10 @@ CASES = {  # name: (model section or None for the reference model, strategy, mem
                     AUTO),
     "gpt2_dp2_tp2_pp2": (GPT2, "dp=2,tp=2,pp=2,mbs=2,gbs=8,schedule=scp,recompute=full,"
                                "memory=chunk,offload=cpu", AUTO),
+    "llama_dp2_sp2_pp2": (LLAMA, "dp=2,sp=2,pp=2,mbs=2,gbs=8,schedule=gpipe,sp_mode=ulysses,"
+                                 "memory=chunk,offload=cpu", AUTO),
 }
+
 
 
 def _trainer(out: Path, strategy: str, model=None, memory=None, **train) -> Trainer:
@@ -83,7 +88,8 @@ def _run(out: Path, model, strategy: str, memory=None) -> dict:
 def _reference(rank, world, root):
     root = Path(root)
     return {"ref": _run(root / "ref", None, "dp=1,mbs=4,gbs=8"),
-            "gpt2": _run(root / "gpt2", GPT2, "dp=1,mbs=4,gbs=8")}
+            "gpt2": _run(root / "gpt2", GPT2, "dp=1,mbs=4,gbs=8"),
+            "llama": _run(root / "llama", LLAMA, "dp=1,mbs=4,gbs=8")}
 
 
 def _eight_ranks(rank, world, root):
@@ -118,7 +124,8 @@ def _same_params(got: dict, want: dict) -> None:
 @pytest.mark.parametrize("name", sorted(CASES))
 def test_chunk_memory_in_tp_and_sp_stages_equals_one_device(runs, name):
     one, eight = runs
-    ref = one["gpt2" if CASES[name][0] else "ref"]
+    model = CASES[name][0]
+    ref = one[model["hf"] if model else "ref"]
     for rank, out in enumerate(eight):
         run = out[name]
         assert "chunk_memory" in run["features"] and "pipeline" in run["features"], run
