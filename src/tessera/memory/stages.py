@@ -21,9 +21,10 @@ What changes against pp = 1:
   holding it), all-reduced over dp (the owners) and then over pp.
 - Under bf16 a piece's floating inputs are cast to the compute dtype (see ``_cast_inputs``).
 - Tensor-parallel stages (1d or 2d) hold DTensor parameters: chunks hold each rank's local
-  shards, ZeRO-sharded over its dp ranks (``shards.py``), as at pp = 1; a tied weight's shards
-  are summed over pp shard by shard (every tp rank of a stage holds the same slice of it), and
-  the norm counts a piece replicated over tp once and sums over tp as well.
+  shards, ZeRO-sharded over its dp ranks (``shards.py``), as at pp = 1; a tied weight's
+  gradient is summed over pp shard by shard (the pp group joins the ranks of the same tp
+  coordinate, which hold the same slice of it), and the norm counts a piece replicated over tp
+  once and sums over tp as well.
 - Sequence-parallel stages: the sp ranks of a dp rank hold the same weights, so chunks are
   ZeRO-sharded over dp x sp, as at pp = 1 (``runtime._zero_group``).
 """
