@@ -103,7 +103,7 @@ def test_scp_recomputation_placement():
 
 @pytest.mark.parametrize("text,named", [
     ("pp=2,precision=fp16", "precision=fp16"),
-    ("pp=2,tp=2,mbs=2,gbs=4,memory=chunk", "memory=chunk, tp=2, sp=1"),
+    ("dp=2,pp=2,mbs=2,gbs=8,memory=zero2", "memory=zero2"),
 ])
 def test_unbuilt_compositions_are_refused_by_name(text, named):
     from tessera.parallel.pipeline import _refuse_unsupported
@@ -113,3 +113,6 @@ def test_unbuilt_compositions_are_refused_by_name(text, named):
         _refuse_unsupported(Strategy.parse(text))
     _refuse_unsupported(Strategy.parse("pp=2,precision=bf16"))  # accepted
     _refuse_unsupported(Strategy.parse("dp=2,pp=2,mbs=2,gbs=8,memory=chunk"))  # dp x pp x chunk
+    # chunks in tensor- and sequence-parallel stages (tests/memory/test_chunk_pipeline_tp_sp.py)
+    _refuse_unsupported(Strategy.parse("pp=2,tp=2,mbs=2,gbs=4,memory=chunk"))
+    _refuse_unsupported(Strategy.parse("pp=2,sp=2,mbs=2,gbs=4,memory=chunk"))
