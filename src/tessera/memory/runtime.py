@@ -134,22 +134,30 @@ class ChunkRuntime:
     def clip_grad_norm(self, model: nn.Module, max_norm: float) -> torch.Tensor:
         """Clip the gradient chunks to a total 2-norm of ``max_norm``; returns the norm."""
         self.hooks.flush()
-        m = self.manager
-        total = torch.zeros((), dtype=torch.float32, device=m.device.device)
+        owned = [c for c in self.manager.own_chunks() if Kind.GRAD in c.tier]
+        return self.scale_to_norm(self.squared_grad_sum(owned), owned, max_norm, self.tp_group)
+
+    @torch.no_grad()
+    def squared_grad_sum(self, owned: list, skip: set[int] | None = None) -> torch.Tensor:
+        """This rank's sum of squared gradients over the ``owned`` chunks, a piece held by
+        several tp ranks counted once; with ``skip`` (parameter ids) slot by slot, leaving
+        those out. Not yet reduced over any group."""
+        total = torch.zeros((), dtype=torch.float32, device=self.manager.device.device)
+        tp = 1 if self.tp_group is None else dist.get_world_size(self.tp_group)
         # One chunk at a time, using each payload before reading the next: reading a chunk
         # back from disk may evict another's gradient, and a tensor kept from before that
         # eviction is a stale copy (scaling it would be lost).
-        owned = [c for c in m.own_chunks() if Kind.GRAD in c.tier]
-        tp = 1 if self.tp_group is None else dist.get_world_size(self.tp_group)
         for chunk in owned:
             g = self.readable(chunk, Kind.GRAD)
-            if self.tp_group is None:
+            if self.tp_group is None and skip is None:
                 total += g.float().pow(2).sum().to(total.device)
                 continue
-            for slot in chunk.slots:  # a piece held by several tp ranks is counted once
+            for slot in chunk.slots:
+                if skip is not None and id(slot.param) in skip:
+                    continue
                 piece = g[slot.offset: slot.end].float().pow(2).sum()
                 total += (piece / replica_count(slot.param, tp)).to(total.device)
-        return self.scale_to_norm(total, owned, max_norm, self.tp_group)
+        return total
 
     @torch.no_grad()
     def scale_to_norm(self, total: torch.Tensor, owned: list, max_norm: float,

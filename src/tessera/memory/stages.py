@@ -45,7 +45,6 @@ from tessera.memory.runtime import (_DTYPES, ChunkRuntime, _zero_group, as_optio
 from tessera.memory.shards import local_of, point_at
 from tessera.parallel.pipeline.module import GradSync
 from tessera.parallel.pipeline.stage import StageRunner
-from tessera.parallel.tensor.loss import replica_count
 
 
 def apply_stage_chunk_memory(plan: Any, strategy, mesh, memory: Any = None) -> ChunkRuntime:
@@ -164,20 +163,10 @@ class ChunkStageSync:
     @torch.no_grad()
     def clip(self, max_norm: float) -> torch.Tensor:
         """Clip all stages' gradient chunks to a global 2-norm; returns the norm before."""
-        rt, m = self.runtime, self.runtime.manager
+        rt = self.runtime
         rt.hooks.flush()
-        total = torch.zeros((), dtype=torch.float32, device=m.device.device)
-        owned = [c for c in m.own_chunks() if Kind.GRAD in c.tier]
-        tp_group = rt.tp_group
-        tp = 1 if tp_group is None else dist.get_world_size(tp_group)
-        for chunk in owned:  # one chunk at a time: see ChunkRuntime.clip_grad_norm
-            g = rt.readable(chunk, Kind.GRAD)
-            for slot in chunk.slots:
-                if id(slot.param) not in self.skip_in_norm:
-                    piece = g[slot.offset: slot.end].float().pow(2).sum()
-                    # a piece every tp rank holds (1d norms, 2d biases on a grid row) once
-                    copies = 1 if tp_group is None else replica_count(slot.param, tp)
-                    total += (piece / copies).to(total.device)
-        if tp_group is not None:  # then scale_to_norm sums over the dp owners and pp
-            dist.all_reduce(total, group=tp_group)
+        owned = [c for c in rt.manager.own_chunks() if Kind.GRAD in c.tier]
+        total = rt.squared_grad_sum(owned, self.skip_in_norm)
+        if rt.tp_group is not None:  # then scale_to_norm sums over the dp owners and pp
+            dist.all_reduce(total, group=rt.tp_group)
         return rt.scale_to_norm(total, owned, max_norm, self.base.pp_group)
