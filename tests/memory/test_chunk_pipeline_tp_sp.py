@@ -1,9 +1,9 @@
 """Chunk memory in tensor- and sequence-parallel pipeline stages (memory=chunk, pp=2): two
 launches.
 
-One worker trains the single-device references (memory=ddp, pp=1) of the tiny reference model
-and of Hugging Face GPT-2 and Llama. Eight workers train, with memory=chunk and the Trainer's gradient
-clipping, 3 AdamW steps of:
+One worker trains the single-device references (memory=ddp, pp=1) of the tiny reference
+model and of Hugging Face GPT-2 and Llama. Eight workers train, with memory=chunk and the
+Trainer's gradient clipping, 3 AdamW steps of:
 
 - dp=2 x tp=2 (1d) x pp=2, 1f1b, half of each stage recomputed, under a device budget that
   forces evictions (chunks hold each rank's tp shards, ZeRO-sharded over dp);
@@ -20,9 +20,10 @@ what differs is the order of fp32 sums (tp partial products and norm statistics,
 reduce-scatter mean, the tied gradient summed over pp, the norm's per-chunk partial sums).
 Losses (about 5) within 1e-5: measured <= 9.5e-7. Weights within 3e-5: AdamW divides each
 gradient by its own running magnitude, so rounding on a near-zero gradient becomes a larger
-weight difference; measured <= 8.9e-6 (Llama), 7.7e-6 (GPT-2), 2.4e-6 to 6.1e-6 elsewhere. A tp replica
-counted twice in the gradient norm moves losses by 1.6e-3 to 2.5e-3 and weights by 1.5e-3 to
-2.8e-3 (measured by breaking it); a tied-weight sum left out or a stale chunk, by more.
+weight difference; measured <= 8.9e-6 (Llama), 7.7e-6 (GPT-2), 2.4e-6 to 6.1e-6 elsewhere.
+A tp replica counted twice in the gradient norm moves losses by 1.6e-3 to 2.5e-3 and weights
+by 1.5e-3 to 2.8e-3 (measured by breaking it); a tied-weight sum left out or a stale chunk,
+by more.
 """
 
 from __future__ import annotations
