@@ -45,6 +45,7 @@ from tessera.memory.runtime import (_DTYPES, ChunkRuntime, _zero_group, as_optio
 from tessera.memory.shards import local_of, point_at
 from tessera.parallel.pipeline.module import GradSync
 from tessera.parallel.pipeline.stage import StageRunner
+from tessera.parallel.pipeline.tp import tp_group_of
 
 
 def apply_stage_chunk_memory(plan: Any, strategy, mesh, memory: Any = None) -> ChunkRuntime:
@@ -66,7 +67,7 @@ def apply_stage_chunk_memory(plan: Any, strategy, mesh, memory: Any = None) -> C
     order = [own[name] for name in pipe.program.param_use_order() if name in own]
     runtime = ChunkRuntime(module, options, device, _DTYPES[strategy.precision],
                            strategy.offload, _zero_group(strategy, mesh),
-                           mesh.group("tp") if strategy.tp > 1 else None, param_order=order)
+                           tp_group_of(strategy, mesh), param_order=order)
     pipe.program.on_stage_built = functools.partial(_hook_stage, runtime)
     pipe.program.capture_context = functools.partial(_shaped_for_capture, runtime.manager)
     sync = ChunkStageSync(runtime, pipe.grad_sync)
