@@ -65,7 +65,10 @@ def save_checkpoint(root: Path, step: int, model: nn.Module, optimizer: torch.op
         partial.mkdir(parents=True)
     dist.barrier()
     flat = getattr(model, "flat_optimizer_state", False)
+    never_stepped = not optimizer.state
     model_sd, optim_sd = get_state_dict(model, optimizer, options=_FLAT if flat else _INDEXED)
+    if never_stepped:
+        _forget_state_init_step(optimizer)
     dcp.save({"model": model_sd, "optim": optim_sd}, checkpoint_id=str(partial))
     (partial / "rng").mkdir(exist_ok=True)
     torch.save(_rng_state(), partial / "rng" / f"rank_{rank}.pt")
@@ -78,6 +81,23 @@ def save_checkpoint(root: Path, step: int, model: nn.Module, optimizer: torch.op
         _prune(root, keep)
     dist.barrier()
     return final
+
+
+def _forget_state_init_step(optimizer: torch.optim.Optimizer) -> None:
+    """Undo the step count of the state that get_state_dict just created.
+
+    An optimizer that has not stepped yet (every step so far skipped, as fp16 does while its
+    loss scale comes down) has no state; get_state_dict creates it by one step at lr 0 with
+    zero gradients. For AdamW that leaves zero moments, as a fresh state, but a step count of
+    1, which shifts bias correction for the rest of the run (a resume then differs from the
+    uninterrupted run). The saved state dict holds the same tensors, so both are reset.
+    """
+    for state in optimizer.state.values():
+        step = state.get("step")
+        if isinstance(step, torch.Tensor):
+            step.zero_()
+        elif step is not None:
+            state["step"] = 0
 
 
 def list_complete(root: Path) -> list[Path]:
