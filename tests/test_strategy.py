@@ -101,7 +101,6 @@ def test_unbuilt_features_are_refused_not_ignored():
      "2d tensor parallelism (tp_mode=2d) and tp_overlap=subpipe together"),
     ("dp=2,tp=2,mbs=1,gbs=2,memory=chunk,precision=bf16",
      "tensor parallelism and memory=chunk in bf16/fp16"),
-    ("pp=2,precision=fp16", "fp16 loss scaling"),
     ("tp=2,sp=2,pp=2,mbs=2,gbs=4,memory=chunk",
      "tensor (tp>1), sequence (sp>1) parallelism and memory=chunk"),
 ])

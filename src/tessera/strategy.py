@@ -339,8 +339,6 @@ _COMBINATIONS_NOT_BUILT = [
      "tensor parallelism and memory=chunk in bf16/fp16 (use precision=fp32)", 4),
     (lambda s: s.tp > 1 and s.sp > 1 and s.memory == "chunk",
      "tensor (tp>1), sequence (sp>1) parallelism and memory=chunk", 3),
-    (lambda s: s.pp > 1 and s.precision == "fp16",
-     "pipeline parallelism and fp16 loss scaling (use bf16)", 6),
 ]
 
 _FALLBACK = {

@@ -224,6 +224,8 @@ class Trainer:
                 "samples_consumed": self.order.samples_before(self.step),
                 "scheduler": self.scheduler.state_dict(), "run": self.run_info,
                 "peak_ramp": asdict(self.peak_ramp)}
+        if self.engine.scaler is not None:  # fp16: a resume goes on with the same loss scale
+            meta["loss_scale"] = self.engine.scaler.state_dict()
         return ckpt.save_checkpoint(self.ckpt_root, self.step, self.wrapped, self.optimizer,
                                     meta)
 
@@ -240,6 +242,8 @@ class Trainer:
         ckpt.check_compatible(ckpt.read_meta(latest), self.model_meta, latest)
         meta = ckpt.load_checkpoint(latest, self.wrapped, self.optimizer)
         self.scheduler.load_state_dict(meta["scheduler"])
+        if self.engine.scaler is not None and "loss_scale" in meta:
+            self.engine.scaler.load_state_dict(meta["loss_scale"])
         for name, value in meta.get("peak_ramp", {}).items():
             setattr(self.peak_ramp, name, value)
         self.step = int(meta["step"])

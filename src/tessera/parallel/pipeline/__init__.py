@@ -86,7 +86,7 @@ def apply_pipeline(plan: Parallelized, strategy: Strategy, mesh: Mesh,
     gradient norm and the engine. Data parallelism is done by the engine's gradient sync.
 
     Raises:
-        StrategyError: for combinations not built yet (fp16, ZeRO memory without chunks)
+        StrategyError: for combinations not built yet (ZeRO memory without chunks)
             and for too few micro-batches or splittable blocks.
     """
     _refuse_unsupported(strategy)
@@ -133,14 +133,10 @@ def _stage_optimizer(module: StageModule, base, *args):
 
 
 def _refuse_unsupported(strategy: Strategy) -> None:
-    rules = [(strategy.memory not in ("ddp", "chunk"), f"memory={strategy.memory}",
-              "ZeRO memory without chunks with pipeline stages"),
-             (strategy.precision == "fp16", "precision=fp16",
-              "fp16 loss scaling across stages (use bf16)")]
-    for bad, value, what in rules:
-        if bad:
-            raise StrategyError(f"pp={strategy.pp} with {value}: {what} is not built yet "
-                                "(issue #6, docs/pipeline.md); use pp=1 or drop " + value)
+    if strategy.memory not in ("ddp", "chunk"):
+        raise StrategyError(f"pp={strategy.pp} with memory={strategy.memory}: ZeRO memory "
+                            "without chunks with pipeline stages is not built yet (issue #6, "
+                            "docs/pipeline.md); use memory=chunk, pp=1 or memory=ddp")
 
 
 def _ownership(model: nn.Module, graph: ProxyGraph, part: Partition, stage_rank: list[int],
@@ -186,7 +182,8 @@ def _owned_buffers(model, graph, part, stage_rank, pp_rank) -> dict[str, torch.T
 
 
 def _autocast_factory(strategy: Strategy, device: torch.device):
-    if strategy.precision != "bf16":
+    dtype = {"bf16": torch.bfloat16, "fp16": torch.float16}.get(strategy.precision)
+    if dtype is None:
         return contextlib.nullcontext
-    return lambda: torch.autocast(device.type, dtype=torch.bfloat16)
+    return lambda: torch.autocast(device.type, dtype=dtype)
 

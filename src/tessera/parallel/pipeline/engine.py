@@ -16,6 +16,7 @@ from dataclasses import dataclass, field
 import torch
 import torch.distributed as dist
 
+from tessera.loss_scale import GradLossScaler
 from tessera.parallel.pipeline.comm import BACKWARD, FORWARD, StageLink
 from tessera.parallel.pipeline.schedules import Action, recompute_early, recomputes
 from tessera.parallel.plan import Parallelized
@@ -47,7 +48,10 @@ class PipelineEngine:
     def __init__(self, plan: Parallelized, strategy: Strategy, device: torch.device) -> None:
         self.plan, self.pipe, self.device = plan, plan.pipeline, device
         self.schedule = strategy.schedule
-        self.scaler = None  # fp16 is refused with pp > 1
+        # fp16: one loss scale for all stages, which skip an overflowing step together. Chunk
+        # memory replaces it with its own (the Trainer takes plan.grad_scaler).
+        self.scaler = (GradLossScaler(plan.module.parameters())
+                       if strategy.precision == "fp16" else None)
         self.timeline = Timeline()
 
     def forward_backward(self, micro_batches: list[dict[str, torch.Tensor]]):
@@ -94,6 +98,8 @@ class PipelineEngine:
                 if s == last:
                     loss = pipe.loss(state.outputs[0], batches[m])
                     state.loss = loss / n
+                    if train and self.scaler is not None:
+                        state.loss = self.scaler.scale(state.loss)
                     total += loss.detach()
                 else:
                     link.send(state.outputs, s + 1, m, FORWARD)
