@@ -1,8 +1,9 @@
 """Training through the Trainer under tensor parallelism, against dp=1, in two launches.
 
 Launch 1 (8 ranks): dp=2 x tp=4 1D, and dp=2 x tp=4 2D with gradient accumulation, each 5
-steps of a 10-step schedule; the 2D run leaves its checkpoint. Launch 2 (1 rank): the dp=1
-run they must equal, and a dp=1 resume of the 2D checkpoint. Reference model only (importing
+steps of a 10-step schedule; the 2D run leaves its checkpoint; dp=2 x tp=4 1D in bf16 and in
+fp16 (likewise). Launch 2 (1 rank): the dp=1 runs they must equal, and a dp=1 resume of the 2D
+checkpoint. Reference model only (importing
 transformers in 8 processes costs more than the runs) on a corpus of three standard-library
 files (40 kB used), so that data loading stays cheap.
 
@@ -28,6 +29,13 @@ from tessera.train.trainer import Trainer
 
 
 FP32_PARITY = dict(rtol=0, atol=1e-5)
+# Autocast, against one device in the same precision: the column/row-parallel products run in
+# the low dtype forward and backward as autocast's own linear does, but each rank rounds its
+# partial product (and the all-reduce sums them) where one device rounds the whole. One bf16
+# rounding of a loss of about 5 is 5 x 2^-9 = 1e-2; over the mean of 256 tokens the rounding
+# largely cancels: a tenth of that for bf16 (as in test_sp_compositions.py), and 2^-3 less
+# for fp16's 3 more mantissa bits.
+MIXED = {"bf16": dict(rtol=0, atol=1e-3), "fp16": dict(rtol=0, atol=1.25e-4)}
 
 
 def _train(out: Path, strategy: str, steps: int = 5, until: int | None = None, **sections):
@@ -51,6 +59,9 @@ def _parallel_runs(rank, world_size, root):
                                            until=5)
     out["2d"], out["2d_features"] = _train(root / "resumed", "dp=2,tp=4,tp_mode=2d,mbs=2,gbs=8",
                                            steps=10, until=5)
+    for precision in MIXED:
+        out[precision] = _train(root / precision, f"dp=2,tp=4,mbs=4,gbs=8,precision={precision}",
+                                steps=10, until=5)[0]
     return out
 
 
@@ -61,6 +72,10 @@ def _single_runs(rank, world_size, root):
     # resumes it. (GPT-2's permuted fused q|k|v is checked in test_tp_layers.py.)
     out["resumed"] = _train(root / "resumed", "dp=1,mbs=4,gbs=8", steps=10,
                             train={"resume": True})[0]
+    for precision in MIXED:
+        out[f"{precision}_single"] = _train(root / f"{precision}_single",
+                                            f"dp=1,mbs=4,gbs=8,precision={precision}",
+                                            steps=10, until=5)[0]
     return out
 
 
@@ -98,3 +113,15 @@ def test_dp2_tp4_1d_equals_dp1(runs):
 def test_2d_checkpoint_resumes_on_one_device(runs):
     assert runs["resumed"].step == 10 and len(runs["resumed"].losses) == 5
     _close(runs["resumed"].losses, runs["straight"].losses[5:], **FP32_PARITY)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("precision", sorted(MIXED))
+def test_dp2_tp4_1d_mixed_precision_equals_dp1(runs, precision):
+    # Before 2026-11-23 the 1D layers' backward multiplied autocast's bf16/fp16 gradient by
+    # the saved fp32 weight and crashed on the dtype mismatch.
+    single = runs[f"{precision}_single"].losses
+    _close(runs[precision].losses, single, **MIXED[precision])
+    # Autocast was on: the run differs from fp32 (by far less than a bf16 rounding of it).
+    assert runs[precision].losses != runs["straight"].losses[:5]
+    _close(runs[precision].losses, runs["straight"].losses[:5], rtol=0, atol=1e-2)

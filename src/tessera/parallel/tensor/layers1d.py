@@ -25,6 +25,17 @@ def _flat(x: torch.Tensor) -> torch.Tensor:
     return x.reshape(-1, x.shape[-1])
 
 
+def _in_dtype(dtype: torch.dtype, *tensors: torch.Tensor) -> tuple[torch.Tensor, ...]:
+    """The saved operands in the dtype the forward product ran in.
+
+    Under autocast the forward's F.linear cast fp32 weights (and inputs) to bf16/fp16, but a
+    custom backward runs outside autocast on the saved originals: the products are cast here
+    as autocast's own linear backward computes them (in the low dtype). Autograd then casts
+    each gradient to its input's dtype (fp32 for the weights).
+    """
+    return tuple(t.to(dtype) for t in tensors)
+
+
 class ColumnLinearFn(torch.autograd.Function):
     """y = x w^T + b with w holding O/tp output rows.
 
@@ -42,11 +53,14 @@ class ColumnLinearFn(torch.autograd.Function):
         full = group.all_gather(x, dim=1) if mode == "gather" else x  # (B, T, C)
         ctx.save_for_backward(x, weight)  # "gather" saves the slice and gathers it again
         ctx.group, ctx.mode, ctx.has_bias = group, mode, bias is not None
-        return F.linear(full, weight, bias)  # (B, T, O/tp)
+        y = F.linear(full, weight, bias)  # (B, T, O/tp)
+        ctx.dtype = y.dtype  # autocast's, when it is on
+        return y
 
     @staticmethod
     def backward(ctx, grad):
-        x, weight = ctx.saved_tensors
+        x, weight = _in_dtype(ctx.dtype, *ctx.saved_tensors)
+        grad = grad.to(ctx.dtype)
         gather = ctx.mode == "gather"
         full = ctx.group.all_gather(x, dim=1) if gather else x
         grad_x = grad @ weight  # (B, T, C): this rank's part of the sum over output features
@@ -68,12 +82,14 @@ class RowLinearFn(torch.autograd.Function):
         ctx.save_for_backward(x, weight)
         ctx.group, ctx.sp, ctx.has_bias = group, seq_parallel, bias is not None
         partial = F.linear(x, weight)  # (B, T, O), a partial sum
+        ctx.dtype = partial.dtype  # autocast's, when it is on
         y = group.reduce_scatter(partial, dim=1) if seq_parallel else group.all_reduce(partial)
         return y if bias is None else y + bias  # (B, T, O) or (B, T/tp, O)
 
     @staticmethod
     def backward(ctx, grad):
-        x, weight = ctx.saved_tensors
+        x, weight = _in_dtype(ctx.dtype, *ctx.saved_tensors)
+        grad = grad.to(ctx.dtype)
         grad_b = None
         if ctx.has_bias:
             grad_b = _flat(grad).sum(0)
