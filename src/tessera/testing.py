@@ -142,16 +142,22 @@ def tiny_run_config(output_dir, strategy: str = "dp=1,tp=1,pp=1,mbs=4,gbs=8", **
     return config_from_dict(raw)
 
 
-def train_tiny(out, strategy: str, steps: int = 5, until: int | None = None, **sections):
-    """Train :func:`tiny_run_config` in this process (a worker); returns (result, parameters)."""
+def tiny_trainer(out, strategy: str, steps: int = 5, **sections):
+    """A Trainer for :func:`tiny_run_config` (with its memory section, if any), in this
+    process (a worker). ``sections`` as for tiny_run_config; ``train`` keys add to max_steps."""
     from tessera.run import build_datasets, build_model, build_tokenizer
     from tessera.train.trainer import Trainer
 
     train = {"max_steps": steps, **sections.pop("train", {})}
     config = tiny_run_config(out, strategy, train=train, **sections)
     train_ds, val_ds = build_datasets(config, build_tokenizer(config))
-    trainer = Trainer(build_model(config), config.train, train_ds, val_ds,
-                      strategy=config.strategy)
+    return Trainer(build_model(config), config.train, train_ds, val_ds,
+                   strategy=config.strategy, memory=config.memory)
+
+
+def train_tiny(out, strategy: str, steps: int = 5, until: int | None = None, **sections):
+    """Train :func:`tiny_run_config` in this process (a worker); returns (result, parameters)."""
+    trainer = tiny_trainer(out, strategy, steps, **sections)
     result = trainer.train(until_step=until)
     params = {k: v.detach().clone() for k, v in trainer.model.state_dict().items()}
     return result, params

@@ -33,8 +33,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from tessera.run import build_datasets, build_model, build_tokenizer
-from tessera.testing import run_distributed, tiny_run_config
+from tessera.testing import run_distributed, tiny_trainer
 from tessera.train.checkpoint import find_latest
 from tessera.train.trainer import Trainer
 
@@ -65,10 +64,7 @@ RESUME_STRATEGY = "pp=2,mbs=2,gbs=8,schedule=1f1b,memory=chunk,offload=cpu"
 
 def _trainer(out: Path, strategy: str, memory=None, **train) -> Trainer:
     sections = {"memory": memory} if memory else {}
-    config = tiny_run_config(out, strategy, train={"max_steps": STEPS, **train}, **sections)
-    train_ds, val_ds = build_datasets(config, build_tokenizer(config))
-    return Trainer(build_model(config), config.train, train_ds, val_ds,
-                   strategy=config.strategy, memory=config.memory)
+    return tiny_trainer(out, strategy, STEPS, train=train, **sections)
 
 
 def _run(out: Path, strategy: str, memory=None) -> dict:

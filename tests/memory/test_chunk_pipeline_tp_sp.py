@@ -34,8 +34,7 @@ import pytest
 import torch
 from torch.distributed.tensor import DTensor
 
-from tessera.run import build_datasets, build_model, build_tokenizer
-from tessera.testing import run_distributed, tiny_run_config
+from tessera.testing import run_distributed, tiny_trainer
 from tessera.train.trainer import Trainer
 
 TOL, WEIGHT_TOL = dict(rtol=0, atol=1e-5), dict(rtol=0, atol=3e-5)
@@ -63,10 +62,7 @@ def _trainer(out: Path, strategy: str, model=None, memory=None, **train) -> Trai
     sections = {"memory": memory} if memory else {}
     if model:
         sections["model"] = model
-    config = tiny_run_config(out, strategy, train={"max_steps": STEPS, **train}, **sections)
-    train_ds, val_ds = build_datasets(config, build_tokenizer(config))
-    return Trainer(build_model(config), config.train, train_ds, val_ds,
-                   strategy=config.strategy, memory=config.memory)
+    return tiny_trainer(out, strategy, STEPS, train=train, **sections)
 
 
 def _whole_state(trainer: Trainer) -> dict[str, torch.Tensor]:

@@ -27,8 +27,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from tessera.run import build_datasets, build_model, build_tokenizer
-from tessera.testing import run_distributed, tiny_run_config
+from tessera.testing import run_distributed, tiny_trainer
 from tessera.train.trainer import Trainer
 
 LOSSES, WEIGHTS = dict(rtol=0, atol=1e-4), dict(rtol=0, atol=3e-3)
@@ -48,10 +47,7 @@ FINAL_SCALE = {"autocast": 2.0 ** 16, "autocast_overflow": 2.0 ** 17,
 
 def _trainer(out: Path, strategy: str, memory=None, **train) -> Trainer:
     sections = {"memory": memory} if memory else {}
-    config = tiny_run_config(out, strategy, train={"max_steps": STEPS, **train}, **sections)
-    train_ds, val_ds = build_datasets(config, build_tokenizer(config))
-    return Trainer(build_model(config), config.train, train_ds, val_ds,
-                   strategy=config.strategy, memory=config.memory)
+    return tiny_trainer(out, strategy, STEPS, train=train, **sections)
 
 
 def _start_at(trainer: Trainer, scale: float) -> None:
