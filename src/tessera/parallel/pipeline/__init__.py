@@ -182,7 +182,10 @@ def _owned_buffers(model, graph, part, stage_rank, pp_rank) -> dict[str, torch.T
 
 
 def _autocast_factory(strategy: Strategy, device: torch.device):
-    dtype = {"bf16": torch.bfloat16, "fp16": torch.float16}.get(strategy.precision)
+    # Imported here: tessera.train imports the pipeline engine (the Trainer picks it).
+    from tessera.train.engine import _AUTOCAST_DTYPES
+
+    dtype = _AUTOCAST_DTYPES.get(strategy.precision)
     if dtype is None:
         return contextlib.nullcontext
     return lambda: torch.autocast(device.type, dtype=dtype)
