@@ -67,7 +67,7 @@ class ZeroGroups:
                 manager.drop(chunk, kind)
 
     def reduce_scatter(self, manager: "ChunkManager", index: int) -> None:
-        """Sum the group's gradient chunks over ranks into each owner's chunk, then average."""
+        """Average the group's gradient chunks over ranks into each owner's chunk."""
         members = self.members(manager, index)
         own = members[self.rank]
         inputs = []
@@ -78,8 +78,15 @@ class ZeroGroups:
                                    device=manager.device.device)
             inputs.append(grad.to(manager.device.device))
         out = torch.empty_like(inputs[self.rank])
-        dist.reduce_scatter(out, inputs, group=self.group)
-        out.div_(self.size)
+        if manager.dtype == torch.float16:
+            # Divide before summing, as DDP's default hook does: fp16 gradients are loss-scaled
+            # close to fp16's largest value (65504), so the sum of dp of them can overflow when
+            # their mean does not, and the step would be skipped for the dp=1 run's scale.
+            inputs = [grad / self.size for grad in inputs]
+            dist.reduce_scatter(out, inputs, group=self.group)
+        else:
+            dist.reduce_scatter(out, inputs, group=self.group)
+            out.div_(self.size)
         target = own.payload.get(Kind.GRAD)
         if target is None:
             target = manager.alloc(own, Kind.GRAD, manager.grad_home(own), set())
