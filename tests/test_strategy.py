@@ -88,6 +88,9 @@ def test_unbuilt_features_are_refused_not_ignored():
     # chunks in tensor- or sequence-parallel pipeline stages (memory/stages.py)
     Strategy.parse("tp=2,pp=2,mbs=2,gbs=4,memory=chunk").require_available()
     Strategy.parse("sp=2,pp=2,mbs=2,gbs=4,memory=chunk").require_available()
+    # tp with bf16/fp16 chunks, and tp x sp with chunks (tests/memory/test_chunk_tp_precision.py)
+    Strategy.parse("dp=2,tp=2,mbs=1,gbs=2,memory=chunk,precision=fp16").require_available()
+    Strategy.parse("tp=2,sp=2,pp=2,mbs=2,gbs=4,memory=chunk").require_available()
     with pytest.raises(NotAvailableError, match=r"ZeRO memory \(memory=zero2\) is not "
                                                 r"available yet.*use memory=ddp, or memory=chunk"):
         Strategy.parse("dp=2,mbs=1,gbs=2,memory=zero2").require_available()
@@ -99,10 +102,6 @@ def test_unbuilt_features_are_refused_not_ignored():
     ("tp=4,sp=2,tp_mode=2d", "2d tensor (tp_mode=2d) and sequence (sp>1) parallelism together"),
     ("tp=4,tp_mode=2d,pp=2,mbs=2,gbs=4,tp_overlap=subpipe",
      "2d tensor parallelism (tp_mode=2d) and tp_overlap=subpipe together"),
-    ("dp=2,tp=2,mbs=1,gbs=2,memory=chunk,precision=bf16",
-     "tensor parallelism and memory=chunk in bf16/fp16"),
-    ("tp=2,sp=2,pp=2,mbs=2,gbs=4,memory=chunk",
-     "tensor (tp>1), sequence (sp>1) parallelism and memory=chunk"),
 ])
 def test_compositions_not_built_are_refused_by_name(text, fragment):
     strategy = Strategy.parse(text)

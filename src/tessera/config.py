@@ -226,12 +226,6 @@ class RunConfig(_Section):
                 raise ValueError(f"memory.* settings apply to strategy memory=chunk, got "
                                  f"memory={strategy.memory}")
             return
-        from tessera.memory.runtime import check_supported
-
-        try:
-            check_supported(strategy)
-        except NotImplementedError as err:
-            raise ValueError(f"strategy: {err}") from None
         if memory.placement == "static" and "cpu" not in strategy.offload:
             raise ValueError("memory.placement=static offloads optimizer states to the host: "
                              "it needs offload=cpu in the strategy")

@@ -334,11 +334,6 @@ _COMBINATIONS_NOT_BUILT = [
     # all-reduces only.
     (lambda s: s.tp > 1 and s.pp > 1 and s.tp_mode == "2d" and s.tp_overlap == "subpipe",
      "2d tensor parallelism (tp_mode=2d) and tp_overlap=subpipe", 6),
-    # memory=chunk holds the tp shards in fp32 only (the DTensor wrappers keep fp32 metadata).
-    (lambda s: s.tp > 1 and s.memory == "chunk" and s.precision != "fp32",
-     "tensor parallelism and memory=chunk in bf16/fp16 (use precision=fp32)", 4),
-    (lambda s: s.tp > 1 and s.sp > 1 and s.memory == "chunk",
-     "tensor (tp>1), sequence (sp>1) parallelism and memory=chunk", 3),
 ]
 
 _FALLBACK = {

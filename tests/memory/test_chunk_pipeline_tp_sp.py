@@ -12,6 +12,8 @@ Trainer's gradient clipping, 3 AdamW steps of:
 - Hugging Face GPT-2 at dp=2 x tp=2 x pp=2, scp with full recomputation (fused q|k|v shards
   stored permuted, the embedding tied to the LM head across stages);
 - Hugging Face Llama at dp=2 x sp=2 (ulysses, grouped key/value heads) x pp=2, gpipe;
+- tp=2 (1d) x sp=2 (ring, zigzag) x pp=2, 1f1b (chunks hold each tp rank's shards,
+  ZeRO-sharded over the sp ranks);
 - a checkpoint saved after 2 steps of the first strategy and resumed for the third.
 
 Each rank's stage state dict (tp shards gathered whole, in the single-device layout) must
@@ -54,6 +56,8 @@ CASES = {  # name: (model section or None for the reference model, strategy, mem
                                "memory=chunk,offload=cpu", AUTO),
     "llama_dp2_sp2_pp2": (LLAMA, "dp=2,sp=2,pp=2,mbs=2,gbs=8,schedule=gpipe,sp_mode=ulysses,"
                                  "memory=chunk,offload=cpu", AUTO),
+    "tp2_sp2_pp2": (None, "tp=2,sp=2,pp=2,mbs=2,gbs=8,schedule=1f1b,sp_mode=ring,"
+                          "memory=chunk,offload=cpu", AUTO),
 }
 
 

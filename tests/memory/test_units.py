@@ -126,10 +126,6 @@ def test_memory_config_section_is_checked():
          "needs offload=cpu"),
         ({"strategy": "dp=1,mbs=1,gbs=1,memory=chunk,offload=cpu+disk"}, "needs memory.disk_dir"),
         ({**base, "memory": {"device_budget": "lots"}}, "device_budget: must be bytes"),
-        ({"strategy": "dp=1,tp=2,mbs=1,gbs=1,memory=chunk,offload=cpu,precision=bf16"},
-         "memory=chunk with tp > 1 and precision=bf16 is not built yet"),
-        ({"strategy": "dp=1,tp=2,sp=2,mbs=1,gbs=2,memory=chunk,offload=cpu"},
-         "memory=chunk with both tp > 1 and sp > 1 is not built yet"),
     ]:
         with pytest.raises(ConfigError, match=message):
             config_from_dict(raw)

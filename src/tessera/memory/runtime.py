@@ -43,23 +43,9 @@ def as_options(memory: Any) -> MemoryOptions:
                             for f in dataclasses.fields(MemoryOptions)})
 
 
-def check_supported(strategy) -> None:
-    """Refuse combinations chunk memory does not run yet (rather than ignore them)."""
-    if strategy.tp > 1 and strategy.sp > 1:
-        raise NotImplementedError("memory=chunk with both tp > 1 and sp > 1 is not built yet "
-                                  "(each composes with chunks alone; the three together have "
-                                  "no parity test)")
-    if strategy.tp > 1 and strategy.precision != "fp32":
-        raise NotImplementedError(
-            f"memory=chunk with tp > 1 and precision={strategy.precision} is not built yet: "
-            "the DTensor wrappers keep fp32 metadata while their chunks would hold "
-            f"{strategy.precision} shards; use precision=fp32 with tensor parallelism")
-
-
 def apply_chunk_memory(model: nn.Module, strategy, mesh, memory: Any = None) -> "ChunkRuntime":
     """Put ``model``'s parameters into chunks managed under ``strategy`` (memory=chunk)."""
     options = as_options(memory)
-    check_supported(strategy)
     if options.placement == "static" and "cpu" not in strategy.offload:
         raise ValueError("memory.placement=static keeps gradients and optimizer states on the "
                          "host: it needs offload=cpu in the strategy")

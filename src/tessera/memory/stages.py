@@ -40,8 +40,7 @@ import torch.distributed as dist
 
 from tessera.memory.chunk import Kind
 from tessera.memory.manager import ChunkManager
-from tessera.memory.runtime import (_DTYPES, ChunkRuntime, _zero_group, as_options,
-                                    check_supported)
+from tessera.memory.runtime import _DTYPES, ChunkRuntime, _zero_group, as_options
 from tessera.memory.shards import local_of, point_at
 from tessera.parallel.pipeline.module import GradSync
 from tessera.parallel.pipeline.stage import StageRunner
@@ -54,7 +53,6 @@ def apply_stage_chunk_memory(plan: Any, strategy, mesh, memory: Any = None) -> C
     Replaces the pipeline's gradient sync and the plan's optimizer and clipping hooks with
     chunk versions; hooks are added to each stage piece as the program builds it.
     """
-    check_supported(strategy)
     options = as_options(memory)
     if options.placement == "static" and "cpu" not in strategy.offload:
         raise ValueError("memory.placement=static keeps gradients and optimizer states on the "

@@ -31,10 +31,6 @@ def parallelize(model: nn.Module, strategy: Strategy, mesh: Mesh,
     (the config's ``memory:`` section) used when ``strategy.memory == "chunk"``.
     """
     strategy.require_available()
-    if strategy.memory == "chunk":  # refused before any step changes the model (issue 3)
-        from tessera.memory.runtime import check_supported
-
-        check_supported(strategy)
     plan = Parallelized(module=model, model=model, loss_group=mesh.group("dp"))
     stage_inputs = None  # what the pipeline's stages read besides input_ids (sp > 1)
     if strategy.tp > 1:
