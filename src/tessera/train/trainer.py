@@ -199,19 +199,28 @@ class Trainer:
         return bool(flag.item())
 
     def evaluate(self) -> float:
-        """Mean loss over ``args.eval_batches`` batches of the evaluation set (all dp ranks)."""
+        """Mean loss over the first ``args.eval_batches`` global batches of the evaluation set
+        (``eval_batches * global_batch_size`` samples, wrapping around a shorter set).
+
+        The samples depend on the global batch size only, so strategies that differ in dp,
+        micro-batch size or any other axis evaluate the same samples and report comparable
+        losses: each dp rank takes its contiguous share of every global batch, in
+        micro-batches (the shape the pipeline's captured program was built for).
+        """
         if self.eval_dataset is None or len(self.eval_dataset) == 0:
             raise ValueError("evaluate() needs an eval_dataset")
         self.phase = "evaluation and its loss all-reduce"
         self.wrapped.eval()
-        dp, dp_rank = self.mesh.size("dp"), self.mesh.rank("dp")
-        per_rank = max(1, self.strategy.micro_batch_size)
+        dp_rank = self.mesh.rank("dp")
+        mbs = max(1, self.strategy.micro_batch_size)
+        per_rank = mbs * self.strategy.grad_accum_steps  # = global_batch_size / dp
         losses = []
         for b in range(self.args.eval_batches):
-            start = (b * dp + dp_rank) * per_rank
-            indices = [(start + i) % len(self.eval_dataset) for i in range(per_rank)]
-            batch = self.data_collator([self.eval_dataset[i] for i in indices])
-            losses.append(self.engine.evaluate(batch))
+            first = b * self.strategy.global_batch_size + dp_rank * per_rank
+            for start in range(first, first + per_rank, mbs):
+                indices = [(start + i) % len(self.eval_dataset) for i in range(mbs)]
+                batch = self.data_collator([self.eval_dataset[i] for i in indices])
+                losses.append(self.engine.evaluate(batch))
         self.wrapped.train()
         loss = torch.stack(losses).mean()
         dist.all_reduce(loss, op=dist.ReduceOp.AVG, group=self.plan.loss_group)
