@@ -78,14 +78,14 @@ class ZeroGroups:
                                    device=manager.device.device)
             inputs.append(grad.to(manager.device.device))
         out = torch.empty_like(inputs[self.rank])
-        if manager.dtype == torch.float16:
-            # Divide before summing, as DDP's default hook does: fp16 gradients are loss-scaled
-            # close to fp16's largest value (65504), so the sum of dp of them can overflow when
-            # their mean does not, and the step would be skipped for the dp=1 run's scale.
+        # fp16: divide before summing, as DDP's default hook does. Loss-scaled fp16 gradients
+        # sit close to fp16's largest value (65504), so the sum of dp of them can overflow
+        # where their mean does not, and the step would be skipped at the dp=1 run's scale.
+        divide_first = manager.dtype == torch.float16
+        if divide_first:
             inputs = [grad / self.size for grad in inputs]
-            dist.reduce_scatter(out, inputs, group=self.group)
-        else:
-            dist.reduce_scatter(out, inputs, group=self.group)
+        dist.reduce_scatter(out, inputs, group=self.group)
+        if not divide_first:
             out.div_(self.size)
         target = own.payload.get(Kind.GRAD)
         if target is None:

@@ -211,24 +211,30 @@ def test_hugging_face_sp_pp_equals_single_device(four_ranks, baselines, name):
     _close(run["grad_norms"], base["grad_norms"], FP32_GRAD_NORM, f"{name} gradient norms")
 
 
+def _follows_low_precision(run: dict, name: str, base_name: str, baselines: dict,
+                           loss_tol: dict, norm_tol: dict) -> dict:
+    """Check ``run`` against the same-precision baseline ``base_name`` (``<model>_bf16`` or
+    ``<model>_fp16``); returns the fp32 baseline of the same model."""
+    precision = base_name.rsplit("_", 1)[1]
+    base, fp32 = baselines[base_name], baselines[base_name.rsplit("_", 1)[0]]
+    _check_run(run, name)
+    _close(run["losses"], base["losses"], loss_tol, f"{name} losses vs {precision}")
+    _close(run["grad_norms"], base["grad_norms"], norm_tol, f"{name} norms vs {precision}")
+    assert run["losses"] != fp32["losses"], f"{precision} gave fp32's losses: autocast was off"
+    return fp32
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("name", BF16_RUNS)
 def test_bf16_sequence_parallel_follows_single_device(four_ranks, baselines, name):
-    run, base_name = four_ranks[name], BF16_RUNS[name][2]
-    base, fp32 = baselines[base_name], baselines[base_name.removesuffix("_bf16")]
-    _check_run(run, name)
-    _close(run["losses"], base["losses"], BF16_LOSS, f"{name} losses vs bf16")
-    _close(run["grad_norms"], base["grad_norms"], BF16_GRAD_NORM, f"{name} norms vs bf16")
+    run = four_ranks[name]
+    fp32 = _follows_low_precision(run, name, BF16_RUNS[name][2], baselines, BF16_LOSS,
+                                  BF16_GRAD_NORM)
     _close(run["losses"], fp32["losses"], BF16_VS_FP32_LOSS, f"{name} losses vs fp32")
-    assert run["losses"] != fp32["losses"], "bf16 gave fp32's exact losses: autocast was off"
 
 
 @pytest.mark.slow
 @pytest.mark.parametrize("name", FP16_RUNS)
 def test_fp16_sequence_parallel_follows_single_device(four_ranks, baselines, name):
-    run, base_name = four_ranks[name], FP16_RUNS[name][2]
-    base, fp32 = baselines[base_name], baselines[base_name.removesuffix("_fp16")]
-    _check_run(run, name)
-    _close(run["losses"], base["losses"], FP16_LOSS, f"{name} losses vs fp16")
-    _close(run["grad_norms"], base["grad_norms"], FP16_GRAD_NORM, f"{name} norms vs fp16")
-    assert run["losses"] != fp32["losses"], "fp16 gave fp32's exact losses: autocast was off"
+    _follows_low_precision(four_ranks[name], name, FP16_RUNS[name][2], baselines, FP16_LOSS,
+                           FP16_GRAD_NORM)
