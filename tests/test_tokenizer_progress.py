@@ -18,6 +18,15 @@ def test_bpe_trains_locally_and_round_trips(tmp_path):
     assert np.array_equal(again.encode(text.encode()), ids)
 
 
+def test_bpe_trains_on_a_corpus_with_invalid_utf8(tmp_path):
+    (tmp_path / "a.txt").write_bytes("caf\u00e9 def main(): return 42\n".encode("latin-1"))
+    (tmp_path / "b.txt").write_text("def main():\n    return 42\n" * 20)
+    tok = BPETokenizer.train(sorted(tmp_path.glob("*.txt")), vocab_size=300)
+    text = "def main():\n    return 42\n"
+    assert tok.decode(tok.encode(text.encode())) == text
+    assert 256 < tok.vocab_size <= 300
+
+
 def test_progress_lines_and_bar(capsys):
     lines = ProgressReporter(10, 0, "lines", enabled=True)
     lines.update(5, {"loss": 2.5, "tokens_per_s": 1500.0, "mfu": 0.25})

@@ -55,7 +55,11 @@ class BPETokenizer:
     @classmethod
     def train(cls, files: list[Path], vocab_size: int, save_to: Path | None = None
               ) -> "BPETokenizer":
-        """Train on text files; optionally save the tokenizer as JSON."""
+        """Train on text files; optionally save the tokenizer as JSON.
+
+        Files are read as bytes and decoded as :meth:`encode` decodes them (invalid UTF-8
+        replaced), so a corpus with a Latin-1 file trains instead of failing.
+        """
         tokenizers = _import_tokenizers()
         backend = tokenizers.Tokenizer(tokenizers.models.BPE())
         backend.pre_tokenizer = tokenizers.pre_tokenizers.ByteLevel(add_prefix_space=False)
@@ -63,7 +67,8 @@ class BPETokenizer:
         trainer = tokenizers.trainers.BpeTrainer(
             vocab_size=vocab_size, show_progress=False,
             initial_alphabet=tokenizers.pre_tokenizers.ByteLevel.alphabet())
-        backend.train([str(f) for f in files], trainer)
+        texts = (Path(f).read_bytes().decode("utf-8", errors="replace") for f in files)
+        backend.train_from_iterator(texts, trainer)
         if save_to is not None:
             save_to.parent.mkdir(parents=True, exist_ok=True)
             backend.save(str(save_to))
