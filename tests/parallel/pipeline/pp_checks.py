@@ -29,18 +29,31 @@ STEPS = 3
 MBS, SEQ = 2, 64
 
 
+# "<arch>-bigvocab": a 4096-token vocabulary, so the LM head outweighs a stage and the
+# partitioner slices it over the vocabulary across the last stages (pipeline/head.py).
+BIG_VOCAB = 4096
+
+
+def split_arch(arch: str) -> tuple[str, int]:
+    """"gpt2-bigvocab" -> ("gpt2", 4096); plain names keep the tiny presets' 256 tokens."""
+    base, _, variant = arch.partition("-")
+    return base, BIG_VOCAB if variant == "bigvocab" else 256
+
+
 def make_model(arch: str, n_layers: int = 4) -> torch.nn.Module:
     torch.manual_seed(0)
+    arch, vocab = split_arch(arch)
     if arch == "ref":
-        return Transformer(preset("tiny", n_layers=n_layers))
-    base = preset("tiny-llama" if arch == "llama" else "tiny", n_layers=n_layers)
+        return Transformer(preset("tiny", n_layers=n_layers, vocab_size=vocab))
+    base = preset("tiny-llama" if arch == "llama" else "tiny", n_layers=n_layers,
+                  vocab_size=vocab)
     return build_hf_model(arch, **hf_config_from_reference(arch, base))
 
 
-def micro_batches(step: int, count: int) -> list[dict[str, torch.Tensor]]:
+def micro_batches(step: int, count: int, vocab: int = 256) -> list[dict[str, torch.Tensor]]:
     g = torch.Generator().manual_seed(100 + step)
-    return [{"input_ids": torch.randint(0, 256, (MBS, SEQ), generator=g),
-             "labels": torch.randint(0, 256, (MBS, SEQ), generator=g)} for _ in range(count)]
+    return [{"input_ids": torch.randint(0, vocab, (MBS, SEQ), generator=g),
+             "labels": torch.randint(0, vocab, (MBS, SEQ), generator=g)} for _ in range(count)]
 
 
 def _optimizer(module: torch.nn.Module) -> torch.optim.Optimizer:
@@ -64,7 +77,7 @@ def parity(arch: str, text: str) -> dict[str, float]:
     opt = plan.build_optimizer(model, 1e-2, 0.1, (0.9, 0.95), 1e-8, torch.device("cpu"))
     loss_diff = grad_diff = 0.0
     for step in range(STEPS):
-        batches = micro_batches(step, n)
+        batches = micro_batches(step, n, split_arch(arch)[1])
         want, got = ref_engine.forward_backward(batches), engine.forward_backward(batches)
         loss_diff = max(loss_diff, abs(float(want.loss) - float(got.loss)))
         ref_norm = float(torch.nn.utils.clip_grad_norm_(ref.parameters(), 1.0))
@@ -72,9 +85,24 @@ def parity(arch: str, text: str) -> dict[str, float]:
         grad_diff = max(grad_diff, abs(ref_norm - norm), _grad_diff(plan.module, ref))
         ref_opt.step(), opt.step()
         ref_opt.zero_grad(), opt.zero_grad()
+    if plan.pipeline.program.graph.head_slices > 1:  # the sliced head's eval-mode graph too
+        batch = micro_batches(STEPS, 1, split_arch(arch)[1])[0]
+        ref.eval(), model.eval()
+        eval_diff = abs(float(ref_engine.evaluate(batch)) - float(engine.evaluate(batch)))
+        loss_diff = max(loss_diff, eval_diff)
     return {"loss": loss_diff, "grad": grad_diff, "loss_value": float(got.loss),
-            "keys": sorted(plan.module.state_dict()),
+            "keys": sorted(plan.module.state_dict()), **_head_layout(plan),
             "timeline": [(k, s, m) for k, s, m, _ in engine.timeline.events]}
+
+
+def _head_layout(plan: Parallelized) -> dict[str, int]:
+    """Vocabulary slices of the LM head and over how many stages they were placed."""
+    pipe = plan.pipeline
+    graph = pipe.program.graph
+    stage_of = pipe.partition.stage_of(graph)
+    slices = [n for n in graph.compute if "logsumexp" in str(graph.nodes[n].node.target)]
+    return {"head_slices": graph.head_slices,
+            "head_stages": len({stage_of[n] for n in slices})}
 
 
 def _grad_diff(stage: torch.nn.Module, ref: torch.nn.Module) -> float:

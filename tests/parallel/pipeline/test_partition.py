@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+import torch.nn.functional as F
 from torch import nn
 
 from tessera.models import Transformer
@@ -15,10 +16,12 @@ from tessera.models.config import preset
 from tessera.models.hf import build_hf_model, hf_config_from_reference
 from tessera.parallel.pipeline import capture, partition
 from tessera.parallel.pipeline.capture import CaptureError
+from tessera.parallel.pipeline.head import head_slices_for, slice_head, sliced_head_loss
 from tessera.parallel.pipeline.partition import (PartitionError, evaluate_bounds,
                                                  layer_bounds)
 from tessera.parallel.pipeline.recompute import (ratios_from_first, stage_aware_ratios,
                                                  strategy_text)
+from tessera.parallel.pipeline.split import split_graph
 
 
 @pytest.fixture(scope="module")
@@ -59,6 +62,47 @@ def test_heavy_lm_head_gets_fewer_blocks_than_an_equal_layer_split(big_vocab):
         equal = evaluate_bounds(big_vocab, layer_bounds(big_vocab, pp), micro_batches=8)
         assert ours.balance < equal.balance, (pp, ours.balance, equal.balance)
     assert partition(big_vocab, 2, micro_batches=8).balance <= 1.10
+
+
+def test_sliced_lm_head_gives_the_same_loss_and_gradients():
+    # The whole rewritten graph as one piece against the model's logits and F.cross_entropy.
+    torch.manual_seed(0)
+    model = Transformer(preset("tiny", n_layers=2, vocab_size=4096))
+    graph = slice_head(capture(model, 2, 32), 5)
+    piece = split_graph(graph, [graph.compute], model)[0]
+    ids, labels = torch.randint(0, 4096, (2, 32)), torch.randint(0, 4096, (2, 32))
+    labels[0, :7] = -100  # ignored positions
+    batch = {"input_ids": ids, "labels": labels}
+    assert piece.batch == ["input_ids", "labels"]
+    got_loss = sliced_head_loss(piece.module(*[batch[n] for n in piece.batch])[0], labels)
+    got_loss.backward()
+    got = {name: p.grad.clone() for name, p in model.named_parameters()}
+    model.zero_grad()
+    want = F.cross_entropy(model(ids).flatten(0, 1), labels.flatten(), ignore_index=-100)
+    want.backward()
+    # fp32: the slices' log-sum-exp merge rounds differently from one softmax kernel.
+    assert abs(got_loss.item() - want.item()) <= 1e-5
+    for name, p in model.named_parameters():
+        assert torch.allclose(got[name], p.grad, atol=1e-6, rtol=1e-4), name
+
+
+def test_sliced_head_spreads_gpt2_over_stages_within_ten_percent():
+    with torch.device("meta"):
+        model = build_hf_model("gpt2", **hf_config_from_reference(
+            "gpt2", preset("gpt2", max_seq_len=128)))
+    whole = capture(model, 1, 128)
+    for pp in (4, 8):
+        assert partition(whole, pp, micro_batches=2 * pp).balance > 1.15  # head > a stage
+        slices = head_slices_for(whole, pp)
+        sliced = slice_head(capture(model, 1, 128), slices)
+        part = partition(sliced, pp, micro_batches=2 * pp)
+        assert slices > 1 and part.balance <= 1.10, (pp, slices, part.balance)
+        # Only the residual stream and two (B, T) rows cross a cut between slices.
+        assert max(part.crossing_bytes) <= 128 * 768 * 4 + 2 * 128 * 4
+
+
+def test_light_lm_head_stays_whole(uniform):
+    assert head_slices_for(uniform, 4) == 1
 
 
 def test_memory_limit_is_respected_and_moves_the_cuts(uniform):

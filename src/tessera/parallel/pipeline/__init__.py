@@ -7,7 +7,7 @@ interleaved, scp as action lists), ``comm`` (tagged point-to-point messages), ``
 (forward / recompute / backward of one stage), ``program`` (per-shape stages), ``module``
 (this rank's share under the original names, gradient rules), ``engine`` (PipelineEngine),
 ``tp`` (stages of a 1D or 2D tensor-parallel model), ``subpipe`` (sub-pipelined tensor
-parallelism). Design and figures: docs/pipeline.md.
+parallelism), ``head`` (an LM head sliced over the vocabulary, to spread it over stages). Design and figures: docs/pipeline.md.
 """
 
 from __future__ import annotations
@@ -22,6 +22,7 @@ from torch import nn
 from tessera.mesh import Mesh
 from tessera.parallel.pipeline.capture import CaptureError, ProxyGraph, capture
 from tessera.parallel.pipeline.engine import PipelineEngine
+from tessera.parallel.pipeline.head import head_slices_for, slice_head, sliced_head_loss
 from tessera.parallel.pipeline.module import (GradSync, StageModule, aliases, local_shard,
                                               persistent_buffers)
 from tessera.parallel.pipeline.partition import Partition, PartitionError, partition
@@ -50,7 +51,8 @@ class Pipeline:
     grad_sync: GradSync
     partition: Partition
     module: StageModule
-    loss_fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor] = lm_loss  # (logits, labels)
+    # (logits, labels); (per-token loss, labels) when the LM head is sliced (head.py)
+    loss_fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor] = lm_loss
     # Under sp > 1: shards each micro-batch and computes the loss (sequence/staged.py).
     inputs: Any = None
 
@@ -102,6 +104,10 @@ def apply_pipeline(plan: Parallelized, strategy: Strategy, mesh: Mesh,
     model.train()
     extra = inputs.example if inputs is not None else None
     graph = capture_for_partition(model, stage_batch(strategy), extra)
+    loss_fn = tp_loss(strategy, mesh) or lm_loss
+    if inputs is None and loss_fn is lm_loss:  # the last stage computes the plain loss
+        graph = slice_head(graph, head_slices_for(graph, n_virtual))
+        loss_fn = sliced_head_loss if graph.head_slices > 1 else lm_loss
     try:
         part = partition(graph, n_virtual, micro_batches, strategy.schedule,
                          recompute=tuple(ratios))
@@ -116,7 +122,7 @@ def apply_pipeline(plan: Parallelized, strategy: Strategy, mesh: Mesh,
     sub_batches = 2 if strategy.tp_overlap == "subpipe" else 1
     program = PipelineProgram(model, graph, part, ratios, local, autocast, extra, sub_batches)
     pipe = Pipeline(program, strategy.schedule, mesh.group("pp"), stage_rank, local, ratios,
-                    grad_sync, part, module, tp_loss(strategy, mesh) or lm_loss, inputs)
+                    grad_sync, part, module, loss_fn, inputs)
     plan.module, plan.pipeline = module, pipe
     plan.clip_grad_norm = lambda _model, max_norm: grad_sync.clip(max_norm)
     base = plan.build_optimizer  # tensor parallelism's, when it adds state-dict hooks

@@ -57,6 +57,10 @@ class ProxyGraph:
         output: name of the node producing the logits (the first user output).
         inputs: names of the batch-input placeholders, in call order.
         param_users: for each parameter placeholder, the compute indices that read it.
+        cut_after: compute nodes after which a cut is allowed although more than the fewest
+            activations cross there (between the slices of a sliced LM head, head.py).
+        head_slices: vocabulary slices of the LM head (1: the graph outputs whole logits;
+            more: it outputs the per-token loss and reads ``labels``).
     """
 
     program: ExportedProgram
@@ -65,6 +69,8 @@ class ProxyGraph:
     output: str
     inputs: list[str]
     param_users: dict[str, list[int]]
+    cut_after: frozenset[str] = frozenset()
+    head_slices: int = 1
 
     def compute_index(self) -> dict[str, int]:
         return {name: i for i, name in enumerate(self.compute)}
@@ -73,11 +79,13 @@ class ProxyGraph:
         return value_bytes(self.nodes[name].node.meta.get("val"))
 
 
-def capture(model: nn.Module, batch_size: int, seq_len: int, extra_inputs=None) -> ProxyGraph:
+def capture(model: nn.Module, batch_size: int, seq_len: int, extra_inputs=None,
+            head_slices: int = 1) -> ProxyGraph:
     """Capture ``model(input_ids)`` for (batch_size, seq_len) token ids as a ProxyGraph.
 
     ``extra_inputs(input_ids) -> {name: tensor}``, when given, adds keyword inputs that become
     batch inputs of the graph (sequence parallelism's position ids and token metadata).
+    ``head_slices`` > 1 rewrites the LM head into that many vocabulary slices (head.py).
 
     Works for models on the meta device. Hugging Face models must be built with
     ``use_cache=False`` (transformers 5 dropped fx tracing; torch.export is the way in).
@@ -92,11 +100,20 @@ def capture(model: nn.Module, batch_size: int, seq_len: int, extra_inputs=None) 
         program = torch.export.export(model, (ids,), kwargs, strict=False)
     except Exception as err:  # export raises many types; all mean "not capturable"
         raise CaptureError(_capture_message(model, err)) from err
+    if head_slices > 1:
+        from tessera.parallel.pipeline.head import slice_head  # head.py builds on this module
+
+        return slice_head(build_proxy(program), head_slices)
     return build_proxy(program)
 
 
-def build_proxy(program: ExportedProgram) -> ProxyGraph:
-    """Classify and price the nodes of an exported program."""
+def build_proxy(program: ExportedProgram, more_inputs: tuple[str, ...] = (),
+                output: str | None = None) -> ProxyGraph:
+    """Classify and price the nodes of an exported program.
+
+    ``more_inputs`` and ``output`` name batch inputs and the output of a graph rewritten after
+    the export (its signature does not know them).
+    """
     sig = program.graph_signature
     kinds = {**{n: "param" for n in sig.inputs_to_parameters},
              **{n: "buffer" for n in sig.inputs_to_buffers},
@@ -133,8 +150,9 @@ def build_proxy(program: ExportedProgram) -> ProxyGraph:
                 if pred.kind in ("param", "param_view"):
                     param_users[roots.get(pred.name, pred.name)].append(len(compute))
             compute.append(node.name)
-    output = _logits_node(program, nodes)
-    return ProxyGraph(program, nodes, compute, output, list(sig.user_inputs), param_users)
+    output = output or _logits_node(program, nodes)
+    inputs = list(sig.user_inputs) + list(more_inputs)
+    return ProxyGraph(program, nodes, compute, output, inputs, param_users)
 
 
 def _viewed_param(node: fx.Node, preds: list[ProxyNode]) -> ProxyNode | None:

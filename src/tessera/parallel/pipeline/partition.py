@@ -3,7 +3,8 @@
 Worked example (GPT-2 with 2 blocks, pp=2): the compute nodes run embed, block 0 (attention,
 residual add, MLP, add), block 1, final norm, LM head. A cut between two nodes is a candidate
 when as few activations cross it as anywhere (one here: the residual stream), so a stage ends
-at a block boundary *or* between a block's attention and its MLP, never inside attention.
+at a block boundary *or* between a block's attention and its MLP, never inside attention. A
+vocabulary-sliced LM head (head.py) adds the cuts between its slices.
 Among candidates a dynamic program picks the S - 1 cuts minimising the slowest stage's
 estimated time (forward + backward + recomputation + sending its boundary), subject to each
 stage's memory (weights, gradients and Adam states, plus in-flight activations) fitting the
@@ -134,8 +135,10 @@ def candidate_cuts(table: CostTable) -> list[int]:
         return []
     fewest = min(table.cross_count[c] for c in interior)
     least = min(table.cross_bytes[c] for c in interior if table.cross_count[c] == fewest)
+    allowed = table.graph.cut_after  # between LM head slices (head.py)
     return [c for c in interior
-            if table.cross_count[c] == fewest and table.cross_bytes[c] <= least]
+            if (table.cross_count[c] == fewest and table.cross_bytes[c] <= least)
+            or table.graph.compute[c - 1] in allowed]
 
 
 def in_flight(stage: int, stages: int, micro_batches: int, schedule: str) -> int:

@@ -99,6 +99,11 @@ class PipelineProgram:
         self.capture_context: Callable[[], contextlib.AbstractContextManager] = (
             contextlib.nullcontext)
 
+    @property
+    def graph(self) -> ProxyGraph:
+        """The graph the partition was made on (node names of every stage)."""
+        return self._seed_graph
+
     def param_use_order(self) -> list[str]:
         """Parameter names in the order the graph first reads them (stage by stage)."""
         graph = self._seed_graph
@@ -154,7 +159,8 @@ class PipelineProgram:
         self.model.train(training)  # dropout is baked into the export by mode
         try:
             with self.capture_context():
-                return capture(self.model, *shape, self.extra_inputs)
+                return capture(self.model, *shape, self.extra_inputs,
+                               head_slices=self._seed_graph.head_slices)
         finally:
             self.model.train(was_training)
 
