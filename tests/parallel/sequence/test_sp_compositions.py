@@ -7,7 +7,8 @@ Three launches:
   recompute), dp=2 x sp=2 x tp=2 (ring) and sp=2 x tp=2 x pp=2 (ulysses);
 - 4 processes: sp=2 x pp=2 in bf16 (ring on tiny, ulysses on tiny-llama), dp=2 x sp=2 in
   bf16 (ring, no pipeline; ulysses on HF Llama), tp=2 x sp=2 in bf16 (ring), dp=2 x sp=2
-  (ring) and sp=2 x pp=2 (ulysses, tiny-llama) in fp16, and HF GPT-2 (ring) and HF Llama
+  (ring), sp=2 x pp=2 (ulysses, tiny-llama) and tp=2 x sp=2 (ring) in fp16, and HF GPT-2
+  (ring) and HF Llama
   (rsa) under sp=2 x pp=2 in fp32.
 
 Each run is 3 Trainer steps of a 2-layer model (d_model 64, byte vocabulary) on 32-token
@@ -42,7 +43,8 @@ Tolerances:
   under pp), against the fp16 single-device run: fp16 keeps 11 significant bits against
   bf16's 8, so the bounds are 8 times tighter in the loss (1e-4) and 4 times in the gradient
   norm (2^-10). The gradient norm is taken after unscaling. Measured: losses 2.6e-5 (ring,
-  dp x sp) and 5.9e-5 (ulysses, sp x pp); norms 1.3e-5 and 1.1e-4 relative.
+  dp x sp), 5.9e-5 (ulysses, sp x pp) and 1.9e-5 (ring, tp x sp); norms 1.3e-5, 1.1e-4 and
+  4.3e-5 relative.
 
 Timing: the 8-process launch dominates; see docs/sequence_parallel.md for measured times.
 """
@@ -104,6 +106,8 @@ FP16_RUNS = {  # autocast fp16 with torch's GradScaler (pp=1) and with one scale
     "gpt_dp2_sp2_ring_fp16": ("gpt", "dp=2,sp=2,mbs=4,gbs=8,precision=fp16", "gpt_fp16"),
     "llama_sp2_pp2_ulysses_fp16": ("llama", "dp=1,sp=2,pp=2,mbs=4,gbs=8,sp_mode=ulysses,"
                                             "precision=fp16", "llama_fp16"),
+    # tp's shards under torch's GradScaler: every rank must unscale and skip alike.
+    "gpt_sp2_tp2_ring_fp16": ("gpt", "dp=1,tp=2,sp=2,mbs=8,gbs=8,precision=fp16", "gpt_fp16"),
 }
 HF_PP_RUNS = {
     "hf_gpt2_sp2_pp2_ring": ("hf_gpt2", "dp=1,sp=2,pp=2,mbs=4,gbs=8", "hf_gpt2"),

@@ -43,6 +43,7 @@ def _all_checks(rank, world_size, folder):
     out["counts"] = counts
     out["all_reduces"] = {(m, kind, exp): tp_checks.backward_all_reduces(meshes[m], kind, exp)
                           for m, kind, exp in ALL_REDUCE_CASES}
+    out["scaler"] = tp_checks.grad_scaler_overflow(meshes["1d_tp2"])
     out["refusals"] = tp_checks.refusals(meshes["2d_2x2"])
     out["refusals"]["no_block"] = tp_checks.refusal_without_block(meshes["1d_tp2"])
     out["checkpoints"] = {(m, kind): tp_checks.checkpoint_roundtrip(meshes[m], kind,
@@ -55,6 +56,13 @@ def _all_checks(rank, world_size, folder):
 def results(tmp_path_factory):
     folder = tmp_path_factory.mktemp("tp_checkpoints")
     return run_distributed(_all_checks, world_size=4, args=(str(folder),), timeout=300)
+
+
+@pytest.mark.slow
+def test_fp16_loss_scaler_skips_on_every_tp_rank_alike(results):
+    # inf in one tp rank's gradient shard: all ranks skip the step and halve 2^16.
+    for rank, res in enumerate(results):
+        assert res["scaler"] == {"found_inf": 1.0, "scale": 2.0 ** 15, "moved": 0.0}, rank
 
 
 @pytest.mark.slow

@@ -350,3 +350,25 @@ def refusal_without_block(mesh: Mesh) -> str:
         return str(err)
     finally:
         tp_policy.POLICIES["Transformer"] = saved
+
+
+def grad_scaler_overflow(mesh: Mesh) -> dict[str, float]:
+    """torch's GradScaler (the fp16 path at pp=1) on a DTensor weight whose gradient is inf
+    in tp rank 0's shard only: every tp rank must see the overflow, skip and halve the scale,
+    or the shards would train different steps. Pins torch behaviour tessera relies on."""
+    from torch.distributed.tensor import Shard, distribute_tensor
+
+    tp = mesh.submesh("tp")
+    weight = nn.Parameter(distribute_tensor(torch.ones(4, 2), tp, [Shard(0)]))
+    optimizer = torch.optim.SGD([weight], lr=0.1)
+    grad = torch.ones(4, 2)
+    grad[0, 0] = float("inf")  # rows 0-1: tp rank 0's shard
+    weight.grad = distribute_tensor(grad, tp, [Shard(0)])
+    scaler = torch.amp.GradScaler("cpu")
+    scaler.scale(torch.ones(()))  # sets the scale, as scaling the loss does
+    scaler.unscale_(optimizer)
+    found = sum(v.item() for v in scaler._found_inf_per_device(optimizer).values())
+    scaler.step(optimizer)
+    scaler.update()
+    return {"found_inf": found, "scale": scaler.get_scale(),
+            "moved": _diff(weight.to_local(), torch.ones(2, 2))}
