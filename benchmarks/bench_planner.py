@@ -12,8 +12,12 @@ Prints one JSON line per figure: {"name", "value", "unit", "compared_against"}.
    recomputation and memory=chunk; OMP_NUM_THREADS=1) are timed, median of several steps
    after warm-up, slowest rank, and compared with the simulator's prediction from that
    profile. local_best_pick_gap: for each worker count, the measured step of the strategy
-   predicted fastest over the measured fastest. A predicted-against-measured scatter plot is
-   written (--plot, or OUT_DIR/planner_scatter.png).
+   predicted fastest over the measured fastest. When the two differ they are timed again
+   together, in the same workers in alternating rounds, and that head-to-head ratio is the
+   gap (the sweep's ratio is printed beside it): in the sweep they ran in different batches
+   of workers minutes apart, and the fastest of 24 noisy medians is biased low, because the
+   minimum picks whichever strategy had the most favourable noise. A predicted-against-
+   measured scatter plot is written (--plot, or OUT_DIR/planner_scatter.png).
 
 Usage: python benchmarks/bench_planner.py [--quick] [--out-dir DIR] [--plot PATH]
 """
@@ -72,7 +76,7 @@ def bench_local(quick: bool, out_dir: str | None, plot: str | None) -> None:
                                             validation_model)
 
     model = validation_model()
-    rows = []
+    rows, rematches = [], {}
     for world in (4,) if quick else (4, 8):
         strategies = candidate_strategies(world)
         if not strategies:
@@ -105,10 +109,12 @@ def bench_local(quick: bool, out_dir: str | None, plot: str | None) -> None:
                  "s predicted step",
                  f"measured {meas['measured_s']:.4f} s (median step, slowest rank, "
                  f"{world} CPU workers)", error=round(error, 4))
+        rematches[world] = _rematch([r for r in rows if r["world"] == world], world,
+                                    steps=9 if quick else 11, warmup=1 if quick else 2)
         emit(f"local_profile_{world}w_s", round(profile_s, 1), "s",
              "tessera profile" + (" --quick" if quick else ""),
              load_average_1min=round(load, 2), cpus=os.cpu_count())
-    _summarise(rows)
+    _summarise(rows, rematches)
     if out_dir:
         with open(os.path.join(out_dir, "local_rows.json"), "w") as handle:
             json.dump(rows, handle, indent=1)
@@ -116,6 +122,21 @@ def bench_local(quick: bool, out_dir: str | None, plot: str | None) -> None:
         write_scatter(rows, plot, f"load average {os.getloadavg()[0]:.1f} on "
                                   f"{os.cpu_count()} CPUs")
         emit("local_scatter_plot", plot, "path", "predicted against measured step time")
+
+
+def _rematch(group: list[dict], world: int, steps: int, warmup: int) -> dict | None:
+    """The predicted pick and the sweep's measured fastest, timed again side by side in the
+    same workers (round-robin rounds, so both see the same load); None when they agree."""
+    from tessera.planner.validation import measure_strategies
+
+    pick = min(group, key=lambda r: r["predicted_s"])
+    best = min(group, key=lambda r: r["measured_s"])
+    if pick is best:
+        return None
+    pair = [Strategy.parse(pick["strategy"]), Strategy.parse(best["strategy"])]
+    again, _ = measure_strategies(world, pair, steps=steps, warmup=warmup, batch_size=2)
+    return {"pick_s": again[0]["measured_s"], "best_s": again[1]["measured_s"],
+            "rounds": steps}
 
 
 def _profile(world: int, quick: bool):
@@ -147,7 +168,7 @@ def _family(s: Strategy) -> str:
     return "+".join(parts) or "dp"
 
 
-def _summarise(rows: list[dict]) -> None:
+def _summarise(rows: list[dict], rematches: dict[int, dict | None]) -> None:
     if not rows:
         return
     errors = [abs(r["error"]) for r in rows]
@@ -162,11 +183,18 @@ def _summarise(rows: list[dict]) -> None:
         group = [r for r in rows if r["world"] == world]
         pick = min(group, key=lambda r: r["predicted_s"])
         best = min(group, key=lambda r: r["measured_s"])
-        gaps.append(pick["measured_s"] / best["measured_s"])
-        emit(f"local_pick/{world}w", round(gaps[-1], 4), "ratio",
-             f"picked {pick['strategy']}, measured fastest {best['strategy']}")
+        sweep_gap = pick["measured_s"] / best["measured_s"]
+        rematch = rematches.get(world)
+        # Side by side, a pick faster than the sweep's fastest is the fastest of the two: 1.0.
+        gap = max(1.0, rematch["pick_s"] / rematch["best_s"]) if rematch else sweep_gap
+        gaps.append(gap)
+        emit(f"local_pick/{world}w", round(gap, 4), "ratio",
+             f"picked {pick['strategy']}, measured fastest in the sweep {best['strategy']}",
+             sweep_gap=round(sweep_gap, 4),
+             rematch={k: round(v, 5) for k, v in rematch.items()} if rematch else None)
     emit("local_best_pick_gap", round(max(gaps), 4), "ratio (worst worker count)",
-         "measured step of the predicted fastest over the measured fastest; target <= 1.05")
+         "measured step of the predicted fastest over the measured fastest (timed again side "
+         "by side when they differ); target <= 1.05")
 
 
 def write_scatter(rows: list[dict], path: str, note: str) -> None:

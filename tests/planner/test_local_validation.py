@@ -1,6 +1,7 @@
 """Local validation harness: runnable strategy list, real timed steps, contention pricing."""
 
 import importlib.util
+import json
 from pathlib import Path
 
 import pytest
@@ -119,10 +120,35 @@ def test_pipeline_on_shared_cores_is_bounded_by_total_work():
     assert est.step_time < alone.step_time / 0.5
 
 
-def test_scatter_plot_is_written(tmp_path):
+def _bench():
     spec = importlib.util.spec_from_file_location("bench_planner_under_test", BENCH)
     bench = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(bench)
+    return bench
+
+
+def test_pick_gap_comes_from_the_side_by_side_rematch(capsys):
+    bench = _bench()
+    rows = [dict(world=4, strategy="a", family="dp", measured_s=0.110, predicted_s=0.100,
+                 error=-0.09),
+            dict(world=4, strategy="b", family="pp", measured_s=0.100, predicted_s=0.101,
+                 error=0.01)]
+
+    def emitted(rematch):
+        bench._summarise(rows, {4: rematch})
+        lines = [json.loads(line) for line in capsys.readouterr().out.splitlines()]
+        return {line["name"]: line for line in lines}
+
+    slower = emitted({"pick_s": 0.103, "best_s": 0.100, "rounds": 9})
+    assert slower["local_best_pick_gap"]["value"] == 1.03
+    assert slower["local_pick/4w"]["sweep_gap"] == 1.1
+    faster = emitted({"pick_s": 0.099, "best_s": 0.100, "rounds": 9})  # the pick wins: 1.0
+    assert faster["local_best_pick_gap"]["value"] == 1.0
+    assert emitted(None)["local_best_pick_gap"]["value"] == 1.1  # no rematch: the sweep's
+
+
+def test_scatter_plot_is_written(tmp_path):
+    bench = _bench()
     rows = [dict(world=4, family=f, measured_s=m, predicted_s=p)
             for f, m, p in (("dp", 0.1, 0.11), ("pp", 0.2, 0.18), ("tp", 0.4, 0.5))]
     path = tmp_path / "scatter.png"
