@@ -105,6 +105,30 @@ def test_light_lm_head_stays_whole(uniform):
     assert head_slices_for(uniform, 4) == 1
 
 
+class _HeavyHead(nn.Module):
+    """A block and a 4096-token head, whose logits are soft-capped or also read elsewhere."""
+
+    def __init__(self, mode: str) -> None:
+        super().__init__()
+        self.mode = mode
+        self.embed, self.block = nn.Embedding(4096, 32), nn.Linear(32, 32)
+        self.head = nn.Linear(32, 4096, bias=False)
+
+    def forward(self, ids):
+        logits = self.head(torch.relu(self.block(self.embed(ids))))
+        if self.mode == "capped":
+            return torch.tanh(logits / 30) * 30
+        return logits, logits.mean()  # another reader of the whole logits
+
+
+@pytest.mark.parametrize("mode", ["capped", "shared"])
+def test_a_head_whose_logits_are_transformed_or_shared_stays_whole(mode):
+    graph = capture(_HeavyHead(mode), 2, 16)
+    assert head_slices_for(graph, 2) == 1  # slicing would change what the model returns
+    with pytest.raises(ValueError, match="cannot be sliced"):
+        slice_head(graph, 4)
+
+
 def test_memory_limit_is_respected_and_moves_the_cuts(uniform):
     free = partition(uniform, 4, micro_batches=8)
     limit = 0.9 * max(free.stage_memory)

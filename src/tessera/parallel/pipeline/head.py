@@ -46,7 +46,7 @@ def head_slices_for(graph: ProxyGraph, stages: int, rates: DeviceRates = DeviceR
     balances such a head with whole blocks.
     """
     head = graph.nodes[graph.output]
-    if stages < 2 or op_name(head.node) != "linear" or not _is_weight(graph, head.node):
+    if stages < 2 or not _is_sliceable(graph, head.node):
         return 1
     loss = 3 * value_bytes(head.node.meta.get("val")) / rates.memory_bw
     head_time = head.cost.fwd_time(rates) + head.cost.bwd_time(rates) + loss
@@ -66,9 +66,10 @@ def slice_head(graph: ProxyGraph, slices: int) -> ProxyGraph:
         return graph
     fx_graph = graph.program.graph
     logits = graph.nodes[graph.output].node
-    if op_name(logits) != "linear" or not _is_weight(graph, logits):
-        raise ValueError(f"the graph's output {logits.name} is not a linear layer over a weight; "
-                         "the LM head cannot be sliced")
+    if not _is_sliceable(graph, logits):
+        raise ValueError(f"the graph's output {logits.name} is not a linear layer over a weight "
+                         "read by nothing but the output, or the graph already reads "
+                         f"{LABELS!r}; the LM head cannot be sliced")
     hidden, weight, bias = (list(logits.args) + [None])[:3]
     rows = weight.meta["val"].shape[0]
     build = _Builder(fx_graph, logits.meta["val"])
@@ -97,10 +98,15 @@ def sliced_head_loss(nll: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
     return (nll * valid).sum() / valid.sum()
 
 
-def _is_weight(graph: ProxyGraph, logits: fx.Node) -> bool:
+def _is_sliceable(graph: ProxyGraph, logits: fx.Node) -> bool:
+    """``logits = linear(h, W[, b])`` with W a 2-D parameter, used only as the output (any
+    other reader would need the whole logits), in a graph without a ``labels`` input."""
+    if op_name(logits) != "linear" or LABELS in graph.nodes:
+        return False
     weight = logits.args[1]
     return (isinstance(weight, fx.Node) and graph.nodes[weight.name].kind == "param"
-            and weight.meta["val"].dim() == 2)
+            and weight.meta["val"].dim() == 2
+            and all(user.op == "output" for user in logits.users))
 
 
 def _last_placeholder(fx_graph: fx.Graph) -> fx.Node:
