@@ -43,6 +43,7 @@ from dataclasses import dataclass
 
 from tessera.models.config import ModelConfig
 from tessera.planner.compute import bytes_per_element
+from tessera.planner.split import Split, equal_split, stage_split
 from tessera.strategy import Strategy
 
 INTERLEAVE_CHUNKS = 2
@@ -57,6 +58,7 @@ class StageParams:
     embed_params: int
     head_params: int
     final_norm_params: int
+    head_share: float = 0.0  # fraction of the LM head's work this stage runs (split.py)
 
     @property
     def total(self) -> int:
@@ -70,26 +72,25 @@ def block_params(model: ModelConfig) -> int:
     return (model.num_params(include_embedding=False) - final_norm) // model.n_layers
 
 
-def stage_layers(n_layers: int, pp: int) -> list[int]:
-    """Layers per stage: as even as possible, the extra ones on the earliest stages."""
-    base, extra = divmod(n_layers, pp)
-    return [base + (1 if i < extra else 0) for i in range(pp)]
-
-
-def stage_params(model: ModelConfig, pp: int) -> list[StageParams]:
-    """Parameters of each stage; with tied embeddings and pp > 1 the last stage keeps a copy
-    of the embedding for the output head (as Megatron-LM does)."""
+def stage_params(model: ModelConfig, pp: int, split: Split | None = None
+                 ) -> list[StageParams]:
+    """Parameters of each stage under ``split`` (split.py; default: the equal split). A
+    stage running any share of the head holds its whole weight; with tied embeddings a
+    head stage other than the first keeps a copy of the embedding (as Megatron-LM and
+    tessera's tied-weight rule do). The final norm sits with the first head stage."""
+    split = split or equal_split(model.n_layers, pp)
     final_norm = model.d_model * (2 if model.norm == "layernorm" and model.bias else 1)
     embed = model.vocab_size * model.d_model
     pos = model.max_seq_len * model.d_model if model.position == "learned" else 0
-    head = 0 if model.tie_embeddings else embed
+    head = embed if not model.tie_embeddings else 0
+    first_head = next(i for i, (_, share) in enumerate(split) if share > 0)
     out = []
-    for i, layers in enumerate(stage_layers(model.n_layers, pp)):
-        first, last = i == 0, i == pp - 1
-        head_here = (head if last else 0) + (embed if last and not first and model.tie_embeddings
-                                             else 0)
-        out.append(StageParams(layers, block_params(model), embed + pos if first else 0,
-                               head_here, final_norm if last else 0))
+    for i, (layers, share) in enumerate(split):
+        holds = share > 0
+        head_here = (head if holds else 0) + (embed if holds and i > 0 and model.tie_embeddings
+                                              else 0)
+        out.append(StageParams(layers, block_params(model), embed + pos if i == 0 else 0,
+                               head_here, final_norm if i == first_head else 0, share))
     return out
 
 
@@ -186,7 +187,7 @@ def local_params(model: ModelConfig, stage: StageParams, tp: int) -> float:
 
 
 def stage_memory(model: ModelConfig, s: Strategy, seq: int, reserved: float = 0.0,
-                 flash: bool = True) -> list[MemoryBreakdown]:
+                 flash: bool = True, balanced: bool = True) -> list[MemoryBreakdown]:
     """Memory of one device of each pipeline stage.
 
     Args:
@@ -195,12 +196,14 @@ def stage_memory(model: ModelConfig, s: Strategy, seq: int, reserved: float = 0.
         seq: training sequence length.
         reserved: bytes the runtime keeps for itself (device preset).
         flash: whether attention keeps no (s x s) scores.
+        balanced: stages as tessera's partitioner deals them; False: the equal split
+            (split.py).
     """
     w_b, g_b, o_b = state_bytes(s.precision)
     shard_dp = s.dp * s.sp if s.memory != "ddp" else 1  # sp ranks replicate parameters too
     m = s.grad_accum_steps
     out = []
-    for i, stage in enumerate(stage_params(model, s.pp)):
+    for i, stage in enumerate(stage_params(model, s.pp, stage_split(model, s, balanced))):
         p = local_params(model, stage, s.tp)
         sharded_w = s.memory in ("zero3", "chunk")
         weights = p * w_b / (shard_dp if sharded_w else 1)
@@ -221,8 +224,7 @@ def stage_memory(model: ModelConfig, s: Strategy, seq: int, reserved: float = 0.
             keep = min(s.pp - i - 1, m)
             full, ckpt = layer_activation(model, s, seq, flash)
             acts += keep * recomputed_layers(ratio, stage.layers) * (full - ckpt)
-        if i == s.pp - 1:
-            acts += logits_bytes(model, s, seq)
+        acts += stage.head_share * logits_bytes(model, s, seq)  # its slices' logits
         buffers = reserved + _buffers(model, s, seq, p, stage, w_b, g_b, ratio)
         out.append(MemoryBreakdown(weights, grads, optim, acts, buffers, host))
     return out
@@ -247,6 +249,6 @@ def _buffers(model: ModelConfig, s: Strategy, seq: int, p: float, stage: StagePa
 
 
 def device_memory(model: ModelConfig, s: Strategy, seq: int, reserved: float = 0.0,
-                  flash: bool = True) -> MemoryBreakdown:
+                  flash: bool = True, balanced: bool = True) -> MemoryBreakdown:
     """The most loaded device's memory (the stage that decides whether a strategy fits)."""
-    return max(stage_memory(model, s, seq, reserved, flash), key=lambda m: m.total)
+    return max(stage_memory(model, s, seq, reserved, flash, balanced), key=lambda m: m.total)

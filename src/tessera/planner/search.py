@@ -254,7 +254,8 @@ class _Search:
             return False
         dev = self.cluster.device
         mem = device_memory(self.model, s, self.model.max_seq_len, dev.reserved_bytes,
-                            dev.flash_attention).total
+                            dev.flash_attention,
+                            (self.options or SimOptions()).balanced_stages).total
         if mem > dev.memory_bytes:
             self.pruned["memory"] += 1
             short = mem - dev.memory_bytes

@@ -33,6 +33,7 @@ from tessera.planner.compute import (LayerTime, bytes_per_element, embedding_tim
                                      layer_time, optimizer_time)
 from tessera.planner.memory import (INTERLEAVE_CHUNKS, MemoryBreakdown, device_memory,
                                     local_params, recomputed_layers, stage_params, state_bytes)
+from tessera.planner.split import stage_split
 from tessera.strategy import Strategy, StrategyError
 
 DDP_BUCKET_BYTES = 25 * 2**20
@@ -48,10 +49,14 @@ class SimOptions:
         tp_overlap: fraction of tensor-parallel communication that sub-pipelined tensor
             parallelism (Merak) or async TP hides under compute; 0 = none.
         dp_overlap: overlap gradient synchronisation with the last backward (DDP buckets).
+        balanced_stages: pipeline stages as tessera's partitioner deals them (fewer layers
+            beside a heavy head, a heavy head sliced over the last stages); False: the equal
+            split with the head on the last stage, as Megatron-LM runs (split.py).
     """
 
     tp_overlap: float = 0.0
     dp_overlap: bool = True
+    balanced_stages: bool = True
 
 
 @dataclass(frozen=True)
@@ -121,7 +126,8 @@ def estimate(model: ModelConfig, cluster: Cluster, strategy: Strategy,
     tokens = s.global_batch_size * seq
     model_flops = model.flops_per_token(seq) * tokens
     peak = cl.device.peak(s.precision)
-    memory = device_memory(model, s, seq, cl.device.reserved_bytes, cl.device.flash_attention)
+    memory = device_memory(model, s, seq, cl.device.reserved_bytes, cl.device.flash_attention,
+                           opt.balanced_stages)
     return Estimate(strategy=s, step_time=step, tokens_per_s=tokens / step,
                     tflops_per_device=model_flops / step / s.world_size / 1e12,
                     mfu=model_flops / step / s.world_size / peak, memory=memory,
@@ -160,7 +166,7 @@ def _stage_costs(model: ModelConfig, cl: Cluster, s: Strategy, groups, opt: SimO
     tp_f, tp_b = _tp_comm(model, cl, s, groups)
     sp_f, sp_b = _sp_comm(model, cl, s, groups, lt)
     out = []
-    for i, sp_params in enumerate(stage_params(model, s.pp)):
+    for i, sp_params in enumerate(_stage_params(model, s, opt)):
         layers = sp_params.layers
         fwd, bwd = layers * lt.forward, layers * lt.backward
         extra_tp = 0.0
@@ -168,9 +174,10 @@ def _stage_costs(model: ModelConfig, cl: Cluster, s: Strategy, groups, opt: SimO
             e = embedding_time(cl, model, b, seq, s.tp, s.sp, s.precision)
             fwd, bwd = fwd + e.forward, bwd + e.backward
             extra_tp += _tp_allreduce(model, cl, s, groups)  # vocab-parallel embedding
-        if i == s.pp - 1:
+        if sp_params.head_share > 0:  # the whole head, or its slices' share (split.py)
             h = head_time(cl, model, b, seq, s.tp, s.sp, s.precision)
-            fwd, bwd = fwd + h.forward, bwd + h.backward
+            share = sp_params.head_share
+            fwd, bwd = fwd + share * h.forward, bwd + share * h.backward
             if s.tp > 1:  # vocab-parallel cross-entropy: max, sum of exp, target logit;
                 # the vocab-split head sums its input gradient (backward)
                 extra_tp += 3 * comm.call_time(cl, groups["tp"])
@@ -192,6 +199,10 @@ def _stage_costs(model: ModelConfig, cl: Cluster, s: Strategy, groups, opt: SimO
         hidden = min(hidden, tp, cl.device.overlap_efficiency * (fwd + bwd))
         out.append(_Stage(fwd, bwd, rec, tp - hidden + sp, tp - hidden, sp))
     return out
+
+
+def _stage_params(model: ModelConfig, s: Strategy, opt: SimOptions) -> list:
+    return stage_params(model, s.pp, stage_split(model, s, opt.balanced_stages))
 
 
 def _cached_layer_time(model: ModelConfig, cl: Cluster, s: Strategy,
@@ -350,7 +361,7 @@ def _data_parallel(model: ModelConfig, cl: Cluster, s: Strategy, groups, stages:
                    opt: SimOptions) -> dict[str, float]:
     """Exposed gradient sync, optimizer and offload seconds of the critical stage."""
     w_b, g_b, o_b = state_bytes(s.precision)
-    params = [local_params(model, p, s.tp) for p in stage_params(model, s.pp)]
+    params = [local_params(model, p, s.tp) for p in _stage_params(model, s, opt)]
     worst = max(range(s.pp), key=params.__getitem__)
     p = params[worst]
     st = stages[worst]

@@ -1,0 +1,54 @@
+"""Pipeline stage splits in the planner: Megatron's equal split and tessera's balanced one."""
+
+from __future__ import annotations
+
+from tessera.models.config import preset
+from tessera.planner import estimate
+from tessera.planner.cluster import parse_cluster
+from tessera.planner.memory import stage_params
+from tessera.planner.simulator import SimOptions
+from tessera.planner.split import equal_split, stage_split
+from tessera.strategy import Strategy
+
+GPT2 = preset("gpt2", max_seq_len=1024)  # its head: about 4.5 layers of training FLOPs
+
+
+def _work(split, head: float) -> list[float]:
+    return [layers + share * head for layers, share in split]
+
+
+def test_equal_split_puts_extra_layers_first_and_the_head_last():
+    assert equal_split(10, 4) == ((3, 0.0), (3, 0.0), (2, 0.0), (2, 1.0))
+    assert stage_split(GPT2, Strategy(pp=4), balanced=False) == equal_split(12, 4)
+
+
+def test_a_heavy_head_is_sliced_over_the_last_stages_without_tp():
+    split = stage_split(GPT2, Strategy(pp=4))
+    assert sum(layers for layers, _ in split) == 12
+    assert abs(sum(share for _, share in split) - 1) < 1e-6
+    assert sum(share > 0 for _, share in split) >= 2  # the head spans stages
+    head = 6 * GPT2.vocab_size * GPT2.d_model / (
+        6 * GPT2.num_params(include_embedding=False) / 12 + 12 * GPT2.d_model * 1024)
+    work, equal = _work(split, head), _work(equal_split(12, 4), head)
+    mean = sum(work) / 4
+    assert max(work) < max(equal) and max(work) <= mean + 1  # within one layer of the mean
+    # Each stage running a slice holds the whole (tied) head weight, as the runtime does.
+    holders = [p for p in stage_params(GPT2, 4, split) if p.head_share > 0]
+    assert all(p.head_params == GPT2.vocab_size * GPT2.d_model for p in holders)
+
+
+def test_with_tensor_parallelism_the_head_stays_whole_with_fewer_layers_beside_it():
+    split = stage_split(GPT2, Strategy(tp=2, pp=2, micro_batch_size=1, global_batch_size=2))
+    assert [share for _, share in split] == [0.0, 1.0]
+    assert split[1][0] < split[0][0]
+
+
+def test_balanced_stages_price_faster_pipelines_and_published_runs_stay_equal():
+    cluster = parse_cluster("a100-80gb:8x1")
+    s = Strategy.parse("dp=2,pp=4,mbs=1,gbs=64")
+    balanced = estimate(GPT2, cluster, s)
+    equal = estimate(GPT2, cluster, s, SimOptions(balanced_stages=False))
+    assert balanced.step_time < 0.8 * equal.step_time
+    flat = Strategy.parse("dp=8,mbs=1,gbs=64")  # pp=1: nothing to split
+    assert estimate(GPT2, cluster, flat).step_time == estimate(
+        GPT2, cluster, flat, SimOptions(balanced_stages=False)).step_time
