@@ -7,7 +7,8 @@ interleaved, scp as action lists), ``comm`` (tagged point-to-point messages), ``
 (forward / recompute / backward of one stage), ``program`` (per-shape stages), ``module``
 (this rank's share under the original names, gradient rules), ``engine`` (PipelineEngine),
 ``tp`` (stages of a 1D or 2D tensor-parallel model), ``subpipe`` (sub-pipelined tensor
-parallelism), ``head`` (an LM head sliced over the vocabulary, to spread it over stages). Design and figures: docs/pipeline.md.
+parallelism), ``head`` (an LM head sliced over the vocabulary, to spread it over stages).
+Design and figures: docs/pipeline.md.
 """
 
 from __future__ import annotations

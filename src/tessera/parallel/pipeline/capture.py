@@ -54,7 +54,8 @@ class ProxyGraph:
         program: the ExportedProgram (lifted graph: state arrives as placeholders).
         nodes: every placeholder and call_function node, by name, in graph order.
         compute: names of the compute nodes in topological order.
-        output: name of the node producing the logits (the first user output).
+        output: name of the node producing the logits (the first user output), or the
+            per-token loss when the LM head is sliced.
         inputs: names of the batch-input placeholders, in call order.
         param_users: for each parameter placeholder, the compute indices that read it.
         cut_after: compute nodes after which a cut is allowed although more than the fewest

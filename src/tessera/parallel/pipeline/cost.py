@@ -128,6 +128,5 @@ def node_cost(node: fx.Node) -> NodeCost:
     numel = val.numel() if isinstance(val, torch.Tensor) else 0
     if op == "logsumexp":  # a sliced LM head's softmax (head.py): it reads the whole slice
         numel = node.args[0].meta["val"].numel()
-        return NodeCost(float(numel), BWD_ELEMENTWISE * numel, out, out)
     # Element-wise or reduction: about one operation per output element.
     return NodeCost(float(numel), BWD_ELEMENTWISE * numel, out, out)

@@ -151,6 +151,5 @@ class _Builder:
         picked = self.call(aten.gather.default, part, -1,
                            self.call(aten.unsqueeze.default, index, -1))  # (B, T, 1)
         picked = self.call(aten.squeeze.dim, picked, -1)
-        tgt = self.call(aten.mul.Tensor, picked, self.call(aten.to.dtype, inside,
-                                                            torch.float32))
-        return lse, tgt
+        # where, not a 0/1 product: an inf logit outside the label's slice must not give nan
+        return lse, self.call(aten.where.ScalarOther, inside, picked, 0.0)
