@@ -5,9 +5,9 @@ Two rules:
 - ``equal``: layers as even as possible (extra ones on the earliest stages), the whole head on
   the last stage: Megatron-LM's default split, used to price the published runs.
 - ``balanced``: tessera's partitioner (parallel/pipeline/partition.py) balances estimated
-  stage time, so a heavy head gets fewer layers beside it; and without tensor or sequence
-  parallelism a head heavier than half a mean stage is sliced over the vocabulary and spread
-  over the last stages (parallel/pipeline/head.py). Work is counted in layer-equivalents of
+  stage time, so a heavy head gets fewer layers beside it; and without tensor parallelism a
+  head heavier than half a mean stage is sliced over the vocabulary and spread over the last
+  stages (parallel/pipeline/head.py). Work is counted in layer-equivalents of
   training FLOPs per token: a layer 6 x its parameters plus attention's 12 x d x seq, the head
   6 x vocab x d.
 
@@ -34,7 +34,7 @@ def stage_split(model: ModelConfig, s: Strategy, balanced: bool = True) -> Split
     layer = (6.0 * (model.num_params(include_embedding=False) / model.n_layers)
              + 12.0 * model.d_model * model.max_seq_len)
     weight = head / layer  # the head in layer-equivalents
-    sliced = s.tp == 1 and s.sp == 1 and weight > (model.n_layers + weight) / (2 * s.pp)
+    sliced = s.tp == 1 and weight > (model.n_layers + weight) / (2 * s.pp)
     return _balanced(model.n_layers, s.pp, round(weight, 6), sliced)
 
 

@@ -8,8 +8,8 @@ Three launches:
 - 4 processes: sp=2 x pp=2 in bf16 (ring on tiny, ulysses on tiny-llama), dp=2 x sp=2 in
   bf16 (ring, no pipeline; ulysses on HF Llama), tp=2 x sp=2 in bf16 (ring), dp=2 x sp=2
   (ring), sp=2 x pp=2 (ulysses, tiny-llama) and tp=2 x sp=2 (ring) in fp16, and HF GPT-2
-  (ring) and HF Llama
-  (rsa) under sp=2 x pp=2 in fp32.
+  (ring), HF Llama (rsa) and a 4096-token-vocabulary tiny model (ring, its LM head sliced
+  over the vocabulary, pipeline/head.py) under sp=2 x pp=2 in fp32.
 
 Each run is 3 Trainer steps of a 2-layer model (d_model 64, byte vocabulary) on 32-token
 samples, 8 samples per step. Every worker tokenises the corpus once and shares it between runs.
@@ -71,7 +71,9 @@ BF16_VS_FP32_LOSS = dict(rtol=0, atol=1e-2)
 
 MODELS = {"gpt": {"preset": "tiny"}, "llama": {"preset": "tiny-llama"},
           "hf_gpt2": {"preset": "tiny", "hf": "gpt2"},
-          "hf_llama": {"preset": "tiny-llama", "hf": "llama"}}
+          "hf_llama": {"preset": "tiny-llama", "hf": "llama"},
+          # A 4096-token head outweighs a stage: pipelines slice it (pipeline/head.py).
+          "gpt_bigvocab": {"preset": "tiny", "vocab_size": 4096}}
 BASELINES = {  # name: (model, strategy); one device
     "gpt": ("gpt", "dp=1,mbs=8,gbs=8"),
     "llama": ("llama", "dp=1,mbs=8,gbs=8"),
@@ -82,6 +84,7 @@ BASELINES = {  # name: (model, strategy); one device
     "hf_llama_bf16": ("hf_llama", "dp=1,mbs=8,gbs=8,precision=bf16"),
     "gpt_fp16": ("gpt", "dp=1,mbs=8,gbs=8,precision=fp16"),
     "llama_fp16": ("llama", "dp=1,mbs=8,gbs=8,precision=fp16"),
+    "gpt_bigvocab": ("gpt_bigvocab", "dp=1,mbs=8,gbs=8"),
 }
 EIGHT_RANK_RUNS = {  # name: (model, strategy, baseline)
     "gpt_dp2_sp2_pp2_ring": ("gpt", "dp=2,sp=2,pp=2,mbs=2,gbs=8", "gpt"),
@@ -112,6 +115,9 @@ FP16_RUNS = {  # autocast fp16 with torch's GradScaler (pp=1) and with one scale
 HF_PP_RUNS = {
     "hf_gpt2_sp2_pp2_ring": ("hf_gpt2", "dp=1,sp=2,pp=2,mbs=4,gbs=8", "hf_gpt2"),
     "hf_llama_sp2_pp2_rsa": ("hf_llama", "dp=1,sp=2,pp=2,mbs=4,gbs=8,sp_mode=rsa", "hf_llama"),
+    # Each sp rank's graph returns its tokens' losses; the sp loss sums and scales them.
+    "gpt_bigvocab_sp2_pp2_ring_sliced_head": ("gpt_bigvocab", "dp=1,sp=2,pp=2,mbs=4,gbs=8",
+                                              "gpt_bigvocab"),
 }
 FOUR_RANK_RUNS = {**BF16_RUNS, **FP16_RUNS, **HF_PP_RUNS}
 PARALLEL_RUNS = {**EIGHT_RANK_RUNS, **FOUR_RANK_RUNS}
@@ -132,8 +138,10 @@ def _train(out: Path, model: str, strategy: str, data: dict):
 
     trainer.plan.clip_grad_norm = recording_clip
     result = trainer.train()
+    pipeline = trainer.plan.pipeline
     return {"losses": result.losses, "grad_norms": norms, "features": trainer.plan.features,
-            "graph_ops": _attention_ops(trainer.plan.pipeline, config)}
+            "graph_ops": _attention_ops(pipeline, config),
+            "head_slices": pipeline.program.graph.head_slices if pipeline else 1}
 
 
 def _attention_ops(pipeline, config) -> set[str]:
@@ -211,6 +219,7 @@ def test_eight_rank_compositions_equal_single_device(eight_ranks, baselines, nam
 def test_hugging_face_sp_pp_equals_single_device(four_ranks, baselines, name):
     run, base = four_ranks[name], baselines[HF_PP_RUNS[name][2]]
     _check_run(run, name)
+    assert (run["head_slices"] > 1) == ("sliced_head" in name), run["head_slices"]
     _close(run["losses"], base["losses"], FP32_LOSS, f"{name} losses")
     _close(run["grad_norms"], base["grad_norms"], FP32_GRAD_NORM, f"{name} gradient norms")
 

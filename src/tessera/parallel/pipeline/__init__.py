@@ -62,9 +62,10 @@ class Pipeline:
         return batch if self.inputs is None else self.inputs.shard(batch)
 
     def loss(self, logits: torch.Tensor, batch: dict[str, torch.Tensor]) -> torch.Tensor:
-        """The last stage's loss of one (prepared) micro-batch."""
+        """The last stage's loss of one (prepared) micro-batch; ``logits`` is the per-token
+        loss when the LM head is sliced (head.py)."""
         if self.inputs is not None:
-            return self.inputs.loss(logits, batch)
+            return self.inputs.loss(logits, batch, per_token=self.program.graph.head_slices > 1)
         return self.loss_fn(logits, batch["labels"])
 
     @property
@@ -106,7 +107,7 @@ def apply_pipeline(plan: Parallelized, strategy: Strategy, mesh: Mesh,
     extra = inputs.example if inputs is not None else None
     graph = capture_for_partition(model, stage_batch(strategy), extra)
     loss_fn = tp_loss(strategy, mesh) or lm_loss
-    if inputs is None and loss_fn is lm_loss:  # the last stage computes the plain loss
+    if strategy.tp == 1:  # whole logits per token (tp's are vocabulary-sharded): sliceable
         graph = slice_head(graph, head_slices_for(graph, n_virtual))
         loss_fn = sliced_head_loss if graph.head_slices > 1 else lm_loss
     try:

@@ -16,9 +16,10 @@ Between two slices only ``h``, ``lse`` and ``tgt`` are live (the residual stream
 the head. The loss is then the mean of ``nll`` over tokens whose label is not -100
 (:func:`sliced_head_loss`), the same value as ``F.cross_entropy`` on the whole logits.
 
-The labels become a batch input of the graph. Used where the last stage computes the plain
-next-token loss: without tensor or sequence parallelism (their losses read whole or
-vocabulary-sharded logits). A stage holding a slice holds the whole weight (as tied weights
+The labels become a batch input of the graph. Used without tensor parallelism, whose loss
+reads vocabulary-sharded logits; under sequence parallelism each rank's graph returns the
+loss of its own tokens, which the sequence-parallel loss sums and scales as it would the
+cross-entropy of its logits. A stage holding a slice holds the whole weight (as tied weights
 are held), and the slices' gradients are summed over the stages that hold it.
 """
 
@@ -31,10 +32,10 @@ from torch import fx
 
 from tessera.parallel.pipeline.capture import ProxyGraph, build_proxy
 from tessera.parallel.pipeline.cost import DeviceRates, op_name, value_bytes
+from tessera.parallel.tensor.loss import IGNORE_INDEX
 
 aten = torch.ops.aten
 LABELS = "labels"
-IGNORE_INDEX = -100
 MIN_SLICE_ROWS = 512  # narrower slices would run the matmul at poor efficiency
 SLICE_OF_STAGE = 0.125  # each slice at most this share of a mean stage's time
 

@@ -29,6 +29,7 @@ from torch import nn
 from tessera.parallel.sequence.ring import ring_backward, ring_forward
 from tessera.parallel.sequence.rsa import rsa_attention
 from tessera.parallel.sequence.ulysses import ulysses_attention
+from tessera.parallel.tensor.loss import IGNORE_INDEX
 
 
 def _group(name: str) -> dist.ProcessGroup:
@@ -144,7 +145,12 @@ class StageInputs:
         local["token_count"] = self.sp.token_count(batch)
         return local
 
-    def loss(self, logits: torch.Tensor, batch: dict[str, torch.Tensor]) -> torch.Tensor:
-        """The last stage's loss from this rank's logits (B, T/sp, V) and sharded batch."""
-        return self.sp.scale_loss(self.sp.token_loss(logits, batch["labels"]),
-                                  batch["token_count"])
+    def loss(self, logits: torch.Tensor, batch: dict[str, torch.Tensor],
+             per_token: bool = False) -> torch.Tensor:
+        """The last stage's loss from this rank's logits (B, T/sp, V) and sharded batch; with
+        ``per_token`` the stage already returns each token's loss (B, T/sp) (a sliced LM
+        head, pipeline/head.py)."""
+        labels = batch["labels"]
+        summed = ((logits * (labels != IGNORE_INDEX)).sum() if per_token
+                  else self.sp.token_loss(logits, labels))
+        return self.sp.scale_loss(summed, batch["token_count"])
