@@ -64,8 +64,10 @@ class Pipeline:
     def loss(self, logits: torch.Tensor, batch: dict[str, torch.Tensor]) -> torch.Tensor:
         """The last stage's loss of one (prepared) micro-batch; ``logits`` is the per-token
         loss when the LM head is sliced (head.py)."""
+        if self.inputs is not None and self.program.graph.head_slices > 1:
+            return self.inputs.loss(logits, batch, per_token=True)  # sp's StageInputs (no tp)
         if self.inputs is not None:
-            return self.inputs.loss(logits, batch, per_token=self.program.graph.head_slices > 1)
+            return self.inputs.loss(logits, batch)
         return self.loss_fn(logits, batch["labels"])
 
     @property
