@@ -18,6 +18,8 @@ from tessera.models.config import preset
 from tessera.models.hf import build_hf_model, hf_config_from_reference
 from tessera.parallel import parallelize
 from tessera.parallel.pipeline import PipelineEngine
+from tessera.parallel.pipeline.cost import DeviceRates
+from tessera.parallel.pipeline.partition import CostTable, candidate_cuts
 from tessera.parallel.plan import Parallelized
 from tessera.strategy import Strategy
 from tessera.train.engine import Engine
@@ -91,18 +93,23 @@ def parity(arch: str, text: str) -> dict[str, float]:
         eval_diff = abs(float(ref_engine.evaluate(batch)) - float(engine.evaluate(batch)))
         loss_diff = max(loss_diff, eval_diff)
     return {"loss": loss_diff, "grad": grad_diff, "loss_value": float(got.loss),
-            "keys": sorted(plan.module.state_dict()), **_head_layout(plan),
-            "timeline": [(k, s, m) for k, s, m, _ in engine.timeline.events]}
+            "keys": sorted(plan.module.state_dict()), **_layout(plan),
+            "timeline": [(k, s, m) for k, s, m, _ in engine.timeline.events],
+            "keep": list(plan.pipeline.partition.keep)}
 
 
-def _head_layout(plan: Parallelized) -> dict[str, int]:
-    """Vocabulary slices of the LM head and over how many stages they were placed."""
+def _layout(plan: Parallelized) -> dict[str, int]:
+    """Vocabulary slices of the LM head, over how many stages they were placed, and how many
+    stage boundaries fall inside attention or an MLP."""
     pipe = plan.pipeline
     graph = pipe.program.graph
     stage_of = pipe.partition.stage_of(graph)
     slices = [n for n in graph.compute if "logsumexp" in str(graph.nodes[n].node.target)]
+    coarse = set(candidate_cuts(CostTable(graph, DeviceRates())))
     return {"head_slices": graph.head_slices,
-            "head_stages": len({stage_of[n] for n in slices})}
+            "head_stages": len({stage_of[n] for n in slices}),
+            # cuts inside attention or the MLP (partition's ``finer`` search)
+            "finer_cuts": sum(c not in coarse for c in pipe.partition.bounds[1:-1])}
 
 
 def _grad_diff(stage: torch.nn.Module, ref: torch.nn.Module) -> float:

@@ -99,6 +99,10 @@ def test_scp_recomputation_placement():
     assert unswapped.index("2B0") < unswapped.index("2F2")
     assert scp[0] == plain[0] and scp[s_count - 1] == plain[s_count - 1]
     assert not recomputes("scp", 0, s_count, 0, m, 0.0)
+    # Fewer kept when the partitioner says only that many fit 1F1B's memory.
+    assert [recomputes("scp", 1, s_count, mb, m, 1.0, keep=1) for mb in range(m)] == [
+        True] * 7 + [False]
+    assert all(recomputes("scp", 0, s_count, mb, m, 1.0, keep=0) for mb in range(m))
 
 
 def test_unbuilt_compositions_are_refused_by_name():

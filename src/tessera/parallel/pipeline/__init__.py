@@ -70,6 +70,10 @@ class Pipeline:
             return self.inputs.loss(logits, batch)
         return self.loss_fn(logits, batch["labels"])
 
+    def kept(self, stage: int) -> int | None:
+        """Micro-batches scp keeps whole on ``stage`` (the partition's, fit to 1F1B's memory)."""
+        return self.partition.keep[stage] if self.partition.keep else None
+
     @property
     def n_stages(self) -> int:
         return len(self.stage_rank)
@@ -113,8 +117,10 @@ def apply_pipeline(plan: Parallelized, strategy: Strategy, mesh: Mesh,
         graph = slice_head(graph, head_slices_for(graph, n_virtual))
         loss_fn = sliced_head_loss if graph.head_slices > 1 else lm_loss
     try:
+        # Cuts inside attention / MLP: checked without tp and sp only (their stage graphs
+        # carry collectives and sharded activations across such a cut untested).
         part = partition(graph, n_virtual, micro_batches, strategy.schedule,
-                         recompute=tuple(ratios))
+                         recompute=tuple(ratios), finer=strategy.tp == 1 and strategy.sp == 1)
     except PartitionError as err:
         raise StrategyError(f"pp={pp}, schedule={strategy.schedule}: {err}") from None
     pp_rank = mesh.rank("pp")

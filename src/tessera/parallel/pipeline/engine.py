@@ -92,7 +92,8 @@ class PipelineEngine:
             runner = built.runners[s]
             if action.kind == "F":
                 inputs = pending.pop(("F", s, m)).wait() if s > 0 else []
-                rc = train and recomputes(self.schedule, s, pipe.n_stages, m, n, pipe.ratios[s])
+                rc = train and recomputes(self.schedule, s, pipe.n_stages, m, n, pipe.ratios[s],
+                                          pipe.kept(s))
                 state = runner.forward(inputs, batches[m], recompute=rc, grad=train)
                 self.timeline.add("F", s, m)
                 if s == last:

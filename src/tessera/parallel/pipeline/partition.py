@@ -3,8 +3,11 @@
 Worked example (GPT-2 with 2 blocks, pp=2): the compute nodes run embed, block 0 (attention,
 residual add, MLP, add), block 1, final norm, LM head. A cut between two nodes is a candidate
 when as few activations cross it as anywhere (one here: the residual stream), so a stage ends
-at a block boundary *or* between a block's attention and its MLP, never inside attention. A
-vocabulary-sliced LM head (head.py) adds the cuts between its slices.
+at a block boundary *or* between a block's attention and its MLP. A vocabulary-sliced LM
+head (head.py) adds the cuts between its slices. When those cuts are too coarse to balance
+(the slowest stage over FINER_BALANCE x the mean, e.g. Llama-3-8B's shape at pp=8), the
+search is repeated with cuts that one wider tensor crosses beside the residual: before
+attention's output projection and before the MLP's down projection.
 Among candidates a dynamic program picks the S - 1 cuts minimising the slowest stage's
 estimated time (forward + backward + recomputation + sending its boundary), subject to each
 stage's memory (weights, gradients and Adam states, plus in-flight activations) fitting the
@@ -23,8 +26,12 @@ from dataclasses import dataclass
 
 from tessera.parallel.pipeline.capture import ProxyGraph
 from tessera.parallel.pipeline.cost import DeviceRates, value_bytes
+from tessera.parallel.pipeline.schedules import max_kept
 
 RATIO_GRID = (0.0, 0.25, 0.5, 0.75, 1.0)
+# Finer cuts (inside attention and MLP) are searched when the block-level split leaves the
+# slowest stage this far over the mean, and kept when they make it FINER_GAIN faster.
+FINER_BALANCE, FINER_GAIN, FINER_BYTES = 1.05, 0.01, 5
 STATE_FACTOR = 4  # fp32 AdamW: weight + gradient + two moments, in bytes of the weight
 
 
@@ -42,6 +49,8 @@ class Partition:
         stage_time: estimated seconds of forward + backward (+ recompute) per micro-batch.
         stage_memory: estimated peak bytes per stage.
         crossing_bytes: bytes sent forward at each of the S - 1 boundaries per micro-batch.
+        keep: per stage, how many of its last micro-batches keep their activations instead of
+            recomputing (scp only; 0 elsewhere).
     """
 
     bounds: list[int]
@@ -49,6 +58,7 @@ class Partition:
     stage_time: list[float]
     stage_memory: list[float]
     crossing_bytes: list[int]
+    keep: tuple[int, ...] = ()
 
     @property
     def stages(self) -> int:
@@ -97,11 +107,20 @@ class CostTable:
             total += self.cross_bytes[b] / self.rates.p2p_bw
         return total
 
-    def memory(self, a: int, b: int, ratio: float, in_flight: int, last: bool) -> float:
-        act = (self.act[b] - self.act[a]) * (1 - ratio) + ratio * self.cross_bytes[a]
+    def memory(self, a: int, b: int, ratio: float, in_flight: int, last: bool,
+               keep: int = 0) -> float:
+        """Peak bytes: weights and AdamW states, ``in_flight`` micro-batches of which
+        ``keep`` hold all their activations and the rest drop the recomputed share, and
+        while one of those runs its backward, that share rematerialised."""
+        full = self.act[b] - self.act[a]
+        dropped = full * (1 - ratio) + ratio * self.cross_bytes[a]
+        recomputing = in_flight - keep
+        act = recomputing * dropped + keep * full
+        if recomputing > 0:
+            act += ratio * full
         if last:
             act += self.logits_bytes
-        return STATE_FACTOR * self.param_bytes(a, b) + in_flight * act
+        return STATE_FACTOR * self.param_bytes(a, b) + act
 
 
 def _crossings(graph: ProxyGraph) -> tuple[list[int], list[int]]:
@@ -127,8 +146,13 @@ def _crossings(graph: ProxyGraph) -> tuple[list[int], list[int]]:
     return count[:n + 1], size[:n + 1]
 
 
-def candidate_cuts(table: CostTable) -> list[int]:
-    """Interior cuts crossed by the fewest activations (and no more bytes than the least)."""
+def candidate_cuts(table: CostTable, finer: bool = False) -> list[int]:
+    """Interior cuts crossed by the fewest activations (and no more bytes than the least).
+
+    ``finer`` adds cuts crossed by one activation more, of at most FINER_BYTES times the
+    least bytes: inside attention (after its core, before the output projection) and inside
+    the MLP (before the down projection), where a wider tensor crosses beside the residual.
+    """
     n = len(table.graph.compute)
     interior = range(1, n)
     if not interior:
@@ -136,8 +160,9 @@ def candidate_cuts(table: CostTable) -> list[int]:
     fewest = min(table.cross_count[c] for c in interior)
     least = min(table.cross_bytes[c] for c in interior if table.cross_count[c] == fewest)
     allowed = table.graph.cut_after  # between LM head slices (head.py)
+    count, size = (fewest + 1, FINER_BYTES * least) if finer else (fewest, least)
     return [c for c in interior
-            if (table.cross_count[c] == fewest and table.cross_bytes[c] <= least)
+            if (table.cross_count[c] <= count and table.cross_bytes[c] <= size)
             or table.graph.compute[c - 1] in allowed]
 
 
@@ -150,7 +175,8 @@ def in_flight(stage: int, stages: int, micro_batches: int, schedule: str) -> int
 
 def partition(graph: ProxyGraph, stages: int, micro_batches: int = 1, schedule: str = "1f1b",
               memory_limit: float | None = None, recompute: tuple[float, ...] | None = (0.0,),
-              rates: DeviceRates = DeviceRates(), cuts: list[int] | None = None) -> Partition:
+              rates: DeviceRates = DeviceRates(), cuts: list[int] | None = None,
+              finer: bool = False) -> Partition:
     """Split ``graph`` into ``stages`` stages of balanced estimated time.
 
     Args:
@@ -158,11 +184,17 @@ def partition(graph: ProxyGraph, stages: int, micro_batches: int = 1, schedule: 
         stages: number of pipeline stages (virtual stages under interleaving).
         micro_batches: micro-batches per step (sets the in-flight activations).
         schedule: "gpipe", "1f1b", "interleaved" or "scp".
-        memory_limit: bytes each stage may hold; None for no limit.
+        memory_limit: bytes each stage may hold; None for no limit, except under scp, where
+            None means what 1F1B with the same recomputation peaks at (its last stage skips
+            recomputation and other stages keep micro-batches only within that).
         recompute: one ratio for every stage or one per stage; None chooses per stage the
             smallest ratio that fits ``memory_limit`` (stage-aware recomputation).
         rates: device speeds for turning FLOPs and bytes into seconds.
         cuts: fixed interior cut positions (manual split points) instead of the search.
+        finer: when the split at block and attention/MLP boundaries leaves the slowest stage
+            over FINER_BALANCE x the mean, also try cuts inside attention and the MLP, where
+            a second, wider tensor crosses (its send is priced), and keep that split if its
+            slowest stage is faster.
 
     Raises:
         PartitionError: when the model has fewer candidate cuts than stages - 1, or no split
@@ -177,25 +209,54 @@ def partition(graph: ProxyGraph, stages: int, micro_batches: int = 1, schedule: 
     if recompute is None and memory_limit is None:
         raise PartitionError("recompute=None (stage-aware) needs a memory_limit to choose from")
     points = [0] + options + [len(graph.compute)]
+    if schedule == "scp" and memory_limit is None and recompute is not None:
+        # Merak's premise: scp costs no memory over 1F1B with the same recomputation.
+        same = _evaluate if cuts is not None else _search
+        memory_limit = max(same(table, points, stages, micro_batches, "1f1b", None,
+                                recompute).stage_memory)
     if cuts is not None:
         return _evaluate(table, points, stages, micro_batches, schedule, memory_limit, recompute)
-    return _search(table, points, stages, micro_batches, schedule, memory_limit, recompute)
+    part = _search(table, points, stages, micro_batches, schedule, memory_limit, recompute)
+    if finer and part.balance > FINER_BALANCE:
+        finer_points = [0] + candidate_cuts(table, finer=True) + [len(graph.compute)]
+        alt = _search(table, finer_points, stages, micro_batches, schedule, memory_limit,
+                      recompute)
+        if max(alt.stage_time) < (1 - FINER_GAIN) * max(part.stage_time):
+            part = alt
+    return part
 
 
 def _stage_cost(table: CostTable, a: int, b: int, s: int, stages: int, micro_batches: int,
-                schedule: str, limit: float | None, recompute) -> tuple[float, float, float]:
-    """(time, memory, ratio) of stage s over [a, b); time is inf when nothing fits."""
+                schedule: str, limit: float | None, recompute) -> tuple[float, float, float, int]:
+    """(time, memory, ratio, kept micro-batches) of stage s over [a, b); time is inf when
+    nothing fits."""
     last = s == stages - 1
     flight = in_flight(s, stages, micro_batches, schedule)
     if recompute is None:
         choices = RATIO_GRID
     else:
         choices = (recompute[0] if len(recompute) == 1 else recompute[s],)
+    if schedule == "scp" and last:
+        choices = (0.0,)  # scp's last stage never recomputes
     for ratio in choices:
-        mem = table.memory(a, b, ratio, flight, last)
+        keep = _scp_keep(table, a, b, s, stages, micro_batches, schedule, limit, ratio, flight)
+        mem = table.memory(a, b, ratio, flight, last, keep)
         if limit is None or mem <= limit:
-            return table.time(a, b, ratio, last), mem, ratio
-    return math.inf, table.memory(a, b, choices[-1], flight, last), choices[-1]
+            share = ratio * (micro_batches - keep) / micro_batches
+            return table.time(a, b, share, last), mem, ratio, keep
+    return math.inf, table.memory(a, b, choices[-1], flight, last), choices[-1], 0
+
+
+def _scp_keep(table: CostTable, a: int, b: int, s: int, stages: int, micro_batches: int,
+              schedule: str, limit: float | None, ratio: float, flight: int) -> int:
+    """How many last micro-batches an scp stage keeps whole: the most that fit ``limit``."""
+    if schedule != "scp" or ratio <= 0 or s == stages - 1:
+        return 0
+    keep = max_kept(s, stages, micro_batches)
+    while keep > 0 and limit is not None and table.memory(a, b, ratio, flight, False,
+                                                          keep) > limit:
+        keep -= 1
+    return keep
 
 
 def _search(table, points, stages, micro_batches, schedule, limit, recompute) -> Partition:
@@ -203,8 +264,8 @@ def _search(table, points, stages, micro_batches, schedule, limit, recompute) ->
     # best[s][j]: (slowest stage, bytes crossed, previous point) covering points[0..j] in s+1
     best = [[(math.inf, math.inf, -1)] * k for _ in range(stages)]
     for j in range(1, k):
-        t, _, _ = _stage_cost(table, 0, points[j], 0, stages, micro_batches, schedule, limit,
-                              recompute)
+        t = _stage_cost(table, 0, points[j], 0, stages, micro_batches, schedule, limit,
+                        recompute)[0]
         best[0][j] = (t, 0, 0)
     for s in range(1, stages):
         for j in range(s + 1, k):
@@ -212,8 +273,8 @@ def _search(table, points, stages, micro_batches, schedule, limit, recompute) ->
                 prev = best[s - 1][i]
                 if math.isinf(prev[0]):
                     continue
-                t, _, _ = _stage_cost(table, points[i], points[j], s, stages, micro_batches,
-                                      schedule, limit, recompute)
+                t = _stage_cost(table, points[i], points[j], s, stages, micro_batches,
+                                schedule, limit, recompute)[0]
                 cand = (max(prev[0], t), prev[1] + table.cross_bytes[points[i]], i)
                 if cand[:2] < best[s][j][:2]:
                     best[s][j] = cand
@@ -233,17 +294,18 @@ def _evaluate(table, bounds, stages, micro_batches, schedule, limit, recompute) 
     if len(bounds) != stages + 1:
         raise PartitionError(f"{len(bounds) - 2} split points give {len(bounds) - 1} stages, "
                              f"pp={stages} needs {stages - 1}")
-    times, mems, ratios = [], [], []
+    times, mems, ratios, keeps = [], [], [], []
     for s in range(stages):
-        t, m, r = _stage_cost(table, bounds[s], bounds[s + 1], s, stages, micro_batches,
-                              schedule, limit, recompute)
+        t, m, r, k = _stage_cost(table, bounds[s], bounds[s + 1], s, stages, micro_batches,
+                                 schedule, limit, recompute)
         if math.isinf(t):
             raise PartitionError(f"stage {s} needs {m:.3g} bytes, over memory_limit={limit:.3g}")
         times.append(t)
         mems.append(m)
         ratios.append(r)
+        keeps.append(k)
     crossing = [table.cross_bytes[c] for c in bounds[1:-1]]
-    return Partition(list(bounds), tuple(ratios), times, mems, crossing)
+    return Partition(list(bounds), tuple(ratios), times, mems, crossing, tuple(keeps))
 
 
 def layer_bounds(graph: ProxyGraph, stages: int) -> list[int]:

@@ -12,10 +12,11 @@ rank. Timelines for pp=3 stages, 4 micro-batches (digits are micro-batches, b ba
 
 Shifted critical path ("scp", Merak): 1F1B with recomputation, where the last stage never
 recomputes (its backward follows its forward at once), the last S-1-s micro-batches of stage
-s keep their activations (the pipeline drains after them, so recomputing them would sit on the
-critical path), and the remaining recomputation runs *before* waiting for the incoming
-gradient, inside the time the stage would otherwise idle; and stage S-2 runs its third
-forward before its first backward, which would otherwise wait for the last stage.
+s may keep their activations (the pipeline drains after them, so recomputing them would sit on
+the critical path; the partitioner keeps only as many as fit the memory 1F1B would use), and
+the remaining recomputation runs *before* waiting for the incoming gradient, inside the time
+the stage would otherwise idle; and stage S-2 runs its third forward before its first
+backward, which would otherwise wait for the last stage.
 """
 
 from __future__ import annotations
@@ -117,16 +118,26 @@ def _interleaved(rank: int, pp: int, m: int, chunks: int) -> list[Action]:
 
 
 def recomputes(schedule: str, stage: int, n_stages: int, mb: int, micro_batches: int,
-               ratio: float) -> bool:
-    """Whether micro-batch ``mb`` on virtual stage ``stage`` drops and recomputes activations."""
+               ratio: float, keep: int | None = None) -> bool:
+    """Whether micro-batch ``mb`` on virtual stage ``stage`` drops and recomputes activations.
+
+    Under scp the last ``keep`` micro-batches of a stage keep theirs; None keeps the most
+    the schedule allows, :func:`max_kept` (the partitioner lowers it to fit the memory of
+    1F1B, Partition.keep).
+    """
     if ratio <= 0:
         return False
     if schedule != "scp":
         return True
     if stage == n_stages - 1:
         return False
-    # The last S-1-s micro-batches of stage s are followed only by the drain: keep them.
-    return mb < micro_batches - (n_stages - 1 - stage)
+    kept = max_kept(stage, n_stages, micro_batches) if keep is None else keep
+    return mb < micro_batches - kept
+
+
+def max_kept(stage: int, n_stages: int, micro_batches: int) -> int:
+    """Micro-batches scp may keep on ``stage``: the last S-1-s, which only the drain follows."""
+    return min(micro_batches, n_stages - 1 - stage)
 
 
 def recompute_early(schedule: str) -> bool:
