@@ -63,6 +63,24 @@ def test_interleaving_shrinks_the_bubble_and_scp_hides_recompute():
     assert scp.breakdown["recompute"] < one.breakdown["recompute"]
 
 
+def test_scp_keeps_micro_batches_only_within_the_memory_of_1f1b():
+    from tessera.planner.memory import scp_kept
+
+    kept = {}
+    for ratios in ("full", "1/1/0.5/0.5", "1/0.5/0.25/0"):
+        strategy = BASE.replace(recompute=ratios)
+        one = estimate(GPT3, A100, strategy)
+        scp = estimate(GPT3, A100, strategy.replace(schedule="scp"))
+        assert scp.memory.total <= one.memory.total  # the runtime's rule (Partition.keep)
+        assert scp.step_time < one.step_time
+        kept[ratios] = scp_kept(GPT3, strategy.replace(schedule="scp"), 2048,
+                                A100.device.reserved_bytes)
+    # Full recomputation on every stage leaves no stage room to keep a micro-batch whole;
+    # with stage 1 the fullest, stage 2 (recomputing a quarter) keeps one of its two.
+    assert kept["full"] == [0, 0, 0, 0]
+    assert kept["1/0.5/0.25/0"] == [0, 0, 1, 0]
+
+
 def test_tp_overlap_hides_tp_communication():
     plain = estimate(GPT3, A100, BASE)
     piped = estimate(GPT3, A100, BASE, SimOptions(tp_overlap=0.5))

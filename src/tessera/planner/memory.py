@@ -152,12 +152,14 @@ def recomputed_layers(ratio: float, layers: int) -> int:
 
 
 def activation_bytes(model: ModelConfig, s: Strategy, seq: int, layers: int, in_flight: float,
-                     ratio: float, flash: bool) -> float:
-    """Activation bytes of one stage: ``in_flight`` micro-batches of ``layers`` layers."""
+                     ratio: float, flash: bool, together: bool = False) -> float:
+    """Activation bytes of one stage: ``in_flight`` micro-batches of ``layers`` layers, and
+    while one runs its backward, its recomputed layers rematerialised: one at a time, or all
+    ``together`` (a tessera pipeline stage recomputes its head piece at once)."""
     full, ckpt = layer_activation(model, s, seq, flash)
     recomputed = recomputed_layers(ratio, layers)
     kept = recomputed * ckpt + (layers - recomputed) * full
-    working = full if recomputed else 0.0
+    working = (recomputed if together else min(recomputed, 1)) * full
     return in_flight * kept + working
 
 
@@ -187,7 +189,7 @@ def local_params(model: ModelConfig, stage: StageParams, tp: int) -> float:
 
 
 def stage_memory(model: ModelConfig, s: Strategy, seq: int, reserved: float = 0.0,
-                 flash: bool = True, balanced: bool = True) -> list[MemoryBreakdown]:
+                 flash: bool = True, tessera: bool = True) -> list[MemoryBreakdown]:
     """Memory of one device of each pipeline stage.
 
     Args:
@@ -196,14 +198,17 @@ def stage_memory(model: ModelConfig, s: Strategy, seq: int, reserved: float = 0.
         seq: training sequence length.
         reserved: bytes the runtime keeps for itself (device preset).
         flash: whether attention keeps no (s x s) scores.
-        balanced: stages as tessera's partitioner deals them; False: the equal split
-            (split.py).
+        tessera: the pipeline as tessera runs it: stages as its partitioner deals them
+            (split.py) and, under pp > 1, a stage's recomputed layers rematerialised together
+            before its backward (one graph piece, parallel/pipeline/program.py); False:
+            Megatron-LM's equal split, rematerialising one layer at a time.
     """
     w_b, g_b, o_b = state_bytes(s.precision)
     shard_dp = s.dp * s.sp if s.memory != "ddp" else 1  # sp ranks replicate parameters too
     m = s.grad_accum_steps
+    kept = scp_kept(model, s, seq, reserved, flash, tessera) if s.schedule == "scp" else []
     out = []
-    for i, stage in enumerate(stage_params(model, s.pp, stage_split(model, s, balanced))):
+    for i, stage in enumerate(stage_params(model, s.pp, stage_split(model, s, tessera))):
         p = local_params(model, stage, s.tp)
         sharded_w = s.memory in ("zero3", "chunk")
         weights = p * w_b / (shard_dp if sharded_w else 1)
@@ -217,17 +222,47 @@ def stage_memory(model: ModelConfig, s: Strategy, seq: int, reserved: float = 0.
         if s.offload:
             host, optim = optim, 0.0
         ratio = s.stage_recompute(i)
+        scp = s.schedule == "scp" and s.pp > 1
+        if scp and i == s.pp - 1:
+            ratio = 0.0  # scp's last stage never recomputes
         held = in_flight(s, i, m)
-        acts = activation_bytes(model, s, seq, stage.layers, held, ratio, flash)
-        if s.schedule == "scp" and s.pp > 1 and i < s.pp - 1:
-            # SCP keeps the activations of the last in-flight micro-batches (no recompute).
-            keep = min(s.pp - i - 1, m)
-            full, ckpt = layer_activation(model, s, seq, flash)
-            acts += keep * recomputed_layers(ratio, stage.layers) * (full - ckpt)
+        acts = activation_bytes(model, s, seq, stage.layers, held, ratio, flash,
+                                together=tessera and s.pp > 1)
+        if scp and kept:  # micro-batches kept whole, within 1F1B's peak (scp_kept)
+            acts += kept[i] * _kept_extra(model, s, seq, flash, stage.layers, ratio)
         acts += stage.head_share * logits_bytes(model, s, seq)  # its slices' logits
         buffers = reserved + _buffers(model, s, seq, p, stage, w_b, g_b, ratio)
         out.append(MemoryBreakdown(weights, grads, optim, acts, buffers, host))
     return out
+
+
+def scp_kept(model: ModelConfig, s: Strategy, seq: int, reserved: float = 0.0,
+             flash: bool = True, tessera: bool = True) -> list[int]:
+    """Micro-batches each stage keeps whole (without recomputing) under scp: at most the
+    last pp-1-i, and only as many as keep the stage under the peak that 1F1B with the same
+    recomputation reaches on its fullest stage (the runtime's rule, Partition.keep)."""
+    if s.pp == 1:
+        return []
+    plain = s.replace(schedule="1f1b")
+    base = stage_memory(model, plain, seq, reserved, flash, tessera)
+    budget = max(b.total for b in base)
+    split = stage_split(model, s, tessera)
+    out = []
+    for i, stage in enumerate(stage_params(model, s.pp, split)):
+        ratio = s.stage_recompute(i)
+        extra = _kept_extra(model, s, seq, flash, stage.layers, ratio)
+        keep = min(s.pp - 1 - i, s.grad_accum_steps) if i < s.pp - 1 and extra > 0 else 0
+        while keep > 0 and base[i].total + keep * extra > budget:
+            keep -= 1
+        out.append(keep)
+    return out
+
+
+def _kept_extra(model: ModelConfig, s: Strategy, seq: int, flash: bool, layers: int,
+                ratio: float) -> float:
+    """Bytes a micro-batch kept whole holds over one whose recomputed layers drop theirs."""
+    full, ckpt = layer_activation(model, s, seq, flash)
+    return recomputed_layers(ratio, layers) * (full - ckpt)
 
 
 def _buffers(model: ModelConfig, s: Strategy, seq: int, p: float, stage: StageParams,
@@ -249,6 +284,6 @@ def _buffers(model: ModelConfig, s: Strategy, seq: int, p: float, stage: StagePa
 
 
 def device_memory(model: ModelConfig, s: Strategy, seq: int, reserved: float = 0.0,
-                  flash: bool = True, balanced: bool = True) -> MemoryBreakdown:
+                  flash: bool = True, tessera: bool = True) -> MemoryBreakdown:
     """The most loaded device's memory (the stage that decides whether a strategy fits)."""
-    return max(stage_memory(model, s, seq, reserved, flash, balanced), key=lambda m: m.total)
+    return max(stage_memory(model, s, seq, reserved, flash, tessera), key=lambda m: m.total)

@@ -32,7 +32,8 @@ from tessera.planner.cluster import Cluster
 from tessera.planner.compute import (LayerTime, bytes_per_element, embedding_time, head_time,
                                      layer_time, optimizer_time)
 from tessera.planner.memory import (INTERLEAVE_CHUNKS, MemoryBreakdown, device_memory,
-                                    local_params, recomputed_layers, stage_params, state_bytes)
+                                    local_params, recomputed_layers, scp_kept, stage_params,
+                                    state_bytes)
 from tessera.planner.split import stage_split
 from tessera.strategy import Strategy, StrategyError
 
@@ -49,14 +50,16 @@ class SimOptions:
         tp_overlap: fraction of tensor-parallel communication that sub-pipelined tensor
             parallelism (Merak) or async TP hides under compute; 0 = none.
         dp_overlap: overlap gradient synchronisation with the last backward (DDP buckets).
-        balanced_stages: pipeline stages as tessera's partitioner deals them (fewer layers
-            beside a heavy head, a heavy head sliced over the last stages); False: the equal
-            split with the head on the last stage, as Megatron-LM runs (split.py).
+        tessera_pipeline: the pipeline as tessera runs it: stages as its partitioner deals
+            them (fewer layers beside a heavy head, a heavy head sliced over the last
+            stages) and a stage's recomputed layers rematerialised together; False: the
+            equal split with the head on the last stage and one layer rematerialised at a
+            time, as Megatron-LM runs (split.py, memory.py).
     """
 
     tp_overlap: float = 0.0
     dp_overlap: bool = True
-    balanced_stages: bool = True
+    tessera_pipeline: bool = True
 
 
 @dataclass(frozen=True)
@@ -117,7 +120,9 @@ def estimate(model: ModelConfig, cluster: Cluster, strategy: Strategy,
     groups = comm.mesh_groups(s.tp, s.sp, s.dp, s.pp)
     m = s.grad_accum_steps
     stages = _stage_costs(model, cl, s, groups, opt, cache)
-    pipe, parts = _pipeline(s, stages, m, cl, model, groups)
+    kept = scp_kept(model, s, seq, cl.device.reserved_bytes, cl.device.flash_attention,
+                    opt.tessera_pipeline) if s.schedule == "scp" else []
+    pipe, parts = _pipeline(s, stages, m, cl, model, groups, kept)
     dp_parts = _data_parallel(model, cl, s, groups, stages, opt)
     step = pipe + sum(dp_parts.values())
     straggle = _straggler(cl, s, step)
@@ -127,7 +132,7 @@ def estimate(model: ModelConfig, cluster: Cluster, strategy: Strategy,
     model_flops = model.flops_per_token(seq) * tokens
     peak = cl.device.peak(s.precision)
     memory = device_memory(model, s, seq, cl.device.reserved_bytes, cl.device.flash_attention,
-                           opt.balanced_stages)
+                           opt.tessera_pipeline)
     return Estimate(strategy=s, step_time=step, tokens_per_s=tokens / step,
                     tflops_per_device=model_flops / step / s.world_size / 1e12,
                     mfu=model_flops / step / s.world_size / peak, memory=memory,
@@ -202,7 +207,7 @@ def _stage_costs(model: ModelConfig, cl: Cluster, s: Strategy, groups, opt: SimO
 
 
 def _stage_params(model: ModelConfig, s: Strategy, opt: SimOptions) -> list:
-    return stage_params(model, s.pp, stage_split(model, s, opt.balanced_stages))
+    return stage_params(model, s.pp, stage_split(model, s, opt.tessera_pipeline))
 
 
 def _cached_layer_time(model: ModelConfig, cl: Cluster, s: Strategy,
@@ -310,7 +315,9 @@ def _sp_comm(model: ModelConfig, cl: Cluster, s: Strategy, groups, lt: LayerTime
 
 
 def _pipeline(s: Strategy, stages: list[_Stage], m: int, cl: Cluster, model: ModelConfig,
-              groups) -> tuple[float, dict[str, float]]:
+              groups, kept: list[int] | None = None) -> tuple[float, dict[str, float]]:
+    """Pipeline time and its parts; ``kept``: micro-batches each stage keeps whole under scp
+    (memory.scp_kept)."""
     p2p = 0.0
     if s.pp > 1:
         n = s.micro_batch_size * model.max_seq_len / s.sp
@@ -321,7 +328,7 @@ def _pipeline(s: Strategy, stages: list[_Stage], m: int, cl: Cluster, model: Mod
     for i, st in enumerate(stages):
         rec = st.rec
         if s.schedule == "scp" and s.pp > 1:
-            recomputing = 0 if i == s.pp - 1 else max(0, m - (s.pp - 1 - i)) / m
+            recomputing = 0 if i == s.pp - 1 else (m - (kept[i] if kept else 0)) / m
             rec = max(0.0, rec * recomputing - p2p)
         recs.append(rec)
     v = INTERLEAVE_CHUNKS if s.schedule == "interleaved" else 1
