@@ -15,9 +15,16 @@ with the machine's load average (os.getloadavg) beside timings.
 - gpipe_step_over_ideal, 1f1b_step_over_ideal: measured step time over the ideal
   (m + p - 1) / m * T1 / p, where T1 is one process running all stages for the step.
 - scp_vs_1f1b_recompute_tokens_ratio: shifted critical path over 1F1B, both with full
-  recomputation; target >= 1.15.
+  recomputation, at the same memory: scp keeps micro-batches whole only within what 1F1B
+  peaks at (the partitioner's default); target >= 1.15. Beside it the measured peak of what
+  autograd saves on each rank (max over ranks, SavedPeak) and the schedule-order estimate.
+  scp_keep_all_vs_1f1b_recompute_tokens_ratio: scp keeping the last S-1-s micro-batches of
+  each stage whole, beyond 1F1B's memory, for comparison.
 - tessera_vs_torch_1f1b_tokens_ratio: tessera's 1F1B over torch.distributed.pipelining's
-  Schedule1F1B on the very same stage modules; target >= 1.0.
+  Schedule1F1B on the very same stage modules, each followed by the same all-reduce of the
+  tied embedding's gradient over the two stages holding it (without it torch's step trains
+  the two copies apart); target >= 1.0. tessera's step also broadcasts the loss to every
+  rank, which torch's does not.
 - subpipe_vs_plain_tp_step_ratio: tp=2 x pp=2 (4 processes) step time without sub-pipelined
   tensor parallelism over the time with it (``tp_overlap=subpipe``); > 1 means the overlap
   of one half's all-reduces with the other half's compute pays off.
@@ -90,13 +97,14 @@ def balance_figures() -> None:
             whole = partition(graph, pp, micro_batches=2 * pp)
             equal = evaluate_bounds(graph, layer_bounds(graph, pp), micro_batches=2 * pp)
             slices = head_slices_for(graph, pp)
-            ours = (partition(slice_head(capture(model, 1, SEQ), slices), pp,
-                              micro_batches=2 * pp) if slices > 1 else whole)
+            sliced = slice_head(capture(model, 1, SEQ), slices) if slices > 1 else graph
+            ours = partition(sliced, pp, micro_batches=2 * pp, finer=True)  # apply_pipeline's
             mean = sum(whole.stage_time) / pp
             # With the head whole, no split along graph nodes beats the LM head matmul.
             emit("partition_balance_max_over_mean", ours.balance, "ratio",
                  {"equal_layer_split": round(equal.balance, 4),
                   "head_whole": round(whole.balance, 4),
+                  "crossing_MiB": [round(b / 2**20, 2) for b in ours.crossing_bytes],
                   "head_whole_bound_heaviest_node_over_mean": round(max(1.0, heaviest / mean),
                                                                     4)},
                  model=label, pp=pp, head_slices=slices, target="<= 1.10")
@@ -156,6 +164,28 @@ def _torch_schedule(plan, m: int, mbs: int):
     return Schedule1F1B(pstage, n_microbatches=m, loss_fn=lm_loss), stage
 
 
+def _keep_all(built, m: int):
+    """scp keeping the last S-1-s micro-batches whole, beyond 1F1B's memory (the
+    partition's default keeps only what fits; this side shows what that bound costs)."""
+    from tessera.parallel.pipeline.schedules import max_kept
+
+    plan, engine = built
+    pipe = plan.pipeline
+    pipe.partition.keep = tuple(max_kept(s, pipe.n_stages, m) for s in range(pipe.n_stages))
+    return plan, engine
+
+
+def _saved_peak(built, batches) -> int:
+    """Peak bytes autograd holds for backward on this rank during one step (SavedPeak)."""
+    from tessera.memory.saved_peak import SavedPeak
+
+    plan, engine = built
+    probe = SavedPeak(plan.model.parameters())
+    with probe:
+        engine.forward_backward(batches)
+    return probe.peak
+
+
 def _timing_worker(rank, world, n_layers, m, mbs, rounds):
     torch.manual_seed(0)
     batches = _batches(m, mbs)
@@ -167,10 +197,16 @@ def _timing_worker(rank, world, n_layers, m, mbs, rounds):
             f"pp={world},mbs={mbs},gbs={mbs * m},schedule=1f1b,recompute=full", n_layers),
         "scp_recompute": _tessera(
             f"pp={world},mbs={mbs},gbs={mbs * m},schedule=scp,recompute=full", n_layers),
+        "scp_keep_all": _keep_all(_tessera(
+            f"pp={world},mbs={mbs},gbs={mbs * m},schedule=scp,recompute=full", n_layers), m),
     }
+    out["saved_peak"] = {name: _saved_peak(plans[name], batches)
+                         for name in ("1f1b_recompute", "scp_recompute", "scp_keep_all")}
     sched, stage = _torch_schedule(plans["1f1b"][0], m, mbs)
     full = torch.cat([b["input_ids"] for b in batches])
     labels = torch.cat([b["labels"] for b in batches])
+
+    torch_sync = plans["1f1b"][0].pipeline.grad_sync
 
     def torch_step():
         if stage == 0:
@@ -179,6 +215,10 @@ def _timing_worker(rank, world, n_layers, m, mbs, rounds):
             sched.step(target=labels, losses=[])
         else:
             sched.step()
+        # The model ties its embedding to the LM head, on the first and the last stage:
+        # torch's schedule leaves the two copies' gradients apart, and a user of it sums them
+        # over the stages to train correctly, as tessera's engine does (the same call).
+        torch_sync.sync()
 
     single = _model(n_layers) if rank == 0 else None
 
@@ -201,9 +241,11 @@ def _timing_worker(rank, world, n_layers, m, mbs, rounds):
     return out
 
 
-def peak_activation_bytes(schedule: str, pp: int, m: int, n_layers: int, mbs: int) -> float:
+def peak_activation_bytes(schedule: str, pp: int, m: int, n_layers: int, mbs: int,
+                          keep_all: bool = False) -> float:
     """Estimated peak activation bytes over stages under full recomputation, from the
-    partitioner's per-stage activation and boundary bytes and the schedule's action order."""
+    partitioner's per-stage activation and boundary bytes and the schedule's action order
+    (scp keeps what the partition keeps, or with ``keep_all`` the last S-1-s micro-batches)."""
     from tessera.parallel.pipeline.partition import CostTable, partition
     from tessera.parallel.pipeline.schedules import build, recomputes
 
@@ -215,9 +257,10 @@ def peak_activation_bytes(schedule: str, pp: int, m: int, n_layers: int, mbs: in
     for s, actions in enumerate(build(schedule, pp, m)):
         a, b = part.bounds[s], part.bounds[s + 1]
         full, kept_input = table.act[b] - table.act[a], table.cross_bytes[a]
+        keep = None if keep_all else part.keep[s]
         live = 0.0
         for act in actions:
-            rc = recomputes(schedule, s, pp, act.mb, m, 1.0)
+            rc = recomputes(schedule, s, pp, act.mb, m, 1.0, keep)
             size = kept_input if rc else full
             live += size if act.kind == "F" else -size
             # A recomputing backward briefly holds the stage's full activations again.
@@ -229,8 +272,11 @@ def timing_figures(quick: bool) -> None:
     pp, m, mbs, n_layers = 2, 8, 2, 8
     rounds = 2 if quick else 6
     before = load()
-    best = run_distributed(_timing_worker, world_size=pp,
-                           args=(n_layers, m, mbs, rounds), timeout=900)[0]["best"]
+    results = run_distributed(_timing_worker, world_size=pp,
+                              args=(n_layers, m, mbs, rounds), timeout=900)
+    best = results[0]["best"]
+    saved = {name: max(r["saved_peak"][name] for r in results) / 2**20
+             for name in results[0]["saved_peak"]}
     common = dict(pp=pp, micro_batches=m, mbs=mbs, seq=SEQ, model=f"small_{n_layers}_layers",
                   loadavg_before=before, loadavg_after=load(), cpu_cores=os.cpu_count())
     ideal = (m + pp - 1) / m * best["one_process"] / pp
@@ -239,14 +285,21 @@ def timing_figures(quick: bool) -> None:
              {"ideal_(m+p-1)/m*T1/p_s": round(ideal, 4), "measured_s": round(best[name], 4),
               "T1_one_process_s": round(best["one_process"], 4)}, **common)
     tokens = m * mbs * SEQ
-    mem = {name: peak_activation_bytes(name, pp, m, n_layers, mbs) for name in ("1f1b", "scp")}
-    emit("scp_vs_1f1b_recompute_tokens_ratio",
-         best["1f1b_recompute"] / best["scp_recompute"], "ratio",
-         {"1f1b_full_recompute_tokens_per_s": round(tokens / best["1f1b_recompute"], 1),
-          "scp_tokens_per_s": round(tokens / best["scp_recompute"], 1),
-          "estimated_peak_activation_MiB_1f1b": round(mem["1f1b"] / 2**20, 2),
-          "estimated_peak_activation_MiB_scp": round(mem["scp"] / 2**20, 2)},
-         target=">= 1.15", **common)
+    estimate = {"1f1b_recompute": peak_activation_bytes("1f1b", pp, m, n_layers, mbs),
+                "scp_recompute": peak_activation_bytes("scp", pp, m, n_layers, mbs),
+                "scp_keep_all": peak_activation_bytes("scp", pp, m, n_layers, mbs, True)}
+    for name, target in (("scp_recompute", ">= 1.15"), ("scp_keep_all", None)):
+        figure = ("scp_vs_1f1b_recompute_tokens_ratio" if name == "scp_recompute"
+                  else "scp_keep_all_vs_1f1b_recompute_tokens_ratio")
+        extra = {"target": target} if target else {}
+        emit(figure, best["1f1b_recompute"] / best[name], "ratio",
+             {"1f1b_full_recompute_tokens_per_s": round(tokens / best["1f1b_recompute"], 1),
+              f"{name}_tokens_per_s": round(tokens / best[name], 1),
+              "measured_saved_peak_MiB_1f1b": round(saved["1f1b_recompute"], 2),
+              f"measured_saved_peak_MiB_{name}": round(saved[name], 2),
+              "estimated_peak_activation_MiB_1f1b": round(estimate["1f1b_recompute"] / 2**20, 2),
+              f"estimated_peak_activation_MiB_{name}": round(estimate[name] / 2**20, 2)},
+             **extra, **common)
     emit("tessera_vs_torch_1f1b_tokens_ratio", best["torch_1f1b"] / best["1f1b"], "ratio",
          {"torch_Schedule1F1B_tokens_per_s": round(tokens / best["torch_1f1b"], 1),
           "tessera_1f1b_tokens_per_s": round(tokens / best["1f1b"], 1)},
