@@ -193,10 +193,24 @@ def _model_device(model: nn.Module) -> torch.device:
     return torch.device("cpu")
 
 
+def _user_frames(err: BaseException) -> list[traceback.FrameSummary]:
+    """Frames outside torch in the traceback of ``err`` or, when torch re-raised it from
+    its own frames only, of the exceptions it was raised from."""
+    seen = set()
+    while err is not None and id(err) not in seen:
+        seen.add(id(err))
+        frames = [f for f in traceback.extract_tb(err.__traceback__)
+                  if "site-packages/torch" not in f.filename and "/torch/" not in f.filename
+                  and not f.filename.endswith("pipeline/capture.py")]
+        if frames:
+            return frames
+        err = err.__cause__ or err.__context__
+    return []
+
+
 def _capture_message(model: nn.Module, err: Exception) -> str:
     first = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
-    frames = [f for f in traceback.extract_tb(err.__traceback__)
-              if "site-packages/torch" not in f.filename and "/torch/" not in f.filename]
+    frames = _user_frames(err)
     where = f" at {frames[-1].filename}:{frames[-1].lineno} ({frames[-1].line})" if frames else ""
     return (f"torch.export could not capture {type(model).__name__} for pipeline "
             f"partitioning: {type(err).__name__}: {first}{where}. Data-dependent control flow "
