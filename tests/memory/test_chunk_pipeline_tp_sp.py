@@ -47,7 +47,7 @@ LLAMA = {"preset": "tiny-llama", "hf": "llama"}
 TP1D = "dp=2,tp=2,pp=2,mbs=2,gbs=8,schedule=1f1b,recompute=0.5,memory=chunk,offload=cpu"
 CASES = {  # name: (model section or None for the reference model, strategy, memory)
     # Below a stage's chunks and activations together: chunks are evicted (6 of 8 ranks).
-    "dp2_tp2_pp2_budget": (None, TP1D, {**AUTO, "device_budget": 500_000}),
+    "dp2_tp2_pp2_budget": (None, TP1D, {**AUTO, "device_budget": 420_000}),
     "tp4_2d_pp2": (None, "tp=4,tp_mode=2d,pp=2,mbs=2,gbs=8,schedule=gpipe,memory=chunk,"
                          "offload=cpu", AUTO),
     "dp2_sp2_pp2": (None, "dp=2,sp=2,pp=2,mbs=2,gbs=8,schedule=1f1b,memory=chunk,offload=cpu",
@@ -141,7 +141,7 @@ def test_chunk_memory_in_tp_and_sp_stages_equals_one_device(runs, name):
 def test_the_budget_forces_evictions_in_tp_stages(runs):
     _, eight = runs
     stats = [out["dp2_tp2_pp2_budget"]["stats"] for out in eight]
-    assert all(0 < s["device_peak"] <= 500_000 for s in stats), stats
+    assert all(0 < s["device_peak"] <= 420_000 for s in stats), stats
     assert sum(s["evictions"].get("device", 0) for s in stats) > 0, stats
 
 

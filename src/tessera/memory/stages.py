@@ -96,11 +96,9 @@ def _shaped_for_capture(manager: ChunkManager) -> Iterator[None]:
 
 
 def _hook_stage(runtime: ChunkRuntime, runner: StageRunner) -> None:
-    """Hook the head (recomputed part) and tail of a freshly built stage."""
+    """Hook the head segments (recomputed part) and tail of a freshly built stage."""
     dtype = runtime.manager.dtype
-    for part, piece in (("head", runner.head), ("tail", runner.tail)):
-        if piece is None:
-            continue
+    for part, piece in runner.pieces():
         if dtype != torch.float32:
             piece.module.register_forward_pre_hook(functools.partial(_cast_inputs, dtype))
         if runtime.hooks.hook_module(f"stage{runner.index}.{part}", piece.module):

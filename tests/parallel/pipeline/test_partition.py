@@ -141,7 +141,7 @@ def test_memory_limit_is_respected_and_moves_the_cuts(uniform):
 
 def test_stage_aware_recomputation_recomputes_more_on_earlier_stages(uniform):
     free = partition(uniform, 4, micro_batches=8)
-    # Full recomputation still rematerialises one micro-batch's activations (0.66 of free).
+    # Full recomputation (one block rematerialised at a time) peaks at 0.60 of no recompute.
     limit = 0.7 * max(free.stage_memory)
     part = stage_aware_ratios(uniform, 4, micro_batches=8, memory_limit=limit)
     assert max(part.stage_memory) <= limit
@@ -177,15 +177,21 @@ def test_scp_fits_the_memory_of_1f1b_with_the_same_recomputation(uniform):
     one_f_one_b = partition(uniform, 4, micro_batches=8, recompute=full)
     scp = partition(uniform, 4, micro_batches=8, schedule="scp", recompute=full)
     assert max(scp.stage_memory) <= max(one_f_one_b.stage_memory)
-    assert scp.recompute[-1] == 0.0 and scp.keep[-1] == 0  # the last stage never recomputes
-    assert scp.stage_time[-1] < one_f_one_b.stage_time[-1]
-    # A kept micro-batch coexists with one being recomputed: here none fits, so none is kept.
-    assert scp.keep == (0, 0, 0, 0)
-    # Without that bound scp keeps the last S-1-s micro-batches, at more memory.
+    # 1F1B rematerialises one block at a time: neither a last stage that skips recomputation
+    # (a whole stage of activations) nor a micro-batch kept whole fits that peak here.
+    assert scp.keep == (0, 0, 0, 0) and scp.stage_time == one_f_one_b.stage_time
+    # Without that bound scp keeps the last S-1-s micro-batches (the last stage all of them,
+    # recomputing nothing), faster and at more memory.
     roomy = partition(uniform, 4, micro_batches=8, schedule="scp", recompute=full,
                       memory_limit=1e12)
-    assert roomy.keep == (3, 2, 1, 0)
+    assert roomy.keep == (3, 2, 1, 8)
+    assert roomy.stage_time[-1] < one_f_one_b.stage_time[-1]
     assert max(roomy.stage_memory) > max(one_f_one_b.stage_memory)
+    # In between, each stage keeps what fits.
+    limit = roomy.stage_memory[-1]
+    between = partition(uniform, 4, micro_batches=8, schedule="scp", recompute=full,
+                        memory_limit=limit, cuts=roomy.bounds[1:-1])
+    assert between.keep[-1] == 8 and between.keep[0] < 3 and max(between.stage_memory) <= limit
 
 
 def test_tied_weight_is_read_on_the_first_and_last_stage(big_vocab):

@@ -129,27 +129,27 @@ def test_scp_moves_recomputation_off_the_critical_path(two):
     assert recomputed == [(0, m) for m in range(4)]
     for s, m in recomputed:
         assert base.index(("W", s, m)) < base.index(("R", s, m))
-    # scp: stage 0 keeps micro-batches whole only within 1F1B's memory (with full
-    # recomputation none fits), and the others recompute *before* their gradient arrives.
+    # scp: stages keep micro-batches whole (the last stage: skips recomputation) only within
+    # 1F1B's memory, and a recomputing micro-batch starts *before* its gradient arrives.
     keep = two[0]["ref_scp"]["keep"]
-    recomputed = [(s, m) for k, s, m in scp if k == "R"]
-    assert keep[0] <= 1 and recomputed == [(0, m) for m in range(4 - keep[0])]
-    for s, m in recomputed:
-        assert scp.index(("R", s, m)) < scp.index(("W", s, m))
-    assert not any(k == "R" for k, _, _ in last_stage)  # the last stage never recomputes
+    for rank, timeline in ((0, scp), (1, last_stage)):
+        recomputed = [(s, m) for k, s, m in timeline if k == "R"]
+        assert recomputed == [(rank, m) for m in range(4 - min(keep[rank], 4))]
+        for s, m in recomputed:
+            assert timeline.index(("R", s, m)) < timeline.index(("W", s, m))
+    assert keep[0] <= 1 and keep[1] in (0, 4)  # the last stage: all or none
     assert any(k == "R" for k, _, _ in two[1]["ref_1f1b_half_recompute"]["timeline"])
 
 
 @pytest.mark.slow
 def test_scp_keeps_the_last_micro_batches_of_each_stage_at_pp4(four):
     keeps = [rank_out["ref_pp4_scp"]["keep"][stage] for stage, rank_out in enumerate(four)]
-    # Half recomputation leaves the middle stages room under 1F1B's peak to keep some whole.
-    assert any(keeps) and all(k <= 4 - 1 - s for s, k in enumerate(keeps))
+    assert all(k <= 4 - 1 - s for s, k in enumerate(keeps[:3])) and keeps[3] in (0, 4)
+    assert any(keeps)  # half recomputation leaves room under 1F1B's peak to keep some
     for stage, rank_out in enumerate(four):
         recomputed = sorted(m for k, s, m in rank_out["ref_pp4_scp"]["timeline"] if k == "R")
-        # stage s keeps its last keep[s] (at most S-1-s) micro-batches; the last stage all
-        expected = list(range(4 - keeps[stage])) if stage < 3 else []
-        assert recomputed == expected, (stage, recomputed)
+        # stage s keeps its last keep[s] (at most S-1-s; the last stage all or none)
+        assert recomputed == list(range(4 - keeps[stage])), (stage, recomputed)
 
 
 @pytest.mark.slow

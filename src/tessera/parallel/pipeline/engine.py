@@ -113,8 +113,7 @@ class PipelineEngine:
                 self.timeline.add("R", s, m)
             grads = pending.pop(("B", s, m)).wait() if s < last else None
             self.timeline.add("W", s, m)
-            if state.needs_recompute:
-                runner.recompute(state)
+            if state.needs_recompute:  # segment by segment, inside the backward
                 self.timeline.add("R", s, m)
             input_grads = runner.backward(state, grads)
             self.timeline.add("B", s, m)

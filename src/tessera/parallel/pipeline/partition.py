@@ -50,7 +50,8 @@ class Partition:
         stage_memory: estimated peak bytes per stage.
         crossing_bytes: bytes sent forward at each of the S - 1 boundaries per micro-batch.
         keep: per stage, how many of its last micro-batches keep their activations instead of
-            recomputing (scp only; 0 elsewhere).
+            recomputing (scp only, where memory allows; all of them on a last stage that skips
+            recomputation; 0 elsewhere).
     """
 
     bounds: list[int]
@@ -91,6 +92,7 @@ class CostTable:
             self.bwd[i + 1] = self.bwd[i] + cost.bwd_time(rates)
             self.act[i + 1] = self.act[i] + cost.saved_bytes
         self.cross_count, self.cross_bytes = _crossings(graph)
+        self.blocks = _block_spans(graph, self.act)
         self.logits_bytes = value_bytes(graph.nodes[graph.output].node.meta.get("val"))
         self.params = [(graph.param_bytes(p), min(u), max(u))
                        for p, u in graph.param_users.items() if u]
@@ -113,14 +115,35 @@ class CostTable:
         ``keep`` hold all their activations and the rest drop the recomputed share, and
         while one of those runs its backward, that share rematerialised."""
         full = self.act[b] - self.act[a]
-        dropped = full * (1 - ratio) + ratio * self.cross_bytes[a]
+        dropped = full * (1 - ratio) + ratio * self.segment_inputs(a, b)
         recomputing = in_flight - keep
         act = recomputing * dropped + keep * full
-        if recomputing > 0:
-            act += ratio * full
+        if recomputing > 0 and ratio > 0:  # one block at a time (stage.py's segments)
+            act += min(ratio * full, self.largest_block(a, b))
         if last:
             act += self.logits_bytes
         return STATE_FACTOR * self.param_bytes(a, b) + act
+
+
+    def largest_block(self, a: int, b: int) -> float:
+        """Saved bytes of the largest block (or run of nodes outside blocks) in [a, b)."""
+        return max((size for lo, hi, size in self.blocks if lo < b and hi > a), default=0.0)
+
+    def segment_inputs(self, a: int, b: int) -> float:
+        """Bytes a fully recomputed stage [a, b) keeps per micro-batch: the input of each of
+        its blocks (program.head_segments recomputes block by block)."""
+        return sum(self.cross_bytes[max(lo, a)] for lo, hi, _ in self.blocks if lo < b and hi > a)
+
+
+def _block_spans(graph: ProxyGraph, act: list[float]) -> list[tuple[int, int, float]]:
+    """(first, end, saved bytes) of each run of compute nodes of one block."""
+    spans, start = [], 0
+    blocks = [graph.nodes[name].block for name in graph.compute]
+    for i in range(1, len(blocks) + 1):
+        if i == len(blocks) or blocks[i] != blocks[start]:
+            spans.append((start, i, act[i] - act[start]))
+            start = i
+    return spans
 
 
 def _crossings(graph: ProxyGraph) -> tuple[list[int], list[int]]:
@@ -185,8 +208,8 @@ def partition(graph: ProxyGraph, stages: int, micro_batches: int = 1, schedule: 
         micro_batches: micro-batches per step (sets the in-flight activations).
         schedule: "gpipe", "1f1b", "interleaved" or "scp".
         memory_limit: bytes each stage may hold; None for no limit, except under scp, where
-            None means what 1F1B with the same recomputation peaks at (its last stage skips
-            recomputation and other stages keep micro-batches only within that).
+            None means what 1F1B with the same recomputation peaks at (the last stage skips
+            recomputation, and other stages keep micro-batches, only within that).
         recompute: one ratio for every stage or one per stage; None chooses per stage the
             smallest ratio that fits ``memory_limit`` (stage-aware recomputation).
         rates: device speeds for turning FLOPs and bytes into seconds.
@@ -236,11 +259,9 @@ def _stage_cost(table: CostTable, a: int, b: int, s: int, stages: int, micro_bat
         choices = RATIO_GRID
     else:
         choices = (recompute[0] if len(recompute) == 1 else recompute[s],)
-    if schedule == "scp" and last:
-        choices = (0.0,)  # scp's last stage never recomputes
     for ratio in choices:
         keep = _scp_keep(table, a, b, s, stages, micro_batches, schedule, limit, ratio, flight)
-        mem = table.memory(a, b, ratio, flight, last, keep)
+        mem = table.memory(a, b, ratio, flight, last, min(keep, flight))
         if limit is None or mem <= limit:
             share = ratio * (micro_batches - keep) / micro_batches
             return table.time(a, b, share, last), mem, ratio, keep
@@ -249,13 +270,14 @@ def _stage_cost(table: CostTable, a: int, b: int, s: int, stages: int, micro_bat
 
 def _scp_keep(table: CostTable, a: int, b: int, s: int, stages: int, micro_batches: int,
               schedule: str, limit: float | None, ratio: float, flight: int) -> int:
-    """How many last micro-batches an scp stage keeps whole: the most that fit ``limit``."""
-    if schedule != "scp" or ratio <= 0 or s == stages - 1:
+    """How many last micro-batches an scp stage keeps whole: the most that fit ``limit``
+    (on the last stage all or none: it holds one micro-batch at a time)."""
+    if schedule != "scp" or ratio <= 0:
         return 0
-    keep = max_kept(s, stages, micro_batches)
-    while keep > 0 and limit is not None and table.memory(a, b, ratio, flight, False,
-                                                          keep) > limit:
-        keep -= 1
+    keep, last = max_kept(s, stages, micro_batches), s == stages - 1
+    while keep > 0 and limit is not None and table.memory(a, b, ratio, flight, last,
+                                                          min(keep, flight)) > limit:
+        keep = min(keep, flight) - 1
     return keep
 
 

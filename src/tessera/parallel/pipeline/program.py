@@ -67,6 +67,21 @@ def head_tail(graph: ProxyGraph, group: list[str], ratio: float) -> tuple[list[s
     return group[:cut - a], group[cut - a:]
 
 
+def head_segments(graph: ProxyGraph, head: list[str]) -> list[list[str]]:
+    """The head cut at its block boundaries (candidate cuts between nodes of different
+    blocks): each segment is recomputed on its own in the backward, so one block's
+    activations are rematerialised at a time."""
+    if not head:
+        return []
+    index = graph.compute_index()
+    a, b = index[head[0]], index[head[-1]] + 1
+    table = CostTable(graph, DeviceRates())
+    block = [graph.nodes[name].block for name in graph.compute]
+    cuts = [c for c in candidate_cuts(table) if a < c < b and block[c - 1] != block[c]]
+    edges = [a] + cuts + [b]
+    return [head[lo - a:hi - a] for lo, hi in zip(edges, edges[1:])]
+
+
 class PipelineProgram:
     """Partition + this rank's stages, built lazily per micro-batch shape.
 
@@ -129,23 +144,24 @@ class PipelineProgram:
         else:
             graph = self._capture(traced, training)
         groups = stage_groups(graph, self.stage_of, self.n_stages)
-        # Each stage becomes one or two pieces: [head (recomputed), tail], empty ones dropped.
+        # Each stage becomes its pieces: [head segments (recomputed)..., tail], none empty.
         halves = [head_tail(graph, g, self.ratios[s] if training else 0.0)
                   for s, g in enumerate(groups)]
+        segments = [head_segments(graph, head) for head, _ in halves]
         piece_groups, first_piece = [], []
-        for head, tail in halves:
+        for segs, (_, tail) in zip(segments, halves):
             first_piece.append(len(piece_groups))
-            piece_groups += [g for g in (head, tail) if g]
+            piece_groups += segs + ([tail] if tail else [])
         pieces = split_graph(graph, piece_groups, self.model)
         if parts > 1:
             pieces = [subpipeline(p) for p in pieces]
         entering = boundaries(graph, piece_groups)
         runners = {}
         for s in self.local:
-            head, tail = halves[s]
-            own = iter(pieces[first_piece[s]:first_piece[s] + bool(head) + bool(tail)])
-            runners[s] = StageRunner(s, next(own) if head else None,
-                                     next(own) if tail else None, self.autocast)
+            n_head = len(segments[s])
+            own = pieces[first_piece[s]:first_piece[s] + n_head + bool(halves[s][1])]
+            runners[s] = StageRunner(s, own[:n_head], own[n_head] if halves[s][1] else None,
+                                     self.autocast)
             if self.on_stage_built is not None:
                 self.on_stage_built(runners[s])
         in_specs = [[_whole(spec_of(graph, n), traced[0], parts, n)

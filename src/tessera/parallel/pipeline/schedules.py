@@ -10,13 +10,15 @@ rank. Timelines for pp=3 stages, 4 micro-batches (digits are micro-batches, b ba
     .0123...0123 .01..0.1.2.3.          micro-batches; the bubble shrinks by the number
     ..0123..0123 ..0 0 1 1 2 2 3 3      of chunks at the price of more messages
 
-Shifted critical path ("scp", Merak): 1F1B with recomputation, where the last stage never
-recomputes (its backward follows its forward at once), the last S-1-s micro-batches of stage
-s may keep their activations (the pipeline drains after them, so recomputing them would sit on
-the critical path; the partitioner keeps only as many as fit the memory 1F1B would use), and
-the remaining recomputation runs *before* waiting for the incoming gradient, inside the time
-the stage would otherwise idle; and stage S-2 runs its third forward before its first
-backward, which would otherwise wait for the last stage.
+Shifted critical path ("scp", Merak): 1F1B with recomputation, where the last stage skips
+recomputation (its backward follows its forward at once), the last S-1-s micro-batches of
+stage s keep their activations (the pipeline drains after them, so recomputing them would sit
+on the critical path), and recomputation runs *before* waiting for the incoming gradient,
+inside the time the stage would otherwise idle; and stage S-2 runs its third forward before
+its first backward, which would otherwise wait for the last stage. Skipping and keeping cost
+memory: the partitioner allows them only within the peak 1F1B with the same recomputation
+reaches (Partition.keep), and ahead of the gradient only the last recomputed segment runs,
+the one 1F1B's backward rematerialises first (stage.py).
 """
 
 from __future__ import annotations
@@ -129,14 +131,15 @@ def recomputes(schedule: str, stage: int, n_stages: int, mb: int, micro_batches:
         return False
     if schedule != "scp":
         return True
-    if stage == n_stages - 1:
-        return False
     kept = max_kept(stage, n_stages, micro_batches) if keep is None else keep
     return mb < micro_batches - kept
 
 
 def max_kept(stage: int, n_stages: int, micro_batches: int) -> int:
-    """Micro-batches scp may keep on ``stage``: the last S-1-s, which only the drain follows."""
+    """Micro-batches scp may keep whole on ``stage``: every one on the last stage (its
+    backward follows its forward at once), else the last S-1-s, which only the drain follows."""
+    if stage == n_stages - 1:
+        return micro_batches
     return min(micro_batches, n_stages - 1 - stage)
 
 

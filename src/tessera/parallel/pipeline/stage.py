@@ -1,11 +1,12 @@
 """One virtual stage at run time: forward, recomputation and backward of a micro-batch.
 
-A stage is one graph piece, or two when it recomputes: a *head* whose activations are dropped
-after the forward (run under no_grad, only its inputs kept) and a *tail* that keeps them.
-Before the backward the head runs again with gradients, from the same RNG state so dropout
-masks repeat. Doing that recomputation as its own call (rather than inside
-torch.utils.checkpoint) is what lets the shifted-critical-path schedule run it before the
-incoming gradient arrives instead of after.
+A stage is its graph pieces: when it recomputes, a *head* of one or more segments (about a
+block each) whose activations are dropped after the forward (run under no_grad, only each
+segment's inputs kept), then a *tail* that keeps them. In the backward the segments run again
+with gradients one at a time, newest first, from the RNG state of their forward so dropout
+masks repeat, so at most one segment's activations are rematerialised at once (per-layer
+checkpointing). The last segment can also be recomputed as its own call before the incoming
+gradient arrives, which is what the shifted-critical-path schedule does (engine.py).
 """
 
 from __future__ import annotations
@@ -26,13 +27,17 @@ class MicroBatchState:
     batch: dict[str, torch.Tensor]
     outputs: list[torch.Tensor] = field(default_factory=list)
     head_leaves: list[torch.Tensor] | None = None  # tail inputs when the head recomputes
-    head_outputs: list[torch.Tensor] | None = None  # the recomputed head (with autograd)
-    rng: torch.Tensor | None = None
+    segment_inputs: list[list[torch.Tensor]] = field(default_factory=list)  # kept, no grad
+    segment_rng: list[torch.Tensor] = field(default_factory=list)
+    # Segments recomputed ahead of the backward: index -> (grad-enabled inputs, outputs).
+    recomputed: dict[int, tuple[list[torch.Tensor], list[torch.Tensor]]] = field(
+        default_factory=dict)
     loss: torch.Tensor | None = None
 
     @property
     def needs_recompute(self) -> bool:
-        return self.head_leaves is not None and self.head_outputs is None
+        """Dropped segments none of which was recomputed ahead yet."""
+        return self.head_leaves is not None and not self.recomputed
 
 
 class StageRunner:
@@ -40,17 +45,21 @@ class StageRunner:
 
     Args:
         index: virtual stage number.
-        head: the recomputed part, or None.
+        head: the recomputed segments, in order (empty when nothing recomputes).
         tail: the part that keeps its activations, or None (when the head is everything).
         autocast: context factory for mixed precision.
     """
 
-    def __init__(self, index: int, head: Piece | None, tail: Piece | None,
+    def __init__(self, index: int, head: list[Piece], tail: Piece | None,
                  autocast=contextlib.nullcontext) -> None:
-        if head is None and tail is None:
+        if not head and tail is None:
             raise ValueError(f"stage {index} has no nodes")
-        self.index, self.head, self.tail, self.autocast = index, head, tail, autocast
-        self.first = head or tail
+        self.index, self.head, self.tail, self.autocast = index, list(head), tail, autocast
+
+    def pieces(self) -> list[tuple[str, Piece]]:
+        """(name, piece) of every piece, head segments first."""
+        named = [(f"head{i}", piece) for i, piece in enumerate(self.head)]
+        return named + ([("tail", self.tail)] if self.tail is not None else [])
 
     def forward(self, inputs: list[torch.Tensor], batch: dict[str, torch.Tensor],
                 recompute: bool, grad: bool = True) -> MicroBatchState:
@@ -60,34 +69,52 @@ class StageRunner:
         state = MicroBatchState(inputs, batch)
         with torch.set_grad_enabled(grad), self.autocast():
             x = inputs
-            if self.head is not None and recompute and grad:
-                state.rng = torch.get_rng_state()
+            if self.head and recompute and grad:
                 with torch.no_grad():
-                    x = _run(self.head, x, batch)
+                    for segment in self.head:
+                        state.segment_rng.append(torch.get_rng_state())
+                        state.segment_inputs.append(x)
+                        x = _run(segment, x, batch)
                 x = [t.detach().requires_grad_(t.is_floating_point()) for t in x]
                 state.head_leaves = x
-            elif self.head is not None:
-                x = _run(self.head, x, batch)
+            else:
+                for segment in self.head:
+                    x = _run(segment, x, batch)
             state.outputs = _run(self.tail, x, batch) if self.tail is not None else x
         return state
 
-    def recompute(self, state: MicroBatchState) -> None:
-        """Run the head again with autograd, from the RNG state of its forward."""
-        with torch.random.fork_rng(devices=[]), self.autocast():
-            torch.set_rng_state(state.rng)
-            state.head_outputs = _run(self.head, state.inputs, state.batch)
+    def recompute(self, state: MicroBatchState, segment: int | None = None) -> None:
+        """Run one dropped segment again with autograd (default: the last), from the RNG
+        state of its forward, ahead of the backward that needs it."""
+        index = len(self.head) - 1 if segment is None else segment
+        state.recomputed[index] = self._rerun(state, index)
+
+    def _rerun(self, state: MicroBatchState, index: int):
+        saved = state.segment_inputs[index]
+        # The first segment reads the stage inputs, whose gradients go to the previous stage.
+        inputs = saved if index == 0 else [
+            t.detach().requires_grad_(t.is_floating_point()) for t in saved]
+        with torch.random.fork_rng(devices=[]), torch.enable_grad(), self.autocast():
+            torch.set_rng_state(state.segment_rng[index])
+            outputs = _run(self.head[index], inputs, state.batch)
+        return inputs, outputs
 
     def backward(self, state: MicroBatchState, grads: list[torch.Tensor] | None
                  ) -> list[torch.Tensor]:
-        """Backward from ``grads`` of the outputs (or from ``state.loss``); input gradients."""
-        if state.needs_recompute:
-            self.recompute(state)
+        """Backward from ``grads`` of the outputs (or from ``state.loss``); input gradients.
+        Dropped segments are recomputed newest first, one at a time."""
         if grads is None:
             state.loss.backward()
         else:
             _backward(state.outputs, grads)
         if state.head_leaves is not None:
-            _backward(state.head_outputs, [leaf.grad for leaf in state.head_leaves])
+            grads = [leaf.grad for leaf in state.head_leaves]
+            for index in reversed(range(len(self.head))):
+                inputs, outputs = (state.recomputed.pop(index, None)
+                                   or self._rerun(state, index))
+                _backward(outputs, grads)
+                grads = [t.grad if t.requires_grad else None for t in inputs]
+                del inputs, outputs  # this segment's activations go before the next one's
         return [t.grad if t.grad is not None else torch.zeros_like(t) for t in state.inputs]
 
 
