@@ -152,15 +152,17 @@ def recomputed_layers(ratio: float, layers: int) -> int:
 
 
 def activation_bytes(model: ModelConfig, s: Strategy, seq: int, layers: int, in_flight: float,
-                     ratio: float, flash: bool, together: bool = False) -> float:
-    """Activation bytes of one stage: ``in_flight`` micro-batches of ``layers`` layers, and
-    while one runs its backward, its recomputed layers rematerialised: one at a time, or all
-    ``together`` (a tessera pipeline stage recomputes its head piece at once)."""
+                     ratio: float, flash: bool, whole: int = 0) -> float:
+    """Activation bytes of one stage: ``in_flight`` micro-batches of ``layers`` layers, of
+    which ``whole`` (scp) keep every layer's activations; while a recomputing one runs its
+    backward, one recomputed layer is rematerialised at a time."""
     full, ckpt = layer_activation(model, s, seq, flash)
     recomputed = recomputed_layers(ratio, layers)
+    whole = min(whole, in_flight)
+    dropping = in_flight - whole
     kept = recomputed * ckpt + (layers - recomputed) * full
-    working = (recomputed if together else min(recomputed, 1)) * full
-    return in_flight * kept + working
+    working = full if recomputed and dropping > 0 else 0.0
+    return dropping * kept + whole * layers * full + working
 
 
 def in_flight(s: Strategy, stage: int, micro_batches: int) -> float:
@@ -198,10 +200,8 @@ def stage_memory(model: ModelConfig, s: Strategy, seq: int, reserved: float = 0.
         seq: training sequence length.
         reserved: bytes the runtime keeps for itself (device preset).
         flash: whether attention keeps no (s x s) scores.
-        tessera: the pipeline as tessera runs it: stages as its partitioner deals them
-            (split.py) and, under pp > 1, a stage's recomputed layers rematerialised together
-            before its backward (one graph piece, parallel/pipeline/program.py); False:
-            Megatron-LM's equal split, rematerialising one layer at a time.
+        tessera: stages as tessera's partitioner deals them; False: Megatron-LM's equal
+            split (split.py).
     """
     w_b, g_b, o_b = state_bytes(s.precision)
     shard_dp = s.dp * s.sp if s.memory != "ddp" else 1  # sp ranks replicate parameters too
@@ -222,14 +222,10 @@ def stage_memory(model: ModelConfig, s: Strategy, seq: int, reserved: float = 0.
         if s.offload:
             host, optim = optim, 0.0
         ratio = s.stage_recompute(i)
-        scp = s.schedule == "scp" and s.pp > 1
-        if scp and i == s.pp - 1:
-            ratio = 0.0  # scp's last stage never recomputes
         held = in_flight(s, i, m)
+        # scp: micro-batches kept whole, within 1F1B's peak (scp_kept)
         acts = activation_bytes(model, s, seq, stage.layers, held, ratio, flash,
-                                together=tessera and s.pp > 1)
-        if scp and kept:  # micro-batches kept whole, within 1F1B's peak (scp_kept)
-            acts += kept[i] * _kept_extra(model, s, seq, flash, stage.layers, ratio)
+                                kept[i] if kept else 0)
         acts += stage.head_share * logits_bytes(model, s, seq)  # its slices' logits
         buffers = reserved + _buffers(model, s, seq, p, stage, w_b, g_b, ratio)
         out.append(MemoryBreakdown(weights, grads, optim, acts, buffers, host))
@@ -239,30 +235,24 @@ def stage_memory(model: ModelConfig, s: Strategy, seq: int, reserved: float = 0.
 def scp_kept(model: ModelConfig, s: Strategy, seq: int, reserved: float = 0.0,
              flash: bool = True, tessera: bool = True) -> list[int]:
     """Micro-batches each stage keeps whole (without recomputing) under scp: at most the
-    last pp-1-i, and only as many as keep the stage under the peak that 1F1B with the same
-    recomputation reaches on its fullest stage (the runtime's rule, Partition.keep)."""
+    last pp-1-i (on the last stage all or none), and only as many as keep the stage under
+    the peak 1F1B with the same recomputation reaches on its fullest stage (the runtime's
+    rule, Partition.keep)."""
     if s.pp == 1:
         return []
-    plain = s.replace(schedule="1f1b")
-    base = stage_memory(model, plain, seq, reserved, flash, tessera)
+    m = s.grad_accum_steps
+    base = stage_memory(model, s.replace(schedule="1f1b"), seq, reserved, flash, tessera)
     budget = max(b.total for b in base)
-    split = stage_split(model, s, tessera)
     out = []
-    for i, stage in enumerate(stage_params(model, s.pp, split)):
-        ratio = s.stage_recompute(i)
-        extra = _kept_extra(model, s, seq, flash, stage.layers, ratio)
-        keep = min(s.pp - 1 - i, s.grad_accum_steps) if i < s.pp - 1 and extra > 0 else 0
-        while keep > 0 and base[i].total + keep * extra > budget:
-            keep -= 1
+    for i, stage in enumerate(stage_params(model, s.pp, stage_split(model, s, tessera))):
+        ratio, held = s.stage_recompute(i), in_flight(s, i, m)
+        plain = activation_bytes(model, s, seq, stage.layers, held, ratio, flash)
+        keep = (m if i == s.pp - 1 else min(s.pp - 1 - i, m)) if ratio > 0 else 0
+        while keep > 0 and base[i].total - plain + activation_bytes(
+                model, s, seq, stage.layers, held, ratio, flash, keep) > budget:
+            keep = min(keep, held) - 1
         out.append(keep)
     return out
-
-
-def _kept_extra(model: ModelConfig, s: Strategy, seq: int, flash: bool, layers: int,
-                ratio: float) -> float:
-    """Bytes a micro-batch kept whole holds over one whose recomputed layers drop theirs."""
-    full, ckpt = layer_activation(model, s, seq, flash)
-    return recomputed_layers(ratio, layers) * (full - ckpt)
 
 
 def _buffers(model: ModelConfig, s: Strategy, seq: int, p: float, stage: StageParams,

@@ -123,8 +123,7 @@ def validate_published() -> list[dict[str, Any]]:
         spec = row["cluster"]
         cluster = parse_cluster(spec) if isinstance(spec, str) else Cluster.from_mapping(spec)
         est = estimate(model, cluster, Strategy.parse(row["strategy"]),
-                       # Megatron-LM (and the other published runs) split layers equally and
-                       # rematerialise one layer at a time.
+                       # Megatron-LM (and the other published runs) split layers equally.
                        SimOptions(tp_overlap=row.get("tp_overlap", 0.0),
                                   tessera_pipeline=False))
         measured = measured_tflops(row, model)

@@ -50,11 +50,9 @@ class SimOptions:
         tp_overlap: fraction of tensor-parallel communication that sub-pipelined tensor
             parallelism (Merak) or async TP hides under compute; 0 = none.
         dp_overlap: overlap gradient synchronisation with the last backward (DDP buckets).
-        tessera_pipeline: the pipeline as tessera runs it: stages as its partitioner deals
-            them (fewer layers beside a heavy head, a heavy head sliced over the last
-            stages) and a stage's recomputed layers rematerialised together; False: the
-            equal split with the head on the last stage and one layer rematerialised at a
-            time, as Megatron-LM runs (split.py, memory.py).
+        tessera_pipeline: pipeline stages as tessera's partitioner deals them (fewer layers
+            beside a heavy head, a heavy head sliced over the last stages); False: the equal
+            split with the head on the last stage, as Megatron-LM runs (split.py).
     """
 
     tp_overlap: float = 0.0
@@ -328,7 +326,7 @@ def _pipeline(s: Strategy, stages: list[_Stage], m: int, cl: Cluster, model: Mod
     for i, st in enumerate(stages):
         rec = st.rec
         if s.schedule == "scp" and s.pp > 1:
-            recomputing = 0 if i == s.pp - 1 else (m - (kept[i] if kept else 0)) / m
+            recomputing = (m - min(kept[i], m)) / m if kept else 1.0
             rec = max(0.0, rec * recomputing - p2p)
         recs.append(rec)
     v = INTERLEAVE_CHUNKS if s.schedule == "interleaved" else 1
