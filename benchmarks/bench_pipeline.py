@@ -256,15 +256,17 @@ def peak_activation_bytes(schedule: str, pp: int, m: int, n_layers: int, mbs: in
     peak = 0.0
     for s, actions in enumerate(build(schedule, pp, m)):
         a, b = part.bounds[s], part.bounds[s + 1]
-        full, kept_input = table.act[b] - table.act[a], table.cross_bytes[a]
+        full, kept_input = table.act[b] - table.act[a], table.segment_inputs(a, b)
+        block = table.largest_block(a, b)
         keep = None if keep_all else part.keep[s]
         live = 0.0
         for act in actions:
             rc = recomputes(schedule, s, pp, act.mb, m, 1.0, keep)
+            # A recomputing micro-batch keeps each block's input until its backward, which
+            # rematerialises one block at a time.
             size = kept_input if rc else full
             live += size if act.kind == "F" else -size
-            # A recomputing backward briefly holds the stage's full activations again.
-            peak = max(peak, live + (full if act.kind == "B" and rc else 0.0))
+            peak = max(peak, live + (block if act.kind == "B" and rc else 0.0))
     return peak
 
 
