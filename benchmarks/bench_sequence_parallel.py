@@ -41,6 +41,7 @@ from torch.nn.attention import SDPBackend, sdpa_kernel
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten
 
+from tessera.memory.saved_peak import LiveStorages
 from tessera.mesh import Mesh
 from tessera.models import Transformer
 from tessera.models.config import preset
@@ -65,9 +66,11 @@ class PeakMemory(TorchDispatchMode):
 
     def __init__(self) -> None:
         super().__init__()
-        self.live, self.peak = 0, 0
-        self._holders: dict[int, int] = {}  # storage key -> live tensors on it
-        self._bytes: dict[int, int] = {}
+        self.storages = LiveStorages()
+
+    @property
+    def peak(self) -> int:
+        return self.storages.peak
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         out = func(*args, **(kwargs or {}))
@@ -77,21 +80,11 @@ class PeakMemory(TorchDispatchMode):
                 continue
             local = getattr(t, "_local_tensor", t)
             key = _ptr(local)
-            if key == 0 or (key in inputs and key not in self._holders):
+            if key == 0 or (key in inputs and key not in self.storages):
                 continue  # no storage, or an alias of a storage made before the mode
-            if key not in self._holders:
-                self._holders[key], self._bytes[key] = 0, local.untyped_storage().nbytes()
-                self.live += self._bytes[key]
-                self.peak = max(self.peak, self.live)
-            self._holders[key] += 1
-            weakref.finalize(local, self._release, key)
+            self.storages.acquire(key, local.untyped_storage().nbytes())
+            weakref.finalize(local, self.storages.release, key)
         return out
-
-    def _release(self, key: int) -> None:
-        self._holders[key] -= 1
-        if self._holders[key] == 0:
-            del self._holders[key]
-            self.live -= self._bytes.pop(key)
 
 
 def _ptr(t: torch.Tensor) -> int:
