@@ -28,7 +28,7 @@ class MicroBatchState:
     outputs: list[torch.Tensor] = field(default_factory=list)
     head_leaves: list[torch.Tensor] | None = None  # tail inputs when the head recomputes
     segment_inputs: list[list[torch.Tensor]] = field(default_factory=list)  # kept, no grad
-    segment_rng: list[torch.Tensor] = field(default_factory=list)
+    segment_rng: list[tuple] = field(default_factory=list)  # _rng_state per segment
     # Segments recomputed ahead of the backward: index -> (grad-enabled inputs, outputs).
     recomputed: dict[int, tuple[list[torch.Tensor], list[torch.Tensor]]] = field(
         default_factory=dict)
@@ -72,7 +72,7 @@ class StageRunner:
             if self.head and recompute and grad:
                 with torch.no_grad():
                     for segment in self.head:
-                        state.segment_rng.append(torch.get_rng_state())
+                        state.segment_rng.append(_rng_state(batch))
                         state.segment_inputs.append(x)
                         x = _run(segment, x, batch)
                 x = [t.detach().requires_grad_(t.is_floating_point()) for t in x]
@@ -94,8 +94,12 @@ class StageRunner:
         # The first segment reads the stage inputs, whose gradients go to the previous stage.
         inputs = saved if index == 0 else [
             t.detach().requires_grad_(t.is_floating_point()) for t in saved]
-        with torch.random.fork_rng(devices=[]), torch.enable_grad(), self.autocast():
-            torch.set_rng_state(state.segment_rng[index])
+        cpu, device, cuda = state.segment_rng[index]
+        with torch.random.fork_rng(devices=[device] if cuda is not None else []), \
+                torch.enable_grad(), self.autocast():
+            torch.set_rng_state(cpu)
+            if cuda is not None:  # dropout on a GPU draws from the device's generator
+                torch.cuda.set_rng_state(cuda, device)
             outputs = _run(self.head[index], inputs, state.batch)
         return inputs, outputs
 
@@ -116,6 +120,15 @@ class StageRunner:
                 grads = [t.grad if t.requires_grad else None for t in inputs]
                 del inputs, outputs  # this segment's activations go before the next one's
         return [t.grad if t.grad is not None else torch.zeros_like(t) for t in state.inputs]
+
+
+def _rng_state(batch: dict[str, torch.Tensor]):
+    """(CPU generator state, CUDA device or None, its generator state or None): what a
+    recomputation restores so that dropout masks repeat."""
+    device = next((t.device for t in batch.values() if isinstance(t, torch.Tensor)), None)
+    if device is not None and device.type == "cuda":
+        return torch.get_rng_state(), device, torch.cuda.get_rng_state(device)
+    return torch.get_rng_state(), None, None
 
 
 def _run(piece: Piece, inputs: list[torch.Tensor], batch: dict[str, torch.Tensor]
