@@ -46,17 +46,19 @@ def stage_groups(graph: ProxyGraph, stage_of: dict[str, int], n_stages: int) -> 
     return groups
 
 
-def head_tail(graph: ProxyGraph, group: list[str], ratio: float) -> tuple[list[str], list[str]]:
+def head_tail(graph: ProxyGraph, group: list[str], ratio: float,
+              table: CostTable | None = None) -> tuple[list[str], list[str]]:
     """Split a stage's nodes so the head holds about ``ratio`` of its forward time.
 
     The cut falls at a candidate cut (few activations crossing) nearest that fraction; with no
-    candidate inside the stage, any ratio > 0 recomputes the whole stage.
+    candidate inside the stage, any ratio > 0 recomputes the whole stage. ``table``: the
+    graph's CostTable, when the caller has one.
     """
     if ratio <= 0 or not group:
         return [], group
     if ratio >= 1:
         return group, []
-    table = CostTable(graph, DeviceRates())
+    table = table or CostTable(graph, DeviceRates())
     index = graph.compute_index()
     a, b = index[group[0]], index[group[-1]] + 1
     inside = [c for c in candidate_cuts(table) if a < c < b]
@@ -67,15 +69,16 @@ def head_tail(graph: ProxyGraph, group: list[str], ratio: float) -> tuple[list[s
     return group[:cut - a], group[cut - a:]
 
 
-def head_segments(graph: ProxyGraph, head: list[str]) -> list[list[str]]:
+def head_segments(graph: ProxyGraph, head: list[str],
+                  table: CostTable | None = None) -> list[list[str]]:
     """The head cut at its block boundaries (candidate cuts between nodes of different
     blocks): each segment is recomputed on its own in the backward, so one block's
-    activations are rematerialised at a time."""
+    activations are rematerialised at a time. ``table`` as for :func:`head_tail`."""
     if not head:
         return []
     index = graph.compute_index()
     a, b = index[head[0]], index[head[-1]] + 1
-    table = CostTable(graph, DeviceRates())
+    table = table or CostTable(graph, DeviceRates())
     block = [graph.nodes[name].block for name in graph.compute]
     cuts = [c for c in candidate_cuts(table) if a < c < b and block[c - 1] != block[c]]
     edges = [a] + cuts + [b]
@@ -145,9 +148,10 @@ class PipelineProgram:
             graph = self._capture(traced, training)
         groups = stage_groups(graph, self.stage_of, self.n_stages)
         # Each stage becomes its pieces: [head segments (recomputed)..., tail], none empty.
-        halves = [head_tail(graph, g, self.ratios[s] if training else 0.0)
+        table = CostTable(graph, DeviceRates())  # one for every stage's cuts
+        halves = [head_tail(graph, g, self.ratios[s] if training else 0.0, table)
                   for s, g in enumerate(groups)]
-        segments = [head_segments(graph, head) for head, _ in halves]
+        segments = [head_segments(graph, head, table) for head, _ in halves]
         piece_groups, first_piece = [], []
         for segs, (_, tail) in zip(segments, halves):
             first_piece.append(len(piece_groups))
