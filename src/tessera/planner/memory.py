@@ -191,7 +191,8 @@ def local_params(model: ModelConfig, stage: StageParams, tp: int) -> float:
 
 
 def stage_memory(model: ModelConfig, s: Strategy, seq: int, reserved: float = 0.0,
-                 flash: bool = True, tessera: bool = True) -> list[MemoryBreakdown]:
+                 flash: bool = True, tessera: bool = True,
+                 kept: list[int] | None = None) -> list[MemoryBreakdown]:
     """Memory of one device of each pipeline stage.
 
     Args:
@@ -202,11 +203,13 @@ def stage_memory(model: ModelConfig, s: Strategy, seq: int, reserved: float = 0.
         flash: whether attention keeps no (s x s) scores.
         tessera: stages as tessera's partitioner deals them; False: Megatron-LM's equal
             split (split.py).
+        kept: :func:`scp_kept`'s answer when the caller has it (computed here otherwise).
     """
     w_b, g_b, o_b = state_bytes(s.precision)
     shard_dp = s.dp * s.sp if s.memory != "ddp" else 1  # sp ranks replicate parameters too
     m = s.grad_accum_steps
-    kept = scp_kept(model, s, seq, reserved, flash, tessera) if s.schedule == "scp" else []
+    if kept is None:
+        kept = scp_kept(model, s, seq, reserved, flash, tessera) if s.schedule == "scp" else []
     out = []
     for i, stage in enumerate(stage_params(model, s.pp, stage_split(model, s, tessera))):
         p = local_params(model, stage, s.tp)
@@ -274,6 +277,8 @@ def _buffers(model: ModelConfig, s: Strategy, seq: int, p: float, stage: StagePa
 
 
 def device_memory(model: ModelConfig, s: Strategy, seq: int, reserved: float = 0.0,
-                  flash: bool = True, tessera: bool = True) -> MemoryBreakdown:
+                  flash: bool = True, tessera: bool = True,
+                  kept: list[int] | None = None) -> MemoryBreakdown:
     """The most loaded device's memory (the stage that decides whether a strategy fits)."""
-    return max(stage_memory(model, s, seq, reserved, flash, tessera), key=lambda m: m.total)
+    return max(stage_memory(model, s, seq, reserved, flash, tessera, kept),
+               key=lambda m: m.total)

@@ -130,7 +130,7 @@ def estimate(model: ModelConfig, cluster: Cluster, strategy: Strategy,
     model_flops = model.flops_per_token(seq) * tokens
     peak = cl.device.peak(s.precision)
     memory = device_memory(model, s, seq, cl.device.reserved_bytes, cl.device.flash_attention,
-                           opt.tessera_pipeline)
+                           opt.tessera_pipeline, kept)
     return Estimate(strategy=s, step_time=step, tokens_per_s=tokens / step,
                     tflops_per_device=model_flops / step / s.world_size / 1e12,
                     mfu=model_flops / step / s.world_size / peak, memory=memory,
