@@ -64,7 +64,23 @@ def _script_and_callbacks(rank, world_size, root):
     epochs_steps = trainer.state.max_steps
     result = trainer.train()
     return {"metrics": metrics, "losses": result.losses, "stopped_at": result.step,
-            "seen": stopper.seen, "epoch_steps": epochs_steps, "n": len(data)}
+            "seen": stopper.seen, "epoch_steps": epochs_steps, "n": len(data),
+            **_meta_model_at_pp2(root, data)}
+
+
+def _meta_model_at_pp2(root, data) -> dict:
+    """A GPT-2 built on the meta device, trained at pp=2: each rank materialises its share."""
+    with torch.device("meta"):
+        model = _tiny_gpt2()
+    trainer = Trainer(model=model, args=TrainingArguments(
+        output_dir=f"{root}/meta", per_device_train_batch_size=2, max_steps=2,
+        logging_steps=1, save_strategy="no", strategy="pp=2,mbs=2,gbs=4,schedule=1f1b"),
+        train_dataset=data)
+    losses = trainer.train().losses
+    trainer.save_model(f"{root}/meta_saved")
+    return {"meta_losses": losses,
+            "meta_left": sum(p.numel() for p in model.parameters() if p.is_meta),
+            "meta_total": sum(p.numel() for p in model.parameters())}
 
 
 @pytest.mark.slow
@@ -77,6 +93,12 @@ def test_hf_script_runs_on_two_workers(tmp_path):
     assert out["stopped_at"] == 3 and out["seen"] == [1, 2, 3]
     reloaded = GPT2LMHeadModel.from_pretrained(tmp_path / "script" / "final")
     assert reloaded.config.n_layer == 2
+    # The meta-device model: each rank left the other stage's weights on meta, trained, and
+    # save_model gathered the whole model.
+    assert len(out["meta_losses"]) == 2 and all(4.0 < v < 7.0 for v in out["meta_losses"])
+    assert 0 < out["meta_left"] < out["meta_total"]
+    whole = GPT2LMHeadModel.from_pretrained(tmp_path / "meta_saved")
+    assert sum(p.numel() for p in whole.parameters()) == out["meta_total"]
 
 
 def test_script_differs_from_its_hf_original_in_two_lines():

@@ -16,6 +16,7 @@ started with the "spawn" method: a fresh interpreter per rank, as torchrun does.
 
 from __future__ import annotations
 
+
 import multiprocessing as mp
 import os
 import pickle

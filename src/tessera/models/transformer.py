@@ -224,7 +224,7 @@ class Transformer(nn.Module):
                     nn.init.zeros_(module.bias)
         if self.config.position == "rope":
             cos, sin = rope_tables(self.config.head_dim, self.config.max_seq_len,
-                                   self.config.rope_theta, device=self.embed.weight.device)
+                                   self.config.rope_theta, device=self.rope_cos.device)
             self.rope_cos.copy_(cos)
             self.rope_sin.copy_(sin)
 

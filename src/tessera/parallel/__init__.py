@@ -13,6 +13,7 @@ from typing import Any
 from torch import nn
 
 from tessera.mesh import Mesh
+from tessera.models.materialize import DeferredInit, has_meta
 from tessera.parallel.data import wrap_data_parallel
 from tessera.parallel.plan import Parallelized
 from tessera.parallel.recompute import apply_recompute
@@ -22,15 +23,24 @@ __all__ = ["Parallelized", "parallelize"]
 
 
 def parallelize(model: nn.Module, strategy: Strategy, mesh: Mesh,
-                memory: Any = None) -> Parallelized:
+                memory: Any = None, deferred: DeferredInit | None = None) -> Parallelized:
     """Lay ``model`` out under ``strategy`` on ``mesh``.
 
-    The model's parameters must already be on the mesh's device. The returned ``module`` may
+    The model's parameters must be on the mesh's device, or on the meta device with
+    ``deferred`` saying how to materialise them: pipeline stages without tensor parallelism
+    materialise only the weights this rank's stages hold, every other layout the whole model
+    first (docs/pipeline.md, *Models larger than memory*). The returned ``module`` may
     wrap ``model`` (e.g. DistributedDataParallel); ``model`` keeps its parameter names, so
     checkpoints stay in the single-device layout. ``memory`` holds the chunk-memory options
     (the config's ``memory:`` section) used when ``strategy.memory == "chunk"``.
     """
     strategy.require_available()
+    if has_meta(model):
+        if deferred is None:
+            raise ValueError("the model has parameters on the meta device and no "
+                             "DeferredInit says how to materialise them")
+        if not per_stage_materialization(strategy):
+            deferred(model)
     plan = Parallelized(module=model, model=model, loss_group=mesh.group("dp"))
     stage_inputs = None  # what the pipeline's stages read besides input_ids (sp > 1)
     if strategy.tp > 1:
@@ -52,7 +62,7 @@ def parallelize(model: nn.Module, strategy: Strategy, mesh: Mesh,
         # stage-aware recomputation and dp gradient averaging run inside the PipelineEngine.
         from tessera.parallel.pipeline import apply_pipeline
 
-        apply_pipeline(plan, strategy, mesh, stage_inputs)
+        apply_pipeline(plan, strategy, mesh, stage_inputs, deferred)
         if strategy.memory == "chunk":
             # Chunk memory over this rank's stages (dp x pp): the stage pieces are the hooked
             # modules, the dp reduce-scatter runs after the pipeline drains (memory/stages.py).
@@ -77,3 +87,10 @@ def parallelize(model: nn.Module, strategy: Strategy, mesh: Mesh,
     if plan.module is not model:
         plan.features.append("data_parallel")
     return plan
+
+
+def per_stage_materialization(strategy: Strategy) -> bool:
+    """Whether a meta-device model is materialised per pipeline stage (only the weights this
+    rank holds) rather than whole before the layout is applied. Tensor parallelism shards
+    whole weights, so it needs them first."""
+    return strategy.pp > 1 and strategy.tp == 1

@@ -34,9 +34,17 @@ class WeightsImportError(ValueError):
 
 
 def save_full_model(trainer, output_dir: Path) -> Path:
-    """Gather the full state dict (all ranks call this) and write it from rank 0."""
+    """Gather the full state dict (all ranks call this) and write it from rank 0.
+
+    Under pipeline parallelism each stage's ranks hold only their stages' weights: rank 0
+    gathers them from the other ranks of its pp group.
+    """
+    pipeline = trainer.plan.pipeline
+    # cpu_offload keeps the gathered values on rank 0 only: stages' shares live elsewhere.
     state = get_model_state_dict(trainer.wrapped, options=StateDictOptions(
-        full_state_dict=True, cpu_offload=True))
+        full_state_dict=True, cpu_offload=pipeline is None))
+    if pipeline is not None:
+        state = _gather_stages({k: v.cpu() for k, v in state.items()}, pipeline.pp_group)
     if dist.get_rank() == 0:
         output_dir.mkdir(parents=True, exist_ok=True)
         model = trainer.model
@@ -46,6 +54,21 @@ def save_full_model(trainer, output_dir: Path) -> Path:
             _save_reference(model, state, output_dir)
     dist.barrier()
     return output_dir
+
+
+def _gather_stages(state: dict[str, torch.Tensor], pp_group) -> dict[str, torch.Tensor]:
+    """Every stage's share of the state dict on global rank 0 (its pp group's ranks send
+    theirs; a weight two stages share is equal on both). Other ranks keep their own."""
+    if 0 not in dist.get_process_group_ranks(pp_group):
+        return state
+    shares = [None] * dist.get_world_size(pp_group) if dist.get_rank() == 0 else None
+    dist.gather_object(state, shares, dst=0, group=pp_group)
+    if dist.get_rank() != 0:
+        return state
+    whole: dict[str, torch.Tensor] = {}
+    for share in shares:
+        whole.update(share)
+    return whole
 
 
 def _save_reference(model: Transformer, state: dict[str, torch.Tensor], output_dir: Path) -> None:
@@ -107,15 +130,21 @@ def check_importable(folder: str | Path, model: nn.Module) -> dict[str, Path]:
 def load_safetensors_weights(model: nn.Module, folder: str | Path) -> None:
     """Fill ``model`` (single-device, before parallelisation) from a safetensors folder.
 
+    Tensors still on the meta device (another pipeline rank's share of a model materialised
+    per stage) are neither read nor filled.
+
     Raises:
         WeightsImportError: see :func:`check_importable`.
     """
-    from safetensors.torch import load_file
+    from safetensors import safe_open
 
     files = check_importable(folder, model)
+    targets = model.state_dict(keep_vars=True)
     state: dict[str, torch.Tensor] = {}
     for path in sorted(set(files.values())):
-        state.update(load_file(str(path)))
+        with safe_open(str(path), framework="pt") as reader:
+            state.update({name: reader.get_tensor(name) for name in reader.keys()
+                          if name in targets and not targets[name].is_meta})
     # Absent names are tied to present ones (checked above): loading those fills both.
     model.load_state_dict(state, strict=False)
 

@@ -24,6 +24,7 @@ from tessera.config import TrainingArguments
 from tessera.data.dataset import GlobalBatchOrder, collate
 from tessera.distributed import WorkerContext, init_distributed
 from tessera.mesh import Mesh
+from tessera.models.materialize import DeferredInit, has_meta
 from tessera.models.hf import flops_per_token as generic_flops_per_token
 from tessera.parallel import parallelize
 from tessera.parallel.pipeline.engine import PipelineEngine
@@ -74,7 +75,10 @@ class Trainer:
     """Trains a causal language model under a Strategy.
 
     Args:
-        model: a single-device model returning logits (or an output with ``.logits``).
+        model: a single-device model returning logits (or an output with ``.logits``). A
+            model built under ``torch.device("meta")`` is materialised by the layout with
+            weights seeded per name by ``args.seed`` (models/materialize.py): under pipeline
+            stages without tensor parallelism each rank materialises only its stages' share.
         args: optimisation, logging and checkpointing settings.
         train_dataset: map-style dataset of ``{"input_ids", "labels"}`` samples of equal length.
         eval_dataset: optional dataset of the same kind, for evaluation.
@@ -104,11 +108,18 @@ class Trainer:
             args.device, timeout_s=args.collective_timeout_s)
         self.phase = "set-up"  # what the ranks are doing together, for error messages
         self.mesh = Mesh(self.strategy, self.ctx.device.type)
-        self.model = model.to(self.ctx.device)
-        if args.init_from:  # before parallelisation, so that every strategy starts alike
-            load_safetensors_weights(self.model, args.init_from)
+        # Weights from args.init_from replace the initial ones before parallelisation, so that
+        # every strategy starts alike; a meta-device model is materialised (and loaded) by the
+        # layout, only the share this rank keeps under pipeline stages.
+        load = ((lambda m: load_safetensors_weights(m, args.init_from))
+                if args.init_from else None)
+        deferred = DeferredInit(self.ctx.device, args.seed, load) if has_meta(model) else None
+        self.model = model if deferred else model.to(self.ctx.device)
+        if load and not deferred:
+            load(self.model)
         self.model_meta = describe_model(self.model)
-        self.plan = parallelize(self.model, self.strategy, self.mesh, memory=memory)
+        self.plan = parallelize(self.model, self.strategy, self.mesh, memory=memory,
+                                deferred=deferred)
         self.wrapped = self.plan.module
         # A layout that keeps parameters in its own storage (chunk memory) brings its optimizer.
         self.optimizer = (self.plan.build_optimizer or build_optimizer)(

@@ -16,6 +16,7 @@ from tessera.mesh import Mesh
 from tessera.models import Transformer
 from tessera.models.config import preset
 from tessera.models.hf import build_hf_model, hf_config_from_reference
+from tessera.models.materialize import DeferredInit, has_meta, materialize
 from tessera.parallel import parallelize
 from tessera.parallel.pipeline import PipelineEngine
 from tessera.parallel.pipeline.cost import DeviceRates
@@ -38,12 +39,17 @@ BIG_VOCAB = 4096
 
 def split_arch(arch: str) -> tuple[str, int]:
     """"gpt2-bigvocab" -> ("gpt2", 4096); plain names keep the tiny presets' 256 tokens."""
-    base, _, variant = arch.partition("-")
+    base, _, variant = arch.removesuffix("-meta").partition("-")
     return base, BIG_VOCAB if variant == "bigvocab" else 256
 
 
 def make_model(arch: str, n_layers: int = 4) -> torch.nn.Module:
+    """The model of ``arch``; "<arch>-meta" builds it on the meta device (materialised by
+    ``materialize`` / ``DeferredInit`` with seed 0)."""
     torch.manual_seed(0)
+    if arch.endswith("-meta"):
+        with torch.device("meta"):
+            return make_model(arch.removesuffix("-meta"), n_layers)
     arch, vocab = split_arch(arch)
     if arch == "ref":
         return Transformer(preset("tiny", n_layers=n_layers, vocab_size=vocab))
@@ -70,11 +76,14 @@ def parity(arch: str, text: str) -> dict[str, float]:
     """
     strategy = Strategy.parse(text)
     n = strategy.grad_accum_steps
-    ref = make_model(arch)
+    ref, model = make_model(arch), make_model(arch)
+    deferred = DeferredInit(torch.device("cpu"), seed=0)
+    if has_meta(ref):  # one device materialises all of it, each stage its own share
+        materialize(ref, "cpu", seed=0)
     ref_engine = Engine(Parallelized(ref, ref, None), Strategy(), torch.device("cpu"))
     ref_opt = _optimizer(ref)
-    model = make_model(arch)
-    plan = parallelize(model, strategy, Mesh(strategy, "cpu"))
+    plan = parallelize(model, strategy, Mesh(strategy, "cpu"), deferred=deferred)
+    on_meta = sum(p.numel() for p in model.parameters() if p.is_meta)
     engine = PipelineEngine(plan, strategy, torch.device("cpu"))
     opt = plan.build_optimizer(model, 1e-2, 0.1, (0.9, 0.95), 1e-8, torch.device("cpu"))
     loss_diff = grad_diff = 0.0
@@ -95,7 +104,8 @@ def parity(arch: str, text: str) -> dict[str, float]:
     return {"loss": loss_diff, "grad": grad_diff, "loss_value": float(got.loss),
             "keys": sorted(plan.module.state_dict()), **_layout(plan),
             "timeline": [(k, s, m) for k, s, m, _ in engine.timeline.events],
-            "keep": list(plan.pipeline.partition.keep)}
+            "keep": list(plan.pipeline.partition.keep),
+            "params_left_on_meta": on_meta}
 
 
 def _layout(plan: Parallelized) -> dict[str, int]:
@@ -148,3 +158,78 @@ def checkpoint_round_trip(root: str) -> dict[str, list[float]]:
     fresh, _ = train(root / "dp2", "dp=2,tp=1,pp=1,mbs=2,gbs=8", until=3)
     return {"pp2_first": first.losses, "pp2_step4": on_pp2.losses, "pp1_step4": on_pp1.losses,
             "dp2_first": fresh.losses, "eval_pp2": [l for _, l in on_pp2.eval_losses]}
+
+
+def meta_trainer_round_trip(root: str) -> dict:
+    """The Trainer given a meta-device model at pp=2 with chunk memory and ``init_from``: each
+    rank materialises and loads only its stages' weights; the run equals the one given the
+    model already on the device, and save_model writes the same whole model."""
+    from safetensors.torch import load_file
+
+    from tessera.testing import tiny_trainer
+    from tessera.train.export import REFERENCE_WEIGHTS, save_full_model
+
+    root, strategy = Path(root), "pp=2,mbs=2,gbs=8,schedule=1f1b,memory=chunk"
+    model_section = {"n_layers": 4}
+    source = tiny_trainer(root / "source", "pp=2,mbs=2,gbs=8", steps=2, model=model_section)
+    source.train()
+    save_full_model(source, root / "weights")
+    runs, left_on_meta = {}, 0
+    for name, on_meta in (("on_device", False), ("on_meta", True)):
+        trainer = tiny_trainer(root / name, strategy, steps=3,
+                               model={**model_section, "on_meta": on_meta},
+                               train={"init_from": str(root / "weights")})
+        left_on_meta = left_on_meta or sum(p.numel() for p in trainer.model.parameters()
+                                           if p.is_meta)
+        runs[name] = trainer.train().losses
+        # eval mode is captured anew: on meta stand-ins for the materialised share
+        runs[f"{name}_eval"] = [trainer.evaluate()]
+        save_full_model(trainer, root / f"saved_{name}")
+    runs.update(_whole_model_on_meta(root, model_section))
+    # HF GPT-2 on meta: rank 0 writes save_pretrained while holding only its stages.
+    hf = tiny_trainer(root / "hf", "pp=2,mbs=2,gbs=8", steps=1,
+                      model={**model_section, "hf": "gpt2", "on_meta": True})
+    hf.train()
+    save_full_model(hf, root / "saved_hf")
+    saved = {}
+    if torch.distributed.get_rank() == 0:
+        a, b = (load_file(str(root / f"saved_{n}" / REFERENCE_WEIGHTS))
+                for n in ("on_device", "on_meta"))
+        whole = set(source.model.state_dict()) - {"lm_head.weight"}  # tied: stored once
+        reloaded = _reload_hf(root / "saved_hf")
+        saved = {"keys_equal": sorted(a) == sorted(b), "complete": set(a) == whole,
+                 "max_diff": max((a[k] - b[k]).abs().max().item() for k in a),
+                 "hf_reloaded_params": reloaded,
+                 "hf_params": sum(p.numel() for p in hf.model.parameters())}
+    return {**runs, "params_left_on_meta": left_on_meta, "saved": saved,
+            "total_params": sum(p.numel() for p in source.model.parameters())}
+
+
+def _reload_hf(folder: Path) -> int:
+    """Parameters of the GPT-2 saved in ``folder``, reloaded by from_pretrained; -1 when
+    some are not finite."""
+    from transformers import GPT2LMHeadModel
+
+    model = GPT2LMHeadModel.from_pretrained(folder)
+    finite = all(bool(torch.isfinite(p).all()) for p in model.parameters())
+    return sum(p.numel() for p in model.parameters()) if finite else -1
+
+
+def _whole_model_on_meta(root: Path, model_section: dict) -> dict[str, list[float]]:
+    """Without pipeline stages (dp=2) the Trainer materialises the whole meta model first:
+    the same run as a model materialised (same seed) before it is handed over."""
+    from tessera.run import build_datasets, build_model, build_tokenizer
+    from tessera.testing import tiny_run_config
+    from tessera.train.trainer import Trainer
+
+    runs = {}
+    for name in ("dp_on_meta", "dp_materialised_first"):
+        config = tiny_run_config(root / name, "dp=2,mbs=2,gbs=8", train={"max_steps": 2},
+                                 model={**model_section, "on_meta": True})
+        train_ds, val_ds = build_datasets(config, build_tokenizer(config))
+        model = build_model(config)
+        if name == "dp_materialised_first":
+            materialize(model, "cpu", seed=config.train.seed)
+        trainer = Trainer(model, config.train, train_ds, val_ds, strategy=config.strategy)
+        runs[name] = trainer.train().losses
+    return runs

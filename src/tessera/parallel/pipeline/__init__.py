@@ -21,10 +21,11 @@ import torch
 from torch import nn
 
 from tessera.mesh import Mesh
-from tessera.parallel.pipeline.capture import CaptureError, ProxyGraph, capture
+from tessera.models.materialize import DeferredInit, has_meta, parameter_aliases
+from tessera.parallel.pipeline.capture import CaptureError, ProxyGraph, capture, retarget
 from tessera.parallel.pipeline.engine import PipelineEngine
 from tessera.parallel.pipeline.head import head_slices_for, slice_head, sliced_head_loss
-from tessera.parallel.pipeline.module import (GradSync, StageModule, aliases, local_shard,
+from tessera.parallel.pipeline.module import (GradSync, StageModule, local_shard,
                                               persistent_buffers)
 from tessera.parallel.pipeline.partition import Partition, PartitionError, partition
 from tessera.parallel.pipeline.program import PipelineProgram, capture_for_partition
@@ -84,8 +85,12 @@ class Pipeline:
 
 
 def apply_pipeline(plan: Parallelized, strategy: Strategy, mesh: Mesh,
-                   inputs: Any = None) -> Pipeline:
+                   inputs: Any = None, deferred: DeferredInit | None = None) -> Pipeline:
     """Partition ``plan.model`` into ``strategy.pp`` stages and keep this rank's share.
+
+    A model on the meta device is captured and partitioned as it is; ``deferred`` then
+    materialises only the parameters this rank's stages hold (the rest stay on meta) and every
+    buffer.
 
     ``inputs`` (sequence parallelism's ``StageInputs``, sequence/staged.py) adds the batch
     inputs the captured model reads besides ``input_ids``, shards each micro-batch and
@@ -126,11 +131,22 @@ def apply_pipeline(plan: Parallelized, strategy: Strategy, mesh: Mesh,
     pp_rank = mesh.rank("pp")
     stage_rank = [s % pp for s in range(n_virtual)]
     local = [s for s in range(n_virtual) if stage_rank[s] == pp_rank]
-    module, grad_sync = _ownership(model, graph, part, stage_rank, pp_rank, mesh, strategy)
+    holders = _holders(model, graph, part, stage_rank)
+    on_meta = has_meta(model)
+    if on_meta:
+        if deferred is None:
+            raise ValueError("the model is on the meta device and no DeferredInit says how "
+                             "to materialise this rank's stages")
+        deferred(model, [name for name, ranks in holders.items() if pp_rank in ranks])
+        retarget(graph, deferred.device)  # captured on meta; its stages run on the device
+    module, grad_sync = _ownership(model, holders, graph, part, stage_rank, pp_rank, mesh,
+                                   strategy)
     carry_permutations(model, module)  # fused q|k|v shards keep saving unpermuted
-    autocast = _autocast_factory(strategy, next(model.parameters()).device)
+    autocast = _autocast_factory(strategy, _device_of(model))
     sub_batches = 2 if strategy.tp_overlap == "subpipe" else 1
     program = PipelineProgram(model, graph, part, ratios, local, autocast, extra, sub_batches)
+    if on_meta:
+        program.run_device = deferred.device
     pipe = Pipeline(program, strategy.schedule, mesh.group("pp"), stage_rank, local, ratios,
                     grad_sync, part, module, loss_fn, inputs)
     plan.module, plan.pipeline = module, pipe
@@ -155,19 +171,34 @@ def _refuse_unsupported(strategy: Strategy) -> None:
                             "docs/pipeline.md); use memory=chunk, pp=1 or memory=ddp")
 
 
-def _ownership(model: nn.Module, graph: ProxyGraph, part: Partition, stage_rank: list[int],
-               pp_rank: int, mesh: Mesh, strategy: Strategy) -> tuple[StageModule, GradSync]:
-    """Which pp ranks hold each weight; this rank's StageModule and gradient rules."""
-    names = aliases(model)
+def _holders(model: nn.Module, graph: ProxyGraph, part: Partition, stage_rank: list[int]
+             ) -> dict[str, set[int]]:
+    """The pp ranks holding each parameter, by its first name (``aliases``)."""
+    names = parameter_aliases(model)
     stage_of = part.stage_of(graph)
-    holders: dict[int, set[int]] = {}
+    holders: dict[str, set[int]] = {}
     for pname, users in graph.param_users.items():
-        param = model.get_parameter(graph.nodes[pname].fqn)
+        name = names[id(model.get_parameter(graph.nodes[pname].fqn))][0]
         for i in users:
-            holders.setdefault(id(param), set()).add(stage_rank[stage_of[graph.compute[i]]])
+            holders.setdefault(name, set()).add(stage_rank[stage_of[graph.compute[i]]])
+    for pid in names:  # weights the graph never reads still need a home for checkpoints
+        holders.setdefault(names[pid][0], {0})
+    return holders
+
+
+def _device_of(model: nn.Module) -> torch.device:
+    """The device of the model's materialised parameters (some may stay on meta)."""
+    return next((p.device for p in model.parameters() if not p.is_meta),
+                next(model.parameters()).device)
+
+
+def _ownership(model: nn.Module, by_name: dict[str, set[int]], graph: ProxyGraph,
+               part: Partition, stage_rank: list[int], pp_rank: int, mesh: Mesh,
+               strategy: Strategy) -> tuple[StageModule, GradSync]:
+    """This rank's StageModule and gradient rules, from the pp ranks holding each weight."""
+    names = parameter_aliases(model)
     by_id = {id(p): p for p in model.parameters()}
-    for pid in by_id:  # weights the graph never reads still need a home for checkpoints
-        holders.setdefault(pid, {0})
+    holders = {pid: by_name[names[pid][0]] for pid in by_id}
     mine = [by_id[pid] for pid in by_id if pp_rank in holders[pid]]
     params = {name: by_id[pid] for pid in by_id if pp_rank in holders[pid]
               for name in names[pid]}
@@ -177,7 +208,7 @@ def _ownership(model: nn.Module, graph: ProxyGraph, part: Partition, stage_rank:
     tied_local = {names[pid][0]: by_id[pid] for pid in by_id
                   if len(holders[pid]) > 1 and pp_rank in holders[pid]}
     norm_owned = [p for p in mine if min(holders[id(p)]) == pp_rank]
-    device = next(model.parameters()).device
+    device = _device_of(model)
     # Weights are replicated over dp (and sp): their gradients are averaged over both.
     replicas = mesh.flat_group("dp", "sp") if strategy.sp > 1 else mesh.group("dp")
     sync = GradSync(mine, norm_owned, mesh.group("pp"), replicas, tied, tied_local,

@@ -187,6 +187,28 @@ def _logits_node(program: ExportedProgram, nodes: dict[str, ProxyNode]) -> str:
     return name
 
 
+def retarget(graph: ProxyGraph, device: torch.device) -> ProxyGraph:
+    """Point the ops of a capture made on the meta device that name it (``arange``,
+    ``new_ones``, ``to``, ...) at ``device``, where the stages built from it run."""
+    meta = torch.device("meta")
+
+    def swap(value):
+        if isinstance(value, torch.device) and value == meta:
+            return device
+        if isinstance(value, (list, tuple)):
+            return type(value)(swap(v) for v in value)
+        return value
+
+    # The top graph, and the subgraphs of higher-order ops (autocast, set_grad_enabled).
+    for module in graph.program.graph_module.modules():
+        if isinstance(module, torch.fx.GraphModule):
+            for node in module.graph.nodes:
+                node.args = swap(node.args)
+                node.kwargs = {key: swap(value) for key, value in node.kwargs.items()}
+            module.recompile()
+    return graph
+
+
 def _model_device(model: nn.Module) -> torch.device:
     for tensor in list(model.parameters()) + list(model.buffers()):
         return tensor.device

@@ -65,14 +65,6 @@ class StageModule(nn.Module):
         raise RuntimeError("a pipeline stage runs through PipelineEngine, not by calling it")
 
 
-def aliases(model: nn.Module) -> dict[int, list[str]]:
-    """Every name of every parameter, by tensor identity (tied weights have several)."""
-    out: dict[int, list[str]] = {}
-    for name, param in model.named_parameters(remove_duplicate=False):
-        out.setdefault(id(param), []).append(name)
-    return out
-
-
 def persistent_buffers(model: nn.Module) -> dict[str, torch.Tensor]:
     """Buffers that appear in the model's state dict."""
     keys = set(model.state_dict().keys())

@@ -12,9 +12,11 @@ import contextlib
 from dataclasses import dataclass
 from typing import Callable
 
+import torch
 from torch import nn
 
-from tessera.parallel.pipeline.capture import ProxyGraph, capture
+from tessera.models.materialize import shapes_on_meta
+from tessera.parallel.pipeline.capture import ProxyGraph, capture, retarget
 from tessera.parallel.pipeline.comm import TensorSpec
 from tessera.parallel.pipeline.partition import CostTable, Partition, candidate_cuts
 from tessera.parallel.pipeline.cost import DeviceRates
@@ -116,6 +118,9 @@ class PipelineProgram:
         # their shapes back for it).
         self.capture_context: Callable[[], contextlib.AbstractContextManager] = (
             contextlib.nullcontext)
+        # Set when the model was built on the meta device and this rank materialised only its
+        # share: captures then run on meta stand-ins and their ops are pointed at this device.
+        self.run_device: torch.device | None = None
 
     @property
     def graph(self) -> ProxyGraph:
@@ -178,11 +183,16 @@ class PipelineProgram:
         was_training = self.model.training
         self.model.train(training)  # dropout is baked into the export by mode
         try:
-            with self.capture_context():
-                return capture(self.model, *shape, self.extra_inputs,
-                               head_slices=self._seed_graph.head_slices)
+            with self.capture_context(), self._on_meta():
+                graph = capture(self.model, *shape, self.extra_inputs,
+                                head_slices=self._seed_graph.head_slices)
         finally:
             self.model.train(was_training)
+        return graph if self.run_device is None else retarget(graph, self.run_device)
+
+    def _on_meta(self) -> contextlib.AbstractContextManager:
+        return (contextlib.nullcontext() if self.run_device is None
+                else shapes_on_meta(self.model))
 
 
 def _whole(spec: TensorSpec, batch: int, parts: int, name: str) -> TensorSpec:
