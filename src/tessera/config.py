@@ -37,6 +37,9 @@ class ModelSection(BaseModel):
 
     preset: str = "tiny"
     hf: Literal[None, "gpt2", "llama"] = None
+    # Build on the meta device; the layout materialises it (under pp without tp, only each
+    # rank's stages) with weights seeded per name (docs/pipeline.md, models larger than memory).
+    on_meta: bool = False
 
     @model_validator(mode="after")
     def _build(self) -> "ModelSection":
@@ -53,7 +56,7 @@ class ModelSection(BaseModel):
         if unknown:
             known = ", ".join(sorted(ModelConfig.__dataclass_fields__))
             raise ValueError(f"unknown key(s) model.{', model.'.join(unknown)}; known: preset, "
-                             f"hf, {known}")
+                             f"hf, on_meta, {known}")
         try:
             return preset(self.preset, **self.overrides)
         except ModelConfigError as err:

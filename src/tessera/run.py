@@ -5,6 +5,8 @@ This is what each worker does under ``tessera train``, and what the Python API c
 
 from __future__ import annotations
 
+import contextlib
+
 import os
 from pathlib import Path
 
@@ -22,15 +24,17 @@ from tessera.train.trainer import Trainer, TrainResult
 
 
 def build_model(config: RunConfig, vocab_size: int | None = None) -> nn.Module:
-    """The model the config names, seeded by ``train.seed`` so every rank builds the same one."""
+    """The model the config names, seeded by ``train.seed`` so every rank builds the same one;
+    on the meta device with ``model.on_meta`` (the Trainer materialises it)."""
     model_config = config.model.build_config()
     if vocab_size is not None and vocab_size != model_config.vocab_size:
         model_config = model_config.replace(vocab_size=vocab_size)
     torch.manual_seed(config.train.seed)
-    if config.model.hf is None:
-        return Transformer(model_config)
-    return build_hf_model(config.model.hf, **hf_config_from_reference(config.model.hf,
-                                                                       model_config))
+    with torch.device("meta") if config.model.on_meta else contextlib.nullcontext():
+        if config.model.hf is None:
+            return Transformer(model_config)
+        return build_hf_model(config.model.hf, **hf_config_from_reference(config.model.hf,
+                                                                           model_config))
 
 
 def tokenizer_path(config: RunConfig) -> Path:
