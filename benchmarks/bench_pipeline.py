@@ -25,6 +25,11 @@ with the machine's load average (os.getloadavg) beside timings.
   tied embedding's gradient over the two stages holding it (without it torch's step trains
   the two copies apart); target >= 1.0. tessera's step also broadcasts the loss to every
   rank, which torch's does not.
+- materialized_param_bytes_max_rank_over_whole, peak_rss_on_meta_over_on_device: GPT-2
+  medium at pp=4 given to the Trainer on the meta device (``model.on_meta``): the largest
+  rank's materialised weights over the whole model's, and its peak resident memory once
+  the Trainer is built over the same run given the model on the device (every rank builds
+  all of it first). No timing.
 - subpipe_vs_plain_tp_step_ratio: tp=2 x pp=2 (4 processes) step time without sub-pipelined
   tensor parallelism over the time with it (``tp_overlap=subpipe``); > 1 means the overlap
   of one half's all-reduces with the other half's compute pays off.
@@ -32,7 +37,7 @@ with the machine's load average (os.getloadavg) beside timings.
 Timed sides alternate round by round in the same processes, and the best round of each counts
 (the least disturbed by other load on a shared machine).
 
-    python benchmarks/bench_pipeline.py [--quick] [--only balance|timing|subpipe]
+    python benchmarks/bench_pipeline.py [--quick] [--only balance|timing|subpipe|materialize]
 """
 
 from __future__ import annotations
@@ -339,15 +344,61 @@ def subpipe_figures(quick: bool) -> None:
          loadavg_before=before, loadavg_after=load(), cpu_cores=os.cpu_count())
 
 
+MATERIALIZE = dict(pp=4, preset="gpt2-medium")
+
+
+def _materialize_worker(rank, world, root, on_meta):
+    import resource
+
+    from tessera.testing import tiny_trainer
+
+    trainer = tiny_trainer(f"{root}/{on_meta}", f"pp={world},mbs=1,gbs={world},schedule=1f1b",
+                           steps=1, model={"preset": MATERIALIZE["preset"], "max_seq_len": 32,
+                                           "on_meta": on_meta})
+    params = list(trainer.model.parameters())
+    held = sum(p.numel() * p.element_size() for p in params if not p.is_meta)
+    whole = sum(p.numel() * p.element_size() for p in params)
+    # ru_maxrss: KiB on Linux; the process's peak, torch's own import included
+    return {"held": held, "whole": whole,
+            "peak_rss": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024}
+
+
+def materialize_figures() -> None:
+    """Per-rank weights and peak memory once the Trainer is built, for a model given on the
+    meta device (each rank materialises its stages' share) against the same model given on
+    the device (each rank builds all of it before keeping its share)."""
+    import tempfile
+
+    before, pp = load(), MATERIALIZE["pp"]
+    with tempfile.TemporaryDirectory() as root:
+        runs = {side: run_distributed(_materialize_worker, world_size=pp,
+                                      args=(root, side == "on_meta"), timeout=900)
+                for side in ("on_device", "on_meta")}
+    held = {side: max(r["held"] for r in out) for side, out in runs.items()}
+    rss = {side: max(r["peak_rss"] for r in out) for side, out in runs.items()}
+    whole = runs["on_device"][0]["whole"]
+    common = dict(pp=pp, model=MATERIALIZE["preset"], loadavg_before=before,
+                  loadavg_after=load(), cpu_cores=os.cpu_count())
+    emit("materialized_param_bytes_max_rank_over_whole", held["on_meta"] / whole, "ratio",
+         "the same model given on the device: every rank materialises all of it (1.0)",
+         whole_MiB=round(whole / 2**20, 1),
+         per_rank_MiB=[round(r["held"] / 2**20, 1) for r in runs["on_meta"]], **common)
+    emit("peak_rss_on_meta_over_on_device", rss["on_meta"] / rss["on_device"], "ratio",
+         "peak resident memory of the largest rank once the Trainer is built",
+         on_meta_MiB=round(rss["on_meta"] / 2**20, 1),
+         on_device_MiB=round(rss["on_device"] / 2**20, 1), **common)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true", help="fewer rounds (under 3 minutes)")
-    parser.add_argument("--only", choices=("balance", "timing", "subpipe"),
+    parser.add_argument("--only", choices=("balance", "timing", "subpipe", "materialize"),
                         help="run one group of figures")
     args = parser.parse_args()
     torch.set_num_threads(1)
     groups = {"balance": balance_figures, "timing": lambda: timing_figures(args.quick),
-              "subpipe": lambda: subpipe_figures(args.quick)}
+              "subpipe": lambda: subpipe_figures(args.quick),
+              "materialize": materialize_figures}
     for name, run in groups.items():
         if args.only in (None, name):
             run()
