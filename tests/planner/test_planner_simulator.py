@@ -64,22 +64,33 @@ def test_interleaving_shrinks_the_bubble_and_scp_hides_recompute():
 
 
 def test_scp_keeps_micro_batches_only_within_the_memory_of_1f1b():
-    from tessera.planner.memory import scp_kept
+    from tessera.planner.memory import scp_kept, stage_memory
 
-    kept = {}
+    kept, reserved = {}, A100.device.reserved_bytes
     for ratios in ("full", "1/1/0.5/0.5", "1/0.5/0.25/0"):
         strategy = BASE.replace(recompute=ratios)
         one = estimate(GPT3, A100, strategy)
         scp = estimate(GPT3, A100, strategy.replace(schedule="scp"))
-        assert scp.memory.total <= one.memory.total  # the runtime's rule (Partition.keep)
+        # The runtime's rule (Partition.keep): micro-batches are kept whole only within
+        # 1F1B's peak, or within scp's own peak keeping none where that is higher (its swap
+        # puts one more micro-batch in flight on stage S-2).
+        keeping_none = max(m.total for m in stage_memory(
+            GPT3, strategy.replace(schedule="scp"), 2048, reserved, kept=[0, 0, 0, 0]))
+        assert scp.memory.total <= max(one.memory.total, keeping_none)
         assert scp.step_time < one.step_time
-        kept[ratios] = scp_kept(GPT3, strategy.replace(schedule="scp"), 2048,
-                                A100.device.reserved_bytes)
+        kept[ratios] = scp_kept(GPT3, strategy.replace(schedule="scp"), 2048, reserved)
+    # Full recomputation: stage S-2's extra micro-batch is one layer input per layer, under
+    # stage 0's four in flight, so scp holds what 1F1B holds.
+    full = BASE.replace(recompute="full")
+    assert estimate(GPT3, A100, full.replace(schedule="scp")).memory.total == pytest.approx(
+        estimate(GPT3, A100, full).memory.total)
     # Full recomputation on every stage leaves no stage room to keep a micro-batch whole
     # (the last stage would hold a whole micro-batch instead of one layer's rematerialised
-    # set); with stage 1 the fullest, stage 0 keeps one of its three.
+    # set). With 1/0.5/0.25/0, stage 2 (S-2) keeping nothing is the fullest (three
+    # micro-batches at ratio 0.25); within its peak stage 0 keeps two of its three and
+    # stage 1 one of its two.
     assert kept["full"] == [0, 0, 0, 0]
-    assert kept["1/0.5/0.25/0"] == [1, 0, 0, 0]
+    assert kept["1/0.5/0.25/0"] == [2, 1, 0, 0]
 
 
 def test_tp_overlap_hides_tp_communication():

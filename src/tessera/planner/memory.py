@@ -174,6 +174,8 @@ def in_flight(s: Strategy, stage: int, micro_batches: int) -> float:
     held = min(s.pp - stage, micro_batches)
     if s.schedule == "interleaved":
         held *= 1 + (s.pp - 1) / (s.pp * INTERLEAVE_CHUNKS)
+    if s.schedule == "scp" and stage == s.pp - 2 and micro_batches >= 3:
+        held += 1  # its third forward runs before its first backward (scp's swap)
     return held
 
 
@@ -243,15 +245,24 @@ def scp_kept(model: ModelConfig, s: Strategy, seq: int, reserved: float = 0.0,
     rule, Partition.keep)."""
     if s.pp == 1:
         return []
-    m = s.grad_accum_steps
-    base = stage_memory(model, s.replace(schedule="1f1b"), seq, reserved, flash, tessera)
-    budget = max(b.total for b in base)
+    m, one_f_one_b = s.grad_accum_steps, s.replace(schedule="1f1b")
+    base = stage_memory(model, one_f_one_b, seq, reserved, flash, tessera)
+    stages = stage_params(model, s.pp, stage_split(model, s, tessera))
+    # What scp holds keeping nothing whole: 1F1B's, but for its swap's extra micro-batch on
+    # stage S-2. The budget is 1F1B's fullest stage, or that where higher (Partition.keep).
+    rest, scp_plain = [], []
+    for i, stage in enumerate(stages):
+        ratio = s.stage_recompute(i)
+        rest.append(base[i].total - activation_bytes(
+            model, s, seq, stage.layers, in_flight(one_f_one_b, i, m), ratio, flash))
+        scp_plain.append(rest[i] + activation_bytes(model, s, seq, stage.layers,
+                                                    in_flight(s, i, m), ratio, flash))
+    budget = max(max(b.total for b in base), max(scp_plain))
     out = []
-    for i, stage in enumerate(stage_params(model, s.pp, stage_split(model, s, tessera))):
+    for i, stage in enumerate(stages):
         ratio, held = s.stage_recompute(i), in_flight(s, i, m)
-        plain = activation_bytes(model, s, seq, stage.layers, held, ratio, flash)
         keep = (m if i == s.pp - 1 else min(s.pp - 1 - i, m)) if ratio > 0 else 0
-        while keep > 0 and base[i].total - plain + activation_bytes(
+        while keep > 0 and rest[i] + activation_bytes(
                 model, s, seq, stage.layers, held, ratio, flash, keep) > budget:
             keep = min(keep, held) - 1
         out.append(keep)

@@ -193,7 +193,10 @@ def in_flight(stage: int, stages: int, micro_batches: int, schedule: str) -> int
     """Micro-batches whose activations stage ``stage`` holds at its peak."""
     if schedule == "gpipe":
         return micro_batches
-    return min(micro_batches, stages - stage)
+    held = min(micro_batches, stages - stage)
+    if schedule == "scp" and stage == stages - 2 and micro_batches >= 3:
+        return held + 1  # its third forward runs before its first backward (scp's swap)
+    return held
 
 
 def partition(graph: ProxyGraph, stages: int, micro_batches: int = 1, schedule: str = "1f1b",
@@ -209,7 +212,9 @@ def partition(graph: ProxyGraph, stages: int, micro_batches: int = 1, schedule: 
         schedule: "gpipe", "1f1b", "interleaved" or "scp".
         memory_limit: bytes each stage may hold; None for no limit, except under scp, where
             None means what 1F1B with the same recomputation peaks at (the last stage skips
-            recomputation, and other stages keep micro-batches, only within that).
+            recomputation, and other stages keep micro-batches, only within that), or scp's
+            own peak keeping nothing where that is higher (its swap holds one more
+            micro-batch on stage S-2).
         recompute: one ratio for every stage or one per stage; None chooses per stage the
             smallest ratio that fits ``memory_limit`` (stage-aware recomputation).
         rates: device speeds for turning FLOPs and bytes into seconds.
@@ -233,10 +238,12 @@ def partition(graph: ProxyGraph, stages: int, micro_batches: int = 1, schedule: 
         raise PartitionError("recompute=None (stage-aware) needs a memory_limit to choose from")
     points = [0] + options + [len(graph.compute)]
     if schedule == "scp" and memory_limit is None and recompute is not None:
-        # Merak's premise: scp costs no memory over 1F1B with the same recomputation.
+        # Merak's premise: scp costs no memory over 1F1B with the same recomputation, but
+        # for the one more micro-batch its swap puts in flight on stage S-2.
         same = _evaluate if cuts is not None else _search
-        memory_limit = max(same(table, points, stages, micro_batches, "1f1b", None,
-                                recompute).stage_memory)
+        base = same(table, points, stages, micro_batches, "1f1b", None, recompute)
+        memory_limit = max(*base.stage_memory,
+                           *_keeping_none(table, base.bounds, micro_batches, recompute))
     if cuts is not None:
         return _evaluate(table, points, stages, micro_batches, schedule, memory_limit, recompute)
     part = _search(table, points, stages, micro_batches, schedule, memory_limit, recompute)
@@ -266,6 +273,15 @@ def _stage_cost(table: CostTable, a: int, b: int, s: int, stages: int, micro_bat
             share = ratio * (micro_batches - keep) / micro_batches
             return table.time(a, b, share, last), mem, ratio, keep
     return math.inf, table.memory(a, b, choices[-1], flight, last), choices[-1], 0
+
+
+def _keeping_none(table: CostTable, bounds: list[int], micro_batches: int,
+                  recompute: tuple[float, ...]) -> list[float]:
+    """Each scp stage's memory over ``bounds`` when it keeps no micro-batch whole."""
+    stages = len(bounds) - 1
+    return [table.memory(bounds[s], bounds[s + 1], recompute[0] if len(recompute) == 1
+                         else recompute[s], in_flight(s, stages, micro_batches, "scp"),
+                         s == stages - 1) for s in range(stages)]
 
 
 def _scp_keep(table: CostTable, a: int, b: int, s: int, stages: int, micro_batches: int,
