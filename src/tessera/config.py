@@ -118,6 +118,15 @@ class TrainingArguments(_Section):
     init_from: str | None = None  # a safetensors folder (save_model's layout) to start from
     device: Literal["auto", "cpu", "cuda"] = "auto"
     progress: Literal["auto", "bar", "lines", "off"] = "auto"
+    # Bytes one pipeline stage may hold (weights, AdamW states, activations; estimated from
+    # the graph captured at the run's shape): each stage then recomputes the least that fits
+    # (stage-aware recomputation), so leave the strategy's recompute unset. pp > 1 only.
+    stage_memory_budget: int | None = None
+
+    @field_validator("stage_memory_budget", mode="before")
+    @classmethod
+    def _stage_budget(cls, value: Any) -> Any:
+        return _budget_bytes(value)
 
     @field_validator("progress", mode="before")
     @classmethod
@@ -148,6 +157,19 @@ class TrainingArguments(_Section):
         return value
 
 
+def _budget_bytes(value: Any) -> int | None:
+    """Bytes from an integer or text such as ``64MiB`` or ``1.5GB``; None stays None."""
+    from tessera.memory.tiers import parse_bytes
+
+    try:
+        parsed = parse_bytes(value)
+    except ValueError:
+        raise ValueError(f"must be bytes, e.g. 67108864 or 64MiB; got {value!r}") from None
+    if parsed is not None and parsed < 1:
+        raise ValueError("must be >= 1 byte")
+    return parsed
+
+
 class MemorySection(_Section):
     """Chunk memory (strategy memory=chunk): placement policy, budgets, disk, chunk size.
 
@@ -163,15 +185,7 @@ class MemorySection(_Section):
     @field_validator("device_budget", "host_budget", mode="before")
     @classmethod
     def _bytes(cls, value: Any) -> Any:
-        from tessera.memory.tiers import parse_bytes
-
-        try:
-            parsed = parse_bytes(value)
-        except ValueError:
-            raise ValueError(f"must be bytes, e.g. 67108864 or 64MiB; got {value!r}") from None
-        if parsed is not None and parsed < 1:
-            raise ValueError("must be >= 1 byte")
-        return parsed
+        return _budget_bytes(value)
 
     @field_validator("chunk_size")
     @classmethod

@@ -17,13 +17,14 @@ from tessera.models.materialize import DeferredInit, has_meta
 from tessera.parallel.data import wrap_data_parallel
 from tessera.parallel.plan import Parallelized
 from tessera.parallel.recompute import apply_recompute
-from tessera.strategy import Strategy
+from tessera.strategy import Strategy, StrategyError
 
 __all__ = ["Parallelized", "parallelize"]
 
 
 def parallelize(model: nn.Module, strategy: Strategy, mesh: Mesh,
-                memory: Any = None, deferred: DeferredInit | None = None) -> Parallelized:
+                memory: Any = None, deferred: DeferredInit | None = None,
+                stage_budget: Any = None) -> Parallelized:
     """Lay ``model`` out under ``strategy`` on ``mesh``.
 
     The model's parameters must be on the mesh's device, or on the meta device with
@@ -33,8 +34,13 @@ def parallelize(model: nn.Module, strategy: Strategy, mesh: Mesh,
     wrap ``model`` (e.g. DistributedDataParallel); ``model`` keeps its parameter names, so
     checkpoints stay in the single-device layout. ``memory`` holds the chunk-memory options
     (the config's ``memory:`` section) used when ``strategy.memory == "chunk"``.
+    ``stage_budget`` (pipeline.StageBudget, pp > 1 only) has each stage recompute the least
+    that fits it.
     """
     strategy.require_available()
+    if stage_budget is not None and strategy.pp == 1:
+        raise StrategyError("train.stage_memory_budget chooses pipeline stages' recomputation "
+                            "and needs pp > 1; at pp=1 give the strategy's recompute= instead")
     if has_meta(model):
         if deferred is None:
             raise ValueError("the model has parameters on the meta device and no "
@@ -62,7 +68,7 @@ def parallelize(model: nn.Module, strategy: Strategy, mesh: Mesh,
         # stage-aware recomputation and dp gradient averaging run inside the PipelineEngine.
         from tessera.parallel.pipeline import apply_pipeline
 
-        apply_pipeline(plan, strategy, mesh, stage_inputs, deferred)
+        apply_pipeline(plan, strategy, mesh, stage_inputs, deferred, stage_budget)
         if strategy.memory == "chunk":
             # Chunk memory over this rank's stages (dp x pp): the stage pieces are the hooked
             # modules, the dp reduce-scatter runs after the pipeline drains (memory/stages.py).

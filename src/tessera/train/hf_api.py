@@ -38,7 +38,7 @@ from tessera.train.trainer import TrainResult
 
 
 class TrainingArguments(_Section):
-    """Hugging Face ``TrainingArguments`` names, plus ``strategy``.
+    """Hugging Face ``TrainingArguments`` names, plus ``strategy`` and ``stage_memory_budget``.
 
     Unknown names are refused (naming the key) rather than ignored. ``max_steps=-1`` trains
     for ``num_train_epochs``. ``strategy`` is Strategy text, "auto" (the planner picks the
@@ -47,6 +47,7 @@ class TrainingArguments(_Section):
 
     output_dir: str = "runs/trainer"
     strategy: str | None = None
+    stage_memory_budget: int | str | None = None  # pp > 1: bytes per stage (docs/pipeline.md)
     per_device_train_batch_size: int = 8
     per_device_eval_batch_size: int = 8
     gradient_accumulation_steps: int = 1
@@ -200,7 +201,8 @@ class Trainer:
             logging_steps=a.logging_steps,
             eval_steps=(a.eval_steps or a.logging_steps) if eval_steps is None else eval_steps,
             save_steps=a.save_steps if save_steps is None else save_steps, seed=a.seed,
-            progress="off" if a.disable_tqdm else "auto")
+            progress="off" if a.disable_tqdm else "auto",
+            stage_memory_budget=a.stage_memory_budget)
         return core, strategy
 
     def _dispatch(self, record: dict[str, Any]) -> None:

@@ -27,6 +27,7 @@ from tessera.mesh import Mesh
 from tessera.models.materialize import DeferredInit, has_meta
 from tessera.models.hf import flops_per_token as generic_flops_per_token
 from tessera.parallel import parallelize
+from tessera.parallel.pipeline import StageBudget
 from tessera.parallel.pipeline.engine import PipelineEngine
 from tessera.strategy import Strategy
 from tessera.train import checkpoint as ckpt
@@ -118,8 +119,13 @@ class Trainer:
         if load and not deferred:
             load(self.model)
         self.model_meta = describe_model(self.model)
+        budget = (StageBudget(args.stage_memory_budget, self._seq_len())
+                  if args.stage_memory_budget else None)
         self.plan = parallelize(self.model, self.strategy, self.mesh, memory=memory,
-                                deferred=deferred)
+                                deferred=deferred, stage_budget=budget)
+        if budget and self.ctx.is_main:
+            print(f"tessera: stage_memory_budget={budget.bytes:,} bytes: recomputation per "
+                  f"stage {'/'.join(f'{r:g}' for r in self.stage_recompute)}", flush=True)
         self.wrapped = self.plan.module
         # A layout that keeps parameters in its own storage (chunk memory) brings its optimizer.
         self.optimizer = (self.plan.build_optimizer or build_optimizer)(
@@ -141,6 +147,13 @@ class Trainer:
         self.ckpt_root = ckpt.checkpoint_root(args.output_dir)
 
     # ------------------------------------------------------------------------------ public
+    @property
+    def stage_recompute(self) -> list[float]:
+        """The recomputation ratio each pipeline stage runs with (virtual stages under
+        interleaving; chosen from ``args.stage_memory_budget`` when it is set)."""
+        pipeline = self.plan.pipeline
+        return list(pipeline.ratios) if pipeline else list(self.strategy.recompute)
+
     def train(self, until_step: int | None = None) -> TrainResult:
         """Train to ``args.max_steps`` (resuming first when ``args.resume`` or ``resume_from``).
 

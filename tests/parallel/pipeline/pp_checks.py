@@ -233,3 +233,35 @@ def _whole_model_on_meta(root: Path, model_section: dict) -> dict[str, list[floa
         trainer = Trainer(model, config.train, train_ds, val_ds, strategy=config.strategy)
         runs[name] = trainer.train().losses
     return runs
+
+
+def budget_trainer(root: str) -> dict:
+    """The Trainer with ``train.stage_memory_budget`` at pp=2 (1f1b, 4 micro-batches): a
+    budget halfway between the fullest stage's estimate without and with full recomputation
+    has the stages choose their ratios; the run equals one given those ratios as the
+    strategy's. A budget under the full-recomputation need is refused, naming it."""
+    from tessera.parallel.pipeline.partition import partition as split
+    from tessera.parallel.pipeline.program import capture_for_partition
+    from tessera.strategy import StrategyError
+    from tessera.testing import tiny_trainer
+
+    root, text = Path(root), "pp=2,mbs=2,gbs=8,schedule=1f1b"
+    section = {"model": {"n_layers": 4}}
+    probe = tiny_trainer(root / "probe", text, steps=1, **section)
+    graph = capture_for_partition(probe.model, 2, seq_len=probe._seq_len())
+    need = {r: max(split(graph, 2, 4, "1f1b", recompute=(r,)).stage_memory) for r in (0.0, 1.0)}
+    budget = int((need[0.0] + need[1.0]) / 2)
+    chosen = tiny_trainer(root / "budget", text, steps=3,
+                          train={"stage_memory_budget": budget}, **section)
+    ratios = chosen.stage_recompute
+    given = tiny_trainer(root / "given", f"{text},recompute={'/'.join(map(str, ratios))}",
+                         steps=3, **section)
+    try:
+        tiny_trainer(root / "small", text, steps=1,
+                     train={"stage_memory_budget": int(need[1.0] * 0.5)}, **section)
+        refused = ""
+    except StrategyError as err:
+        refused = str(err)
+    return {"need": need, "budget": budget, "ratios": ratios,
+            "chosen": chosen.train().losses, "given": given.train().losses,
+            "refused": refused}

@@ -272,3 +272,17 @@ def test_a_skip_over_a_stage_passes_through_it_and_gradients_match():
     model(ids).square().sum().backward()
     for name, param in model.named_parameters():
         torch.testing.assert_close(got[name], param.grad, rtol=0, atol=0)
+
+
+def test_a_stage_budget_is_refused_with_recompute_given_or_without_stages():
+    # Refused before anything is read (the model and mesh are not needed to say so).
+    from tessera.parallel import parallelize
+    from tessera.parallel.pipeline import StageBudget, apply_pipeline
+    from tessera.strategy import Strategy, StrategyError
+
+    budget = StageBudget(bytes=10**9, seq_len=64)
+    with pytest.raises(StrategyError, match="needs pp > 1"):
+        parallelize(torch.nn.Linear(2, 2), Strategy(), mesh=None, stage_budget=budget)
+    with pytest.raises(StrategyError, match="leave the strategy's recompute unset"):
+        apply_pipeline(None, Strategy.parse("pp=2,mbs=1,gbs=2,recompute=1/0.5"), None,
+                       budget=budget)

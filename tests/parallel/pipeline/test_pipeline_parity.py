@@ -61,6 +61,7 @@ def _two_ranks(rank, world_size, root):
     out = {name: pp_checks.parity(arch, text) for name, (arch, text) in PP2.items()}
     out["ckpt"] = pp_checks.checkpoint_round_trip(root)
     out["meta_trainer"] = pp_checks.meta_trainer_round_trip(root)
+    out["budget"] = pp_checks.budget_trainer(root)
     return out
 
 
@@ -198,3 +199,18 @@ def test_trainer_materialises_and_loads_only_its_stages(two):
     saved = runs["saved"]
     assert saved["complete"] and saved["keys_equal"] and saved["max_diff"] == 0.0
     assert saved["hf_reloaded_params"] == saved["hf_params"]  # GPT-2 from meta, reloaded
+
+
+@pytest.mark.slow
+def test_a_stage_memory_budget_chooses_each_stages_recomputation(two):
+    out = two[0]["budget"]
+    assert out["need"][1.0] < out["budget"] < out["need"][0.0], out
+    # Stage 0 holds two micro-batches in flight, stage 1 one: the earlier stage recomputes
+    # at least as much, and something is recomputed (the budget is under the no-recompute
+    # need) but not everything (it is over the full-recomputation need).
+    first, last = out["ratios"]
+    assert first >= last and 0 < first + last < 2, out["ratios"]
+    assert two[1]["budget"]["ratios"] == out["ratios"]  # both ranks chose alike
+    # The chosen ratios run exactly as the same ratios given in the strategy.
+    assert len(out["chosen"]) == 3 and out["chosen"] == out["given"]
+    assert "stage_memory_budget" in out["refused"] and "fullest stage needs" in out["refused"]

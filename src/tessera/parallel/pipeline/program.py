@@ -216,7 +216,9 @@ def nominal_seq_len(model: nn.Module, cap: int = 128) -> int:
     return cap
 
 
-def capture_for_partition(model: nn.Module, micro_batch: int, extra_inputs=None) -> ProxyGraph:
-    """The graph the partition is made on. Captured in training mode like the runtime graphs,
-    so the node names the partition refers to are the same."""
-    return capture(model, micro_batch, nominal_seq_len(model), extra_inputs)
+def capture_for_partition(model: nn.Module, micro_batch: int, extra_inputs=None,
+                          seq_len: int | None = None) -> ProxyGraph:
+    """The graph the partition is made on, at ``seq_len`` tokens (default: the model's
+    maximum, capped). Captured in training mode like the runtime graphs, so the node names
+    the partition refers to are the same."""
+    return capture(model, micro_batch, seq_len or nominal_seq_len(model), extra_inputs)
