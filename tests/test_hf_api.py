@@ -74,11 +74,11 @@ def _meta_model_at_pp2(root, data) -> dict:
         model = _tiny_gpt2()
     trainer = Trainer(model=model, args=TrainingArguments(
         output_dir=f"{root}/meta", per_device_train_batch_size=2, max_steps=2,
-        logging_steps=1, save_strategy="no", strategy="pp=2,mbs=2,gbs=4,schedule=1f1b"),
-        train_dataset=data)
+        logging_steps=1, save_strategy="no", strategy="pp=2,mbs=2,gbs=4,schedule=1f1b",
+        stage_memory_budget="1GiB"), train_dataset=data)
     losses = trainer.train().losses
     trainer.save_model(f"{root}/meta_saved")
-    return {"meta_losses": losses,
+    return {"meta_losses": losses, "stage_recompute": trainer._core.stage_recompute,
             "meta_left": sum(p.numel() for p in model.parameters() if p.is_meta),
             "meta_total": sum(p.numel() for p in model.parameters())}
 
@@ -97,6 +97,7 @@ def test_hf_script_runs_on_two_workers(tmp_path):
     # save_model gathered the whole model.
     assert len(out["meta_losses"]) == 2 and all(4.0 < v < 7.0 for v in out["meta_losses"])
     assert 0 < out["meta_left"] < out["meta_total"]
+    assert out["stage_recompute"] == [0.0, 0.0]  # a 1 GiB stage budget: nothing to recompute
     whole = GPT2LMHeadModel.from_pretrained(tmp_path / "meta_saved")
     assert sum(p.numel() for p in whole.parameters()) == out["meta_total"]
 
@@ -110,6 +111,7 @@ def test_script_differs_from_its_hf_original_in_two_lines():
     (dict(report_to="wandb"), "other reporters"),
     (dict(per_device_train_batch_size=0), "must be >= 1"),
     (dict(dataloader_num_workers=4), "Extra inputs are not permitted"),
+    (dict(stage_memory_budget="lots"), "must be bytes"),
 ])
 def test_bad_arguments_are_refused(kwargs, fragment):
     with pytest.raises(ValueError, match=fragment):

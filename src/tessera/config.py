@@ -126,7 +126,7 @@ class TrainingArguments(_Section):
     @field_validator("stage_memory_budget", mode="before")
     @classmethod
     def _stage_budget(cls, value: Any) -> Any:
-        return _budget_bytes(value)
+        return parse_budget(value)
 
     @field_validator("progress", mode="before")
     @classmethod
@@ -157,7 +157,7 @@ class TrainingArguments(_Section):
         return value
 
 
-def _budget_bytes(value: Any) -> int | None:
+def parse_budget(value: Any) -> int | None:
     """Bytes from an integer or text such as ``64MiB`` or ``1.5GB``; None stays None."""
     from tessera.memory.tiers import parse_bytes
 
@@ -185,7 +185,7 @@ class MemorySection(_Section):
     @field_validator("device_budget", "host_budget", mode="before")
     @classmethod
     def _bytes(cls, value: Any) -> Any:
-        return _budget_bytes(value)
+        return parse_budget(value)
 
     @field_validator("chunk_size")
     @classmethod

@@ -30,7 +30,7 @@ from torch import nn
 from torch.utils.data import Dataset
 
 from tessera.config import TrainingArguments as CoreArguments
-from tessera.config import _Section
+from tessera.config import _Section, parse_budget
 from tessera.data.dataset import collate
 from tessera.strategy import Strategy, StrategyError
 from tessera.train.trainer import Trainer as CoreTrainer
@@ -47,7 +47,7 @@ class TrainingArguments(_Section):
 
     output_dir: str = "runs/trainer"
     strategy: str | None = None
-    stage_memory_budget: int | str | None = None  # pp > 1: bytes per stage (docs/pipeline.md)
+    stage_memory_budget: int | None = None  # pp > 1: bytes per stage, e.g. "12GiB"
     per_device_train_batch_size: int = 8
     per_device_eval_batch_size: int = 8
     gradient_accumulation_steps: int = 1
@@ -74,6 +74,11 @@ class TrainingArguments(_Section):
     report_to: str | list[str] = "none"
     resume_from_checkpoint: str | None = None
     disable_tqdm: bool = False
+
+    @field_validator("stage_memory_budget", mode="before")
+    @classmethod
+    def _budget(cls, value: Any) -> int | None:
+        return parse_budget(value)
 
     @field_validator("report_to")
     @classmethod
