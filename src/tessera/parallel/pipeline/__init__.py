@@ -188,7 +188,10 @@ def _least_need(graph: ProxyGraph, stages: int, micro_batches: int, strategy: St
     """What a refused budget would have to be: the fullest stage under full recomputation."""
     if budget is None:
         return ""
-    full = partition(graph, stages, micro_batches, strategy.schedule, recompute=(1.0,))
+    try:
+        full = partition(graph, stages, micro_batches, strategy.schedule, recompute=(1.0,))
+    except PartitionError:  # refused for another reason (too few cuts): said already
+        return ""
     return (f" (train.stage_memory_budget={budget.bytes:,} bytes; with full recomputation "
             f"the fullest stage needs {max(full.stage_memory):,.0f})")
 
