@@ -29,6 +29,7 @@ from tessera.models.hf import flops_per_token as generic_flops_per_token
 from tessera.parallel import parallelize
 from tessera.parallel.pipeline import StageBudget
 from tessera.parallel.pipeline.engine import PipelineEngine
+from tessera.parallel.pipeline.recompute import strategy_text
 from tessera.strategy import Strategy
 from tessera.train import checkpoint as ckpt
 from tessera.train.engine import Engine
@@ -125,7 +126,7 @@ class Trainer:
                                 deferred=deferred, stage_budget=budget)
         if budget and self.ctx.is_main:
             print(f"tessera: stage_memory_budget={budget.bytes:,} bytes: recomputation per "
-                  f"stage {'/'.join(f'{r:g}' for r in self.stage_recompute)}", flush=True)
+                  f"stage {strategy_text(self.stage_recompute)}", flush=True)
         self.wrapped = self.plan.module
         # A layout that keeps parameters in its own storage (chunk memory) brings its optimizer.
         self.optimizer = (self.plan.build_optimizer or build_optimizer)(

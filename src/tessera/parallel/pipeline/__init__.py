@@ -29,7 +29,7 @@ from tessera.parallel.pipeline.module import (GradSync, StageModule, local_shard
                                               persistent_buffers)
 from tessera.parallel.pipeline.partition import Partition, PartitionError, partition
 from tessera.parallel.pipeline.program import PipelineProgram, capture_for_partition
-from tessera.parallel.pipeline.recompute import stage_aware_ratios
+from tessera.parallel.pipeline.recompute import stage_aware_ratios, strategy_text
 from tessera.parallel.pipeline.schedules import ScheduleError, build, check_sizes, chunks_for
 from tessera.parallel.plan import Parallelized, lm_loss
 from tessera.parallel.pipeline.tp import (carry_permutations, grid_inputs, stage_batch,
@@ -200,7 +200,7 @@ def _refuse_unsupported(strategy: Strategy, budget: StageBudget | None = None) -
     if budget is not None and strategy.recompute != (0.0,):
         raise StrategyError(f"train.stage_memory_budget chooses each stage's recomputation: "
                             f"leave the strategy's recompute unset (it is "
-                            f"recompute={'/'.join(f'{r:g}' for r in strategy.recompute)})")
+                            f"recompute={strategy_text(strategy.recompute)})")
     if strategy.memory not in ("ddp", "chunk"):
         raise StrategyError(f"pp={strategy.pp} with memory={strategy.memory}: ZeRO memory "
                             "without chunks with pipeline stages is not built yet (issue #6, "

@@ -4,8 +4,9 @@ Under 1F1B, stage s of S holds S - s micro-batches in flight at its peak, so the
 needs the most activation memory and the last the least. Recomputing the same share on every
 stage wastes time on the later ones. Two ways to choose per-stage ratios:
 
-- from a memory budget (:func:`stage_aware_ratios`): each stage takes the smallest ratio whose
-  peak (weights and optimizer states + in-flight activations) fits;
+- from a memory budget (:func:`stage_aware_ratios`; the Trainer's
+  ``train.stage_memory_budget``): each stage takes the smallest ratio whose peak (weights and
+  optimizer states + in-flight activations) fits;
 - from the first stage's ratio (:func:`ratios_from_first`, Merak's rule): the activation
   memory the first stage keeps, (1 - r0) * (S - 1) micro-batches' worth for stages that
   recompute, is what each later stage may keep over its S - 1 - s micro-batches.
@@ -14,6 +15,8 @@ The result is a Strategy's ``recompute=`` per-stage text, e.g. ``recompute=1/0.6
 """
 
 from __future__ import annotations
+
+from typing import Sequence
 
 from tessera.parallel.pipeline.capture import ProxyGraph
 from tessera.parallel.pipeline.cost import DeviceRates
@@ -46,6 +49,6 @@ def ratios_from_first(first: float, stages: int) -> tuple[float, ...]:
     return tuple(out)
 
 
-def strategy_text(ratios: tuple[float, ...]) -> str:
+def strategy_text(ratios: Sequence[float]) -> str:
     """``recompute=`` text for a Strategy, e.g. ``1/0.5/0``."""
     return "/".join(f"{r:g}" for r in ratios)
