@@ -61,9 +61,9 @@ def materialize(model: nn.Module, device: torch.device | str,
     device = torch.device(device)
     wanted = None if names is None else set(names)
     first_names = parameter_aliases(model)
-    new_params = _replace(model, "_parameters", device, lambda p: (
+    new_params, _ = _swap(model, ("_parameters",), device, lambda p: p.is_meta and (
         wanted is None or bool(wanted & set(first_names[id(p)]))))
-    new_buffers = _replace(model, "_buffers", device, lambda b: True)
+    new_buffers, _ = _swap(model, ("_buffers",), device, lambda b: b.is_meta)
     fresh = {id(t) for t in (*new_params.values(), *new_buffers.values())}
     owners, kept = {}, set()  # storages: fresh ones by name; the ones whose values stay
     for name, tensor in _named_tensors(model):
@@ -105,21 +105,26 @@ def parameter_aliases(model: nn.Module) -> dict[int, list[str]]:
     return names
 
 
-def _replace(model: nn.Module, slot: str, device: torch.device, wanted) -> dict[int, torch.Tensor]:
-    """Swap each wanted meta tensor in every module's ``slot`` for an empty one on ``device``;
-    a tensor held by several modules (tied) gets one replacement. Returns {old id: new}."""
+def _swap(model: nn.Module, slots: tuple[str, ...], device: torch.device | str, wanted
+          ) -> tuple[dict[int, torch.Tensor], list[tuple[dict, str, torch.Tensor]]]:
+    """Swap each ``wanted`` tensor in every module's ``slots`` for an empty one of its shape
+    and dtype on ``device``; a tensor held by several modules (tied) gets one replacement.
+    Returns {old id: new} and the (table, key, old tensor) entries swapped."""
     new: dict[int, torch.Tensor] = {}
+    swapped: list[tuple[dict, str, torch.Tensor]] = []
     for module in model.modules():
-        table = getattr(module, slot)
-        for key, old in table.items():
-            if old is None or not old.is_meta or not (id(old) in new or wanted(old)):
-                continue
-            if id(old) not in new:
-                empty = torch.empty_like(old, device=device)
-                new[id(old)] = (nn.Parameter(empty, requires_grad=old.requires_grad)
-                                if isinstance(old, nn.Parameter) else empty)
-            table[key] = new[id(old)]
-    return new
+        for slot in slots:
+            table = getattr(module, slot)
+            for key, old in table.items():
+                if old is None or not (id(old) in new or wanted(old)):
+                    continue
+                if id(old) not in new:
+                    empty = torch.empty_like(old, device=device)
+                    new[id(old)] = (nn.Parameter(empty, requires_grad=old.requires_grad)
+                                    if isinstance(old, nn.Parameter) else empty)
+                swapped.append((table, key, old))
+                table[key] = new[id(old)]
+    return new, swapped
 
 
 def _run_initialisation(model: nn.Module) -> None:
@@ -195,19 +200,7 @@ def shapes_on_meta(model: nn.Module) -> Iterator[None]:
     For capturing a model some of whose weights are materialised and some not: torch.export
     traces shapes only, and cannot mix devices.
     """
-    swapped: list[tuple[dict, str, torch.Tensor]] = []
-    stand_in: dict[int, torch.Tensor] = {}
-    for module in model.modules():
-        for table in (module._parameters, module._buffers):
-            for key, tensor in table.items():
-                if tensor is None or tensor.is_meta:
-                    continue
-                if id(tensor) not in stand_in:
-                    meta = torch.empty_like(tensor, device="meta")
-                    stand_in[id(tensor)] = (nn.Parameter(meta, tensor.requires_grad)
-                                            if isinstance(tensor, nn.Parameter) else meta)
-                swapped.append((table, key, tensor))
-                table[key] = stand_in[id(tensor)]
+    _, swapped = _swap(model, ("_parameters", "_buffers"), "meta", lambda t: not t.is_meta)
     try:
         yield
     finally:
