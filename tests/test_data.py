@@ -2,7 +2,8 @@ import numpy as np
 import pytest
 
 from tessera.data import (ByteTokenizer, DataError, GlobalBatchOrder, TokenDataset,
-                          list_text_files, read_corpus_bytes, resolve_corpus)
+                          iter_text_files, list_text_files, read_corpus_bytes,
+                          resolve_corpus)
 from tessera.data.corpus import tokenize_corpus
 
 
@@ -25,6 +26,25 @@ def test_corpus_errors_name_the_path(tmp_path):
     (tmp_path / "a.txt").write_text("")
     with pytest.raises(DataError, match="holds no non-empty file"):
         list_text_files(tmp_path)
+
+
+def test_files_come_in_sorted_path_order_found_lazily(tmp_path):
+    # A folder's files come before a sibling whose name extends the folder's ("a/b.py" before
+    # "a b/y.py" and "a.py"); hidden folders and upper case sort by code point; a link to a
+    # folder is not entered (as rglob does not).
+    for name in ["a/b.py", "a.py", "a-b/c.py", "A/x.py", "a b/y.py", "ab.py", ".h/z.py",
+                 "a/b/c.txt", "skip.bin"]:
+        (tmp_path / name).parent.mkdir(parents=True, exist_ok=True)
+        (tmp_path / name).write_text("x")
+    (tmp_path / "link").symlink_to(tmp_path / "a", target_is_directory=True)
+    rglob = sorted(p for p in tmp_path.rglob("*")
+                   if p.suffix in (".py", ".txt") and p.is_file() and p.stat().st_size > 0)
+    assert list_text_files(tmp_path, (".py", ".txt")) == rglob
+    assert [p.relative_to(tmp_path).as_posix() for p in rglob] == [
+        ".h/z.py", "A/x.py", "a/b/c.txt", "a/b.py", "a b/y.py", "a-b/c.py", "a.py", "ab.py"]
+    # Reading the first bytes walks no further than it reads.
+    files = iter_text_files(tmp_path, (".py", ".txt"))
+    assert next(files) == rglob[0]
 
 
 def test_read_stops_at_max_bytes(tmp_path):

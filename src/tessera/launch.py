@@ -20,7 +20,7 @@ import torch
 import yaml
 
 from tessera.config import RunConfig
-from tessera.data import list_text_files, resolve_corpus
+from tessera.data import iter_text_files, resolve_corpus
 from tessera.distributed import resolve_device_type
 from tessera.run import build_model, build_tokenizer
 from tessera.train import checkpoint as ckpt
@@ -121,8 +121,9 @@ def prepare_run(config: RunConfig, options: LaunchOptions) -> Path:
     config.strategy.require_available()
     config.strategy.validate_for(world_size=options.world_size)
     resolve_device_type(config.train.device)
-    files = list_text_files(resolve_corpus(config.data.corpus), config.data.extensions)
-    tokenizer = build_tokenizer(config, files)  # trains the BPE once, here, not per worker
+    # A missing or empty corpus is named here; a BPE tokenizer is trained once, here.
+    next(iter_text_files(resolve_corpus(config.data.corpus), config.data.extensions))
+    tokenizer = build_tokenizer(config)
     if config.train.resume or config.train.resume_from:
         _check_resumable(config, tokenizer.vocab_size)
     if config.train.init_from:

@@ -14,8 +14,8 @@ import torch
 from torch import nn
 
 from tessera.config import RunConfig
-from tessera.data import (BPETokenizer, ByteTokenizer, TokenDataset, list_text_files,
-                          read_corpus_bytes, resolve_corpus)
+from tessera.data import (BPETokenizer, ByteTokenizer, TokenDataset, iter_text_files,
+                          list_text_files, read_corpus_bytes, resolve_corpus)
 from tessera.data.corpus import DataError, tokenize_corpus
 from tessera.data.dataset import Subset
 from tessera.models import Transformer
@@ -59,7 +59,7 @@ def build_datasets(config: RunConfig, tokenizer) -> tuple[Subset, Subset | None]
         DataError: naming the corpus when it is missing, empty or too small for one batch.
     """
     folder = resolve_corpus(config.data.corpus)
-    texts = read_corpus_bytes(list_text_files(folder, config.data.extensions),
+    texts = read_corpus_bytes(iter_text_files(folder, config.data.extensions),
                               config.data.max_bytes)
     dataset = TokenDataset(tokenize_corpus(texts, tokenizer), config.data.seq_len)
     train, val = dataset.split(config.data.val_fraction)

@@ -6,7 +6,9 @@ Python has, so the main job trains on real text without downloading anything.
 
 from __future__ import annotations
 
+import os
 import sysconfig
+from collections.abc import Iterable, Iterator
 from pathlib import Path
 
 import numpy as np
@@ -35,19 +37,51 @@ def list_text_files(folder: Path, extensions: tuple[str, ...] = DEFAULT_EXTENSIO
     Raises:
         DataError: if the folder is missing, is not a folder, or holds no such non-empty file.
     """
+    return list(iter_text_files(folder, extensions))
+
+
+def iter_text_files(folder: Path, extensions: tuple[str, ...] = DEFAULT_EXTENSIONS
+                    ) -> Iterator[Path]:
+    """The files of :func:`list_text_files`, in the same order, found as they are read.
+
+    A run reading only its first ``max_bytes`` then lists only the folders it reads from
+    (the standard library corpus holds ~60k entries; listing them all took 2 s per worker).
+
+    Raises:
+        DataError: as :func:`list_text_files`, once the walk ends with no file found.
+    """
     if not folder.exists():
         raise DataError(f"data.corpus: folder {folder} does not exist")
     if not folder.is_dir():
         raise DataError(f"data.corpus: {folder} is not a folder")
-    files = sorted(p for p in folder.rglob("*")
-                   if p.suffix in extensions and p.is_file() and p.stat().st_size > 0)
-    if not files:
+    found = False
+    for path in _walk_sorted(folder):
+        if path.suffix in extensions and path.is_file() and path.stat().st_size > 0:
+            found = True
+            yield path
+    if not found:
         raise DataError(f"data.corpus: folder {folder} holds no non-empty file ending in "
                         f"{', '.join(extensions)}")
-    return files
 
 
-def read_corpus_bytes(files: list[Path], max_bytes: int | None) -> list[bytes]:
+def _walk_sorted(folder: Path) -> Iterator[Path]:
+    """Every path under ``folder`` in ``sorted(folder.rglob("*"))`` order: a depth-first walk
+    with each folder's entries sorted by name gives the order of sorted path parts.
+    Symbolic links to folders are listed but not entered, as rglob does."""
+    try:
+        with os.scandir(folder) as entries:
+            names = sorted((entry.name, entry.is_dir(follow_symlinks=False))
+                           for entry in entries)
+    except PermissionError:
+        return
+    for name, is_dir in names:
+        path = folder / name
+        yield path
+        if is_dir:
+            yield from _walk_sorted(path)
+
+
+def read_corpus_bytes(files: Iterable[Path], max_bytes: int | None) -> list[bytes]:
     """Contents of ``files`` in order, stopping once ``max_bytes`` have been read."""
     texts, total = [], 0
     for path in files:
