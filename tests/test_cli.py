@@ -182,7 +182,9 @@ def test_killed_worker_restarts_and_resumes_from_the_last_checkpoint(tmp_path):
     straight = tessera("train", *args, f"train.output_dir={tmp_path / 'straight'}")
     assert straight.returncode == 0, straight.stderr
 
-    assert "exitcode: -9" in output  # the worker died; exit 0 above means torchrun restarted it
+    # The worker group failed (torchrun names the first failure it polled: the killed worker,
+    # exit -9, or its peer, whose collective broke); exit 0 above means torchrun restarted it.
+    assert "failed (exitcode: " in output, output
     logged = [r for r in metrics(tmp_path / "killed") if "loss" in r]
     steps = [r["step"] for r in logged]
     # Steps logged after the checkpoint but before the kill are logged again after the
