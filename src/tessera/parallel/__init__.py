@@ -24,7 +24,7 @@ __all__ = ["Parallelized", "parallelize"]
 
 def parallelize(model: nn.Module, strategy: Strategy, mesh: Mesh,
                 memory: Any = None, deferred: DeferredInit | None = None,
-                stage_budget: Any = None) -> Parallelized:
+                stage_budget: int | None = None, seq_len: int | None = None) -> Parallelized:
     """Lay ``model`` out under ``strategy`` on ``mesh``.
 
     The model's parameters must be on the mesh's device, or on the meta device with
@@ -34,8 +34,8 @@ def parallelize(model: nn.Module, strategy: Strategy, mesh: Mesh,
     wrap ``model`` (e.g. DistributedDataParallel); ``model`` keeps its parameter names, so
     checkpoints stay in the single-device layout. ``memory`` holds the chunk-memory options
     (the config's ``memory:`` section) used when ``strategy.memory == "chunk"``.
-    ``stage_budget`` (pipeline.StageBudget, pp > 1 only) has each stage recompute the least
-    that fits it.
+    ``stage_budget`` (bytes, pp > 1 only) has each stage recompute the least that fits it.
+    ``seq_len``, the run's sequence length, is the length pipeline stages are partitioned at.
     """
     strategy.require_available()
     if stage_budget is not None and strategy.pp == 1:
@@ -68,7 +68,7 @@ def parallelize(model: nn.Module, strategy: Strategy, mesh: Mesh,
         # stage-aware recomputation and dp gradient averaging run inside the PipelineEngine.
         from tessera.parallel.pipeline import apply_pipeline
 
-        apply_pipeline(plan, strategy, mesh, stage_inputs, deferred, stage_budget)
+        apply_pipeline(plan, strategy, mesh, stage_inputs, deferred, stage_budget, seq_len)
         if strategy.memory == "chunk":
             # Chunk memory over this rank's stages (dp x pp): the stage pieces are the hooked
             # modules, the dp reduce-scatter runs after the pipeline drains (memory/stages.py).

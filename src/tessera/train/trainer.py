@@ -27,7 +27,6 @@ from tessera.mesh import Mesh
 from tessera.models.materialize import DeferredInit, has_meta
 from tessera.models.hf import flops_per_token as generic_flops_per_token
 from tessera.parallel import parallelize
-from tessera.parallel.pipeline import StageBudget
 from tessera.parallel.pipeline.engine import PipelineEngine
 from tessera.parallel.pipeline.recompute import strategy_text
 from tessera.strategy import Strategy
@@ -120,12 +119,11 @@ class Trainer:
         if load and not deferred:
             load(self.model)
         self.model_meta = describe_model(self.model)
-        budget = (StageBudget(args.stage_memory_budget, self._seq_len())
-                  if args.stage_memory_budget else None)
+        budget = args.stage_memory_budget
         self.plan = parallelize(self.model, self.strategy, self.mesh, memory=memory,
-                                deferred=deferred, stage_budget=budget)
+                                deferred=deferred, stage_budget=budget, seq_len=self._seq_len())
         if budget and self.ctx.is_main:
-            print(f"tessera: stage_memory_budget={budget.bytes:,} bytes: recomputation per "
+            print(f"tessera: stage_memory_budget={budget:,} bytes: recomputation per "
                   f"stage {strategy_text(self.stage_recompute)}", flush=True)
         self.wrapped = self.plan.module
         # A layout that keeps parameters in its own storage (chunk memory) brings its optimizer.

@@ -262,6 +262,12 @@ def budget_trainer(root: str) -> dict:
         refused = ""
     except StrategyError as err:
         refused = str(err)
+    losses = given.train().losses
+    # Without a budget too, the partition was made at the run's shape, and training ran that
+    # capture's stages.
+    program, shape = given.plan.pipeline.program, (2, given._seq_len())
+    seed = program.graph
     return {"need": need, "budget": budget, "ratios": ratios,
-            "chosen": chosen.train().losses, "given": given.train().losses,
-            "refused": refused}
+            "chosen": chosen.train().losses, "given": losses, "refused": refused,
+            "partition_shape": tuple(seed.nodes[seed.inputs[0]].node.meta["val"].shape),
+            "run_shape": shape, "reused": program.get(shape, training=True).graph is seed}

@@ -277,10 +277,10 @@ def test_a_skip_over_a_stage_passes_through_it_and_gradients_match():
 def test_a_stage_budget_is_refused_with_recompute_given_or_without_stages():
     # Refused before anything is read (the model and mesh are not needed to say so).
     from tessera.parallel import parallelize
-    from tessera.parallel.pipeline import StageBudget, apply_pipeline
+    from tessera.parallel.pipeline import apply_pipeline
     from tessera.strategy import Strategy, StrategyError
 
-    budget = StageBudget(bytes=10**9, seq_len=64)
+    budget = 10**9
     with pytest.raises(StrategyError, match="needs pp > 1"):
         parallelize(torch.nn.Linear(2, 2), Strategy(), mesh=None, stage_budget=budget)
     with pytest.raises(StrategyError, match="leave the strategy's recompute unset"):

@@ -214,3 +214,6 @@ def test_a_stage_memory_budget_chooses_each_stages_recomputation(two):
     # The chosen ratios run exactly as the same ratios given in the strategy.
     assert len(out["chosen"]) == 3 and out["chosen"] == out["given"]
     assert "stage_memory_budget" in out["refused"] and "fullest stage needs" in out["refused"]
+    # Partitioned at the run's shape, whose capture the training stages then ran (one
+    # torch.export per Trainer, not a second one at the run's shape).
+    assert out["partition_shape"] == out["run_shape"] and out["reused"], out

@@ -36,18 +36,8 @@ from tessera.parallel.pipeline.tp import (carry_permutations, grid_inputs, stage
                                           tp_group_of, tp_loss)
 from tessera.strategy import Strategy, StrategyError
 
-__all__ = ["CaptureError", "PartitionError", "PipelineEngine", "ScheduleError", "StageBudget",
+__all__ = ["CaptureError", "PartitionError", "PipelineEngine", "ScheduleError",
            "apply_pipeline", "capture", "partition", "stage_aware_ratios"]
-
-
-@dataclass(frozen=True)
-class StageBudget:
-    """Bytes each pipeline stage may hold, for choosing its recomputation (stage-aware), and
-    the run's sequence length, at which the partition's graph is then captured so that its
-    activation estimates are the run's."""
-
-    bytes: int
-    seq_len: int
 
 
 @dataclass
@@ -96,13 +86,17 @@ class Pipeline:
 
 def apply_pipeline(plan: Parallelized, strategy: Strategy, mesh: Mesh,
                    inputs: Any = None, deferred: DeferredInit | None = None,
-                   budget: StageBudget | None = None) -> Pipeline:
+                   budget: int | None = None, seq_len: int | None = None) -> Pipeline:
     """Partition ``plan.model`` into ``strategy.pp`` stages and keep this rank's share.
 
     A model on the meta device is captured and partitioned as it is; ``deferred`` then
     materialises only the parameters this rank's stages hold (the rest stay on meta) and every
-    buffer. With ``budget``, each stage recomputes the least share that keeps its estimated
-    memory within it (the strategy's ``recompute`` must be left unset).
+    buffer. With ``budget`` (bytes), each stage recomputes the least share that keeps its
+    estimated memory within it (the strategy's ``recompute`` must be left unset).
+
+    The partition is made on a graph captured at the run's ``seq_len`` (each rank's share of
+    it under sequence parallelism), so that its estimates are the run's and the training
+    stages reuse that capture; without it, at the model's maximum length capped at 128.
 
     ``inputs`` (sequence parallelism's ``StageInputs``, sequence/staged.py) adds the batch
     inputs the captured model reads besides ``input_ids``, shards each micro-batch and
@@ -128,8 +122,8 @@ def apply_pipeline(plan: Parallelized, strategy: Strategy, mesh: Mesh,
     ratios = [strategy.stage_recompute(s % pp) for s in range(n_virtual)]
     model.train()
     extra = inputs.example if inputs is not None else None
-    graph = capture_for_partition(model, stage_batch(strategy), extra,
-                                  budget.seq_len if budget else None)
+    local_len = -(-seq_len // strategy.sp) if seq_len else None  # sp: this rank's tokens
+    graph = capture_for_partition(model, stage_batch(strategy), extra, local_len)
     loss_fn = tp_loss(strategy, mesh) or lm_loss
     if strategy.tp == 1:  # whole logits per token (tp's are vocabulary-sharded): sliceable
         graph = slice_head(graph, head_slices_for(graph, n_virtual))
@@ -138,14 +132,14 @@ def apply_pipeline(plan: Parallelized, strategy: Strategy, mesh: Mesh,
         # Cuts inside attention / MLP: checked without tp and sp only (their stage graphs
         # carry collectives and sharded activations across such a cut untested).
         part = partition(graph, n_virtual, micro_batches, strategy.schedule,
-                         memory_limit=budget.bytes if budget else None,
-                         recompute=None if budget else tuple(ratios),
+                         memory_limit=budget,
+                         recompute=None if budget is not None else tuple(ratios),
                          finer=strategy.tp == 1 and strategy.sp == 1)
     except PartitionError as err:
         raise StrategyError(f"pp={pp}, schedule={strategy.schedule}: {err}"
                             + _least_need(graph, n_virtual, micro_batches, strategy, budget)
                             ) from None
-    if budget:
+    if budget is not None:
         ratios = list(part.recompute)  # chosen per stage for the budget
     pp_rank = mesh.rank("pp")
     stage_rank = [s % pp for s in range(n_virtual)]
@@ -184,7 +178,7 @@ def _stage_optimizer(module: StageModule, base, *args):
 
 
 def _least_need(graph: ProxyGraph, stages: int, micro_batches: int, strategy: Strategy,
-                budget: StageBudget | None) -> str:
+                budget: int | None) -> str:
     """What a refused budget would have to be: the fullest stage under full recomputation."""
     if budget is None:
         return ""
@@ -192,11 +186,11 @@ def _least_need(graph: ProxyGraph, stages: int, micro_batches: int, strategy: St
         full = partition(graph, stages, micro_batches, strategy.schedule, recompute=(1.0,))
     except PartitionError:  # refused for another reason (too few cuts): said already
         return ""
-    return (f" (train.stage_memory_budget={budget.bytes:,} bytes; with full recomputation "
+    return (f" (train.stage_memory_budget={budget:,} bytes; with full recomputation "
             f"the fullest stage needs {max(full.stage_memory):,.0f})")
 
 
-def _refuse_unsupported(strategy: Strategy, budget: StageBudget | None = None) -> None:
+def _refuse_unsupported(strategy: Strategy, budget: int | None = None) -> None:
     if budget is not None and strategy.recompute != (0.0,):
         raise StrategyError(f"train.stage_memory_budget chooses each stage's recomputation: "
                             f"leave the strategy's recompute unset (it is "
