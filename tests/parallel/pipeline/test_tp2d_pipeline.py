@@ -4,8 +4,8 @@ One launch of 8 ranks runs every check: the 2D custom ops against the eager 2D f
 (direct and through torch.export), then training parity against one device for the reference
 model (1f1b), Hugging Face GPT-2 (scp with full recomputation: fused q|k|v, Conv1D, learned
 positions, the embedding tied to the LM head across stages) and Llama (gpipe: RMSNorm, no
-biases), one bf16 step with and without the pipeline, then a checkpoint saved by tp=4 (2d) x
-pp=2 resumed on dp=8.
+biases), one bf16 step with and without the pipeline, then checkpoints both ways between
+tp=4 (2d) x pp=2 and dp=8.
 
 Tolerances, fp32, as in test_tp_pipeline.py: 1e-5 absolute on losses (about 5.5) and on
 gradients (gathered whole), over 3 AdamW steps. SUMMA sums its q = 2 partial products and the
@@ -99,7 +99,8 @@ def test_tp4_2d_pp2_equals_one_device(eight, name):
         assert got["saved"] < PARAM_TOL, (name, rank, got)
 
 
-def test_tp4_2d_pp2_checkpoint_resumes_on_plain_data_parallel(eight):
+def test_tp4_2d_pp2_loads_and_saves_the_single_device_checkpoint(eight):
     ckpt = eight[0]["ckpt"]
-    assert len(ckpt["first"]) == 3 and len(ckpt["3d_step4"]) == 1
-    assert ckpt["dp_step4"] == pytest.approx(ckpt["3d_step4"], abs=TOL)
+    assert len(ckpt["straight"]) == 5 and len(ckpt["3d_step4"]) == len(ckpt["dp_step5"]) == 1
+    assert ckpt["3d_step4"] == pytest.approx(ckpt["straight"][3:4], abs=TOL)
+    assert ckpt["dp_step5"] == pytest.approx(ckpt["straight"][4:], abs=TOL)

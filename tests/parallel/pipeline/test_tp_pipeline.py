@@ -65,7 +65,8 @@ def test_subpipelined_run_equals_the_plain_one(eight):
                                                                    abs=TOL)
 
 
-def test_tp_pp_checkpoint_resumes_on_plain_data_parallel(eight):
+def test_tp_pp_loads_and_saves_the_single_device_checkpoint(eight):
     ckpt = eight[0]["ckpt"]
-    assert len(ckpt["first"]) == 3 and len(ckpt["3d_step4"]) == 1
-    assert ckpt["dp_step4"] == pytest.approx(ckpt["3d_step4"], abs=TOL)
+    assert len(ckpt["straight"]) == 5 and len(ckpt["3d_step4"]) == len(ckpt["dp_step5"]) == 1
+    assert ckpt["3d_step4"] == pytest.approx(ckpt["straight"][3:4], abs=TOL)
+    assert ckpt["dp_step5"] == pytest.approx(ckpt["straight"][4:], abs=TOL)

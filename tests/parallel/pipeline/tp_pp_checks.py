@@ -86,17 +86,19 @@ def _diff(whole: dict[str, torch.Tensor], ref: torch.nn.Module, pick) -> float:
 
 def checkpoint_to_one_device(root: str, three_d: str = "dp=2,tp=2,pp=2,mbs=2,gbs=8"
                              ) -> dict[str, list[float]]:
-    """``three_d`` (8 ranks, gbs=8) trains 3 steps and saves; dp=8 (one model per rank)
-    resumes for step 4, and so does the tp x pp run: the single-device layout gives the same
-    step-4 loss."""
-    import shutil
-
+    """Checkpoints between ``three_d`` (8 ranks, gbs=8) and dp=8 (one model per rank), both
+    ways, with one ``three_d`` Trainer (the costly one to build): dp=8 trains 5 steps, saving
+    at step 3; ``three_d`` resumes that checkpoint for step 4 and saves; dp=8 resumes that
+    one for step 5. Step 4's loss checks that the tp x pp stages loaded the single-device
+    layout; step 5's, that they saved it, AdamW moments included (all runs share one
+    5-step learning-rate schedule)."""
     from tessera.run import build_datasets, build_model, build_tokenizer
     from tessera.testing import tiny_run_config
+    from tessera.train.checkpoint import step_dirname
     from tessera.train.trainer import Trainer
 
-    def train(out: Path, strategy: str, until=None, resume=False):
-        config = tiny_run_config(out, strategy, train={"max_steps": 4, "resume": resume},
+    def train(out: Path, strategy: str, until=None, **args):
+        config = tiny_run_config(out, strategy, train={"max_steps": 5, **args},
                                  model={"preset": "tiny", "n_layers": 4})
         tokenizer = build_tokenizer(config)
         train_ds, val_ds = build_datasets(config, tokenizer)
@@ -104,13 +106,9 @@ def checkpoint_to_one_device(root: str, three_d: str = "dp=2,tp=2,pp=2,mbs=2,gbs
                           strategy=config.strategy)
         return trainer.train(until_step=until)
 
-    root = Path(root)
-    torch.distributed.barrier()
-    first = train(root / "3d", three_d, until=3)
-    torch.distributed.barrier()
-    if torch.distributed.get_rank() == 0:
-        shutil.copytree(root / "3d", root / "dp")
-    torch.distributed.barrier()
-    on_3d = train(root / "3d", three_d, resume=True)
-    on_dp = train(root / "dp", "dp=8,tp=1,pp=1,mbs=1,gbs=8", resume=True)
-    return {"first": first.losses, "3d_step4": on_3d.losses, "dp_step4": on_dp.losses}
+    root, dp = Path(root), "dp=8,tp=1,pp=1,mbs=1,gbs=8"
+    straight = train(root / "dp", dp, save_steps=3)
+    on_3d = train(root / "3d", three_d, until=4,
+                  resume_from=str(root / "dp" / "checkpoints" / step_dirname(3)))
+    back = train(root / "back", dp, resume_from=str(root / "3d" / "checkpoints" / step_dirname(4)))
+    return {"straight": straight.losses, "3d_step4": on_3d.losses, "dp_step5": back.losses}
