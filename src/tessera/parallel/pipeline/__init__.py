@@ -128,30 +128,14 @@ def apply_pipeline(plan: Parallelized, strategy: Strategy, mesh: Mesh,
     if strategy.tp == 1:  # whole logits per token (tp's are vocabulary-sharded): sliceable
         graph = slice_head(graph, head_slices_for(graph, n_virtual))
         loss_fn = sliced_head_loss if graph.head_slices > 1 else lm_loss
-    try:
-        # Cuts inside attention / MLP: checked without tp and sp only (their stage graphs
-        # carry collectives and sharded activations across such a cut untested).
-        part = partition(graph, n_virtual, micro_batches, strategy.schedule,
-                         memory_limit=budget,
-                         recompute=None if budget is not None else tuple(ratios),
-                         finer=strategy.tp == 1 and strategy.sp == 1)
-    except PartitionError as err:
-        raise StrategyError(f"pp={pp}, schedule={strategy.schedule}: {err}"
-                            + _least_need(graph, n_virtual, micro_batches, strategy, budget)
-                            ) from None
+    part = _cut(graph, n_virtual, micro_batches, strategy, ratios, budget)
     if budget is not None:
         ratios = list(part.recompute)  # chosen per stage for the budget
     pp_rank = mesh.rank("pp")
     stage_rank = [s % pp for s in range(n_virtual)]
     local = [s for s in range(n_virtual) if stage_rank[s] == pp_rank]
     holders = _holders(model, graph, part, stage_rank)
-    on_meta = has_meta(model)
-    if on_meta:
-        if deferred is None:
-            raise ValueError("the model is on the meta device and no DeferredInit says how "
-                             "to materialise this rank's stages")
-        deferred(model, [name for name, ranks in holders.items() if pp_rank in ranks])
-        retarget(graph, deferred.device)  # captured on meta; its stages run on the device
+    on_meta = _materialise_share(model, graph, holders, pp_rank, deferred)
     module, grad_sync = _ownership(model, holders, graph, part, stage_rank, pp_rank, mesh,
                                    strategy)
     carry_permutations(model, module)  # fused q|k|v shards keep saving unpermuted
@@ -168,6 +152,38 @@ def apply_pipeline(plan: Parallelized, strategy: Strategy, mesh: Mesh,
     plan.build_optimizer = lambda _model, *args: _stage_optimizer(module, base, *args)
     plan.features.append("pipeline")
     return pipe
+
+
+def _cut(graph: ProxyGraph, stages: int, micro_batches: int, strategy: Strategy,
+         ratios: list[float], budget: int | None) -> Partition:
+    """The partition into ``stages`` (with each stage's ratio chosen under ``budget``);
+    refused as a StrategyError naming pp, the schedule and, under a budget, its need."""
+    try:
+        # Cuts inside attention / MLP: checked without tp and sp only (their stage graphs
+        # carry collectives and sharded activations across such a cut untested).
+        return partition(graph, stages, micro_batches, strategy.schedule,
+                         memory_limit=budget,
+                         recompute=None if budget is not None else tuple(ratios),
+                         finer=strategy.tp == 1 and strategy.sp == 1)
+    except PartitionError as err:
+        raise StrategyError(f"pp={strategy.pp}, schedule={strategy.schedule}: {err}"
+                            + _least_need(graph, stages, micro_batches, strategy, budget)
+                            ) from None
+
+
+def _materialise_share(model: nn.Module, graph: ProxyGraph, holders: dict[str, set[int]],
+                       pp_rank: int, deferred: DeferredInit | None) -> bool:
+    """For a model on the meta device, give storage to the parameters this rank's stages
+    hold (and every buffer) and point the graph captured on meta at the run's device.
+    Returns whether the model was on meta."""
+    if not has_meta(model):
+        return False
+    if deferred is None:
+        raise ValueError("the model is on the meta device and no DeferredInit says how "
+                         "to materialise this rank's stages")
+    deferred(model, [name for name, ranks in holders.items() if pp_rank in ranks])
+    retarget(graph, deferred.device)  # captured on meta; its stages run on the device
+    return True
 
 
 def _stage_optimizer(module: StageModule, base, *args):
