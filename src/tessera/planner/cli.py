@@ -177,7 +177,8 @@ def estimate_command(model_text, cluster_text, seq, tp_overlap, as_json, strateg
               help="Cluster YAML to write.")
 @click.option("--workers", type=int, default=None,
               help="Worker processes for collectives (default: the CPU count, at least 2).")
-@click.option("--quick", is_flag=True, help="Fewer shapes and sizes (about 20 s).")
+@click.option("--quick", is_flag=True,
+              help="Fewer shapes and sizes (about a minute on 2 cores, 2 workers).")
 def profile_command(out_path: str, workers: int | None, quick: bool) -> None:
     """Measure this machine (matmul, memory, collectives over gloo) and write a cluster file."""
     from tessera.planner.profile import profile_cluster
