@@ -5,6 +5,12 @@ from __future__ import annotations
 import pytest
 from hypothesis import settings
 
+from tessera.testing import use_fork_server
+
+# Workers of run_distributed fork from a server that imported torch and tessera once: the
+# suite starts hundreds of workers, each of which would otherwise import them (4-5 s of CPU).
+use_fork_server()
+
 # Property tests explore the same examples on every run: CI stays reproducible.
 settings.register_profile("tessera", derandomize=True)
 settings.load_profile("tessera")

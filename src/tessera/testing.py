@@ -10,12 +10,13 @@ Example::
 
     results = run_distributed(_check, world_size=4, args=(3,))  # one result per rank
 
-The function must be importable by name (defined at module level): workers are forked from
-a multiprocessing fork server, a fresh interpreter that has imported torch, tessera's
-parallel layouts and the Hugging Face model classes once (``WORKER_PRELOAD``), so a launch
-does not pay those imports in every rank (4-5 s of CPU each; 8 ranks on 2 cores waited
-about 20 s for them). No rank state exists before the fork: each worker sets its
-environment, threads and process group itself, as a torchrun worker does.
+The function must be importable by name (defined at module level): workers are started
+with the "spawn" method, a fresh interpreter per rank as torchrun does. The test suite calls
+:func:`use_fork_server` instead (tests/conftest.py): workers are then forked from a fork
+server that imported torch, tessera's layouts and the Hugging Face model classes once
+(``WORKER_PRELOAD``), not 4-5 s of CPU per rank (8 ranks on 2 cores waited about 20 s for
+them). Measurements of worker memory keep spawn: a forked worker's resident set includes the
+server's imports.
 """
 
 from __future__ import annotations
@@ -33,7 +34,7 @@ from typing import Any, Callable
 
 import torch
 
-# Imported once by the fork server that test workers are forked from (see above).
+# Imported once by the fork server of :func:`use_fork_server`.
 WORKER_PRELOAD = ["torch", "torch.distributed", "torch.distributed.tensor", "torch.export",
                   "tessera.testing", "tessera.train.trainer", "tessera.parallel.pipeline",
                   "tessera.parallel.tensor", "tessera.parallel.sequence", "tessera.memory",
@@ -84,14 +85,22 @@ def run_distributed(fn: Callable[..., Any], world_size: int, args: tuple = (),
             proc.join(timeout=5)
 
 
+_START_METHOD = "spawn"
+
+
+def use_fork_server() -> None:
+    """Fork the workers of later :func:`run_distributed` calls from a fork server that
+    imports ``WORKER_PRELOAD`` once (where the platform has one; spawn otherwise). No rank
+    state exists before the fork: each worker sets its environment, threads and process group
+    itself. Not for measuring worker memory (the server's imports count in its RSS)."""
+    global _START_METHOD
+    if "forkserver" in mp.get_all_start_methods():
+        mp.get_context("forkserver").set_forkserver_preload(WORKER_PRELOAD)  # before it starts
+        _START_METHOD = "forkserver"
+
+
 def _worker_context():
-    """The fork-server context with the preload set (before its server starts), or spawn
-    where the platform has no fork server."""
-    if "forkserver" not in mp.get_all_start_methods():
-        return mp.get_context("spawn")
-    ctx = mp.get_context("forkserver")
-    ctx.set_forkserver_preload(WORKER_PRELOAD)  # read when the server starts, once
-    return ctx
+    return mp.get_context(_START_METHOD)
 
 
 def _collect(procs: list, results: mp.Queue, world_size: int, timeout: float) -> list[Any]:
