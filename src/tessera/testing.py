@@ -67,7 +67,7 @@ def run_distributed(fn: Callable[..., Any], world_size: int, args: tuple = (),
         DistributedTestError: with the first failing rank's traceback, or the ranks that had
             not finished when ``timeout`` seconds passed.
     """
-    ctx = _worker_context()
+    ctx = mp.get_context(_START_METHOD)  # spawn, or the suite's fork server
     results: mp.Queue = ctx.Queue()
     base_env = {"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(free_port()),
                 "WORLD_SIZE": str(world_size), "OMP_NUM_THREADS": "1", **(env or {})}
@@ -97,10 +97,6 @@ def use_fork_server() -> None:
     if "forkserver" in mp.get_all_start_methods():
         mp.get_context("forkserver").set_forkserver_preload(WORKER_PRELOAD)  # before it starts
         _START_METHOD = "forkserver"
-
-
-def _worker_context():
-    return mp.get_context(_START_METHOD)
 
 
 def _collect(procs: list, results: mp.Queue, world_size: int, timeout: float) -> list[Any]:
