@@ -356,11 +356,22 @@ def _materialize_worker(rank, world, root, on_meta):
                            steps=1, model={"preset": MATERIALIZE["preset"], "max_seq_len": 32,
                                            "on_meta": on_meta})
     params = list(trainer.model.parameters())
-    held = sum(p.numel() * p.element_size() for p in params if not p.is_meta)
-    whole = sum(p.numel() * p.element_size() for p in params)
+    rows = trainer.plan.pipeline.rows  # weights held only as rows (pipeline/rows.py)
+    row_tensors = list(rows.rows.values()) if rows is not None else []
+    held = sum(_nbytes(p) for p in params + row_tensors if not p.is_meta)
+    whole = sum(_nbytes(p) for p in params)
     # ru_maxrss: KiB on Linux; the process's peak, torch's own import included
-    return {"held": held, "whole": whole,
-            "peak_rss": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024}
+    peak_built = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+    trainer.train()  # one step: gradients and AdamW states exist
+    grads = [p.grad for p in params + row_tensors if p.grad is not None]
+    moments = [t for state in trainer.optimizer.state.values() for t in state.values()
+               if isinstance(t, torch.Tensor)]
+    return {"held": held, "whole": whole, "peak_rss": peak_built,
+            "state_after_step": held + sum(map(_nbytes, grads + moments))}
+
+
+def _nbytes(tensor: torch.Tensor) -> int:
+    return tensor.numel() * tensor.element_size()
 
 
 def materialize_figures() -> None:
@@ -383,6 +394,10 @@ def materialize_figures() -> None:
          "the same model given on the device: every rank materialises all of it (1.0)",
          whole_MiB=round(whole / 2**20, 1),
          per_rank_MiB=[round(r["held"] / 2**20, 1) for r in runs["on_meta"]], **common)
+    state = [r["state_after_step"] for r in runs["on_meta"]]
+    emit("training_state_bytes_max_rank_over_whole", max(state) / (4 * whole), "ratio",
+         "weights + gradients + AdamW moments after one step, largest rank, over one device's "
+         "4x the model", per_rank_MiB=[round(b / 2**20, 1) for b in state], **common)
     emit("peak_rss_on_meta_over_on_device", rss["on_meta"] / rss["on_device"], "ratio",
          "peak resident memory of the largest rank once the Trainer is built",
          on_meta_MiB=round(rss["on_meta"] / 2**20, 1),

@@ -66,7 +66,7 @@ def save_checkpoint(root: Path, step: int, model: nn.Module, optimizer: torch.op
     dist.barrier()
     flat = getattr(model, "flat_optimizer_state", False)
     never_stepped = not optimizer.state
-    model_sd, optim_sd = get_state_dict(model, optimizer, options=_FLAT if flat else _INDEXED)
+    model_sd, optim_sd = _state_dicts(model, optimizer, _FLAT if flat else _INDEXED)
     if never_stepped:
         _forget_state_init_step(optimizer)
     dcp.save({"model": model_sd, "optim": optim_sd}, checkpoint_id=str(partial))
@@ -207,16 +207,27 @@ def load_checkpoint(path: Path, model: nn.Module, optimizer: torch.optim.Optimiz
         raise CheckpointError(problem[0])
     meta = read_meta(path)
     flat = _saved_flat(path)
-    model_sd, optim_sd = get_state_dict(model, optimizer, options=_FLAT if flat else _INDEXED)
+    model_sd, optim_sd = _state_dicts(model, optimizer, _FLAT if flat else _INDEXED)
     state = {"model": model_sd, "optim": optim_sd}
     dcp.load(state, checkpoint_id=str(path))
-    set_state_dict(model, optimizer, model_state_dict=state["model"],
-                   optim_state_dict=state["optim"],
-                   options=StateDictOptions(strict=True, flatten_optimizer_state_dict=flat))
+    if model_sd:
+        set_state_dict(model, optimizer, model_state_dict=state["model"],
+                       optim_state_dict=state["optim"],
+                       options=StateDictOptions(strict=True, flatten_optimizer_state_dict=flat))
     rng_file = path / "rng" / f"rank_{dist.get_rank()}.pt"
     if rng_file.is_file():  # absent when resuming on more ranks than were saved
         _set_rng_state(torch.load(rng_file, weights_only=False))
     return meta
+
+
+def _state_dicts(model: nn.Module, optimizer: torch.optim.Optimizer,
+                 options: StateDictOptions) -> tuple[dict[str, Any], dict[str, Any]]:
+    """The model's and optimizer's state dicts; empty for a rank with no state of its own (a
+    pipeline stage holding nothing but rows of a weight another stage holds, rows.py), which
+    still joins the collective save and load."""
+    if not model.state_dict():
+        return {}, {}
+    return get_state_dict(model, optimizer, options=options)
 
 
 def _saved_flat(path: Path) -> bool:

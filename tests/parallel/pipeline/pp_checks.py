@@ -116,8 +116,11 @@ def _layout(plan: Parallelized) -> dict[str, int]:
     stage_of = pipe.partition.stage_of(graph)
     slices = [n for n in graph.compute if "logsumexp" in str(graph.nodes[n].node.target)]
     coarse = set(candidate_cuts(CostTable(graph, DeviceRates())))
+    rows = pipe.rows.rows if pipe.rows is not None else {}
     return {"head_slices": graph.head_slices,
             "head_stages": len({stage_of[n] for n in slices}),
+            # weights this rank holds only as rows (pipeline/rows.py): name -> rows held
+            "rows_held": {name: tuple(t.shape) for name, t in rows.items()},
             # cuts inside attention or the MLP (partition's ``finer`` search)
             "finer_cuts": sum(c not in coarse for c in pipe.partition.bounds[1:-1])}
 
@@ -131,7 +134,11 @@ def _grad_diff(stage: torch.nn.Module, ref: torch.nn.Module) -> float:
 
 
 def checkpoint_round_trip(root: str) -> dict[str, list[float]]:
-    """pp=2 trains 3 steps and saves; pp=2 and pp=1 (dp=2) each resume and run step 4."""
+    """pp=2 trains 3 steps and saves; pp=2 and pp=1 (dp=2) each resume and run step 4.
+
+    The model's vocabulary is BIG_VOCAB, so at pp=2 its LM head is sliced over both stages
+    and the second stage holds only its rows of the tied weight (pipeline/rows.py): the
+    checkpoint has the weight from the first stage, and the resumed run refreshes the rows."""
     from tessera.run import build_datasets, build_model, build_tokenizer
     from tessera.testing import tiny_run_config
     from tessera.train.trainer import Trainer
@@ -139,7 +146,8 @@ def checkpoint_round_trip(root: str) -> dict[str, list[float]]:
     def train(out: Path, strategy: str, until=None, resume=False):
         config = tiny_run_config(out, strategy, train={"max_steps": 4, "resume": resume,
                                                                "eval_steps": 4, "eval_batches": 1},
-                                 model={"preset": "tiny", "n_layers": 4})
+                                 model={"preset": "tiny", "n_layers": 4,
+                                        "vocab_size": BIG_VOCAB})
         tokenizer = build_tokenizer(config)
         train_ds, val_ds = build_datasets(config, tokenizer)
         trainer = Trainer(build_model(config), config.train, train_ds, val_ds,
@@ -153,11 +161,13 @@ def checkpoint_round_trip(root: str) -> dict[str, list[float]]:
     if torch.distributed.get_rank() == 0:
         shutil.copytree(root / "pp2", root / "pp1")
     torch.distributed.barrier()
-    on_pp2, _ = train(root / "pp2", "dp=1,tp=1,pp=2,mbs=2,gbs=8", resume=True)
+    on_pp2, resumed = train(root / "pp2", "dp=1,tp=1,pp=2,mbs=2,gbs=8", resume=True)
+    rows = resumed.plan.pipeline.rows
     on_pp1, trainer = train(root / "pp1", "dp=2,tp=1,pp=1,mbs=2,gbs=8", resume=True)
     fresh, _ = train(root / "dp2", "dp=2,tp=1,pp=1,mbs=2,gbs=8", until=3)
     return {"pp2_first": first.losses, "pp2_step4": on_pp2.losses, "pp1_step4": on_pp1.losses,
-            "dp2_first": fresh.losses, "eval_pp2": [l for _, l in on_pp2.eval_losses]}
+            "dp2_first": fresh.losses, "eval_pp2": [l for _, l in on_pp2.eval_losses],
+            "rows_held": [] if rows is None else [tuple(t.shape) for t in rows.rows.values()]}
 
 
 def meta_trainer_round_trip(root: str) -> dict:

@@ -7,7 +7,8 @@ interleaved, scp as action lists), ``comm`` (tagged point-to-point messages), ``
 (forward / recompute / backward of one stage), ``program`` (per-shape stages), ``module``
 (this rank's share under the original names, gradient rules), ``engine`` (PipelineEngine),
 ``tp`` (stages of a 1D or 2D tensor-parallel model), ``subpipe`` (sub-pipelined tensor
-parallelism), ``head`` (an LM head sliced over the vocabulary, to spread it over stages).
+parallelism), ``head`` (an LM head sliced over the vocabulary, to spread it over stages),
+``rows`` (stages reading a weight through row slices hold only those rows).
 Design and figures: docs/pipeline.md.
 """
 
@@ -30,6 +31,7 @@ from tessera.parallel.pipeline.module import (GradSync, StageModule, local_shard
 from tessera.parallel.pipeline.partition import Partition, PartitionError, partition
 from tessera.parallel.pipeline.program import PipelineProgram, capture_for_partition
 from tessera.parallel.pipeline.recompute import stage_aware_ratios, strategy_text
+from tessera.parallel.pipeline.rows import RowHolding, RowShare, find_row_shares
 from tessera.parallel.pipeline.schedules import ScheduleError, build, check_sizes, chunks_for
 from tessera.parallel.plan import Parallelized, lm_loss
 from tessera.parallel.pipeline.tp import (carry_permutations, grid_inputs, stage_batch,
@@ -57,6 +59,8 @@ class Pipeline:
     loss_fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor] = lm_loss
     # Under sp > 1: shards each micro-batch and computes the loss (sequence/staged.py).
     inputs: Any = None
+    # Weights this rank reads only through row slices, held as those rows (rows.py).
+    rows: RowHolding | None = None
 
     def prepare(self, batch: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
         """The micro-batch as this rank's stages read it (this rank's tokens under sp)."""
@@ -135,6 +139,10 @@ def apply_pipeline(plan: Parallelized, strategy: Strategy, mesh: Mesh,
     stage_rank = [s % pp for s in range(n_virtual)]
     local = [s for s in range(n_virtual) if stage_rank[s] == pp_rank]
     holders = _holders(model, graph, part, stage_rank)
+    # Chunk memory keeps weights and gradients in dp-sharded chunks: rows are not built there.
+    shares = [] if strategy.memory == "chunk" else _row_shares(model, graph, part, stage_rank)
+    for share in shares:  # a row holder holds its rows, not the weight
+        holders[share.name].discard(share.holder)
     on_meta = _materialise_share(model, graph, holders, pp_rank, deferred)
     module, grad_sync = _ownership(model, holders, graph, part, stage_rank, pp_rank, mesh,
                                    strategy)
@@ -144,8 +152,13 @@ def apply_pipeline(plan: Parallelized, strategy: Strategy, mesh: Mesh,
     program = PipelineProgram(model, graph, part, ratios, local, autocast, extra, sub_batches)
     if on_meta:
         program.run_device = deferred.device
+    rows = None
+    if shares:
+        rows = _row_holding(model, shares, mesh, pp_rank,
+                            deferred.device if on_meta else _device_of(model))
+        program.row_bindings = rows.bindings
     pipe = Pipeline(program, strategy.schedule, mesh.group("pp"), stage_rank, local, ratios,
-                    grad_sync, part, module, loss_fn, inputs)
+                    grad_sync, part, module, loss_fn, inputs, rows)
     plan.module, plan.pipeline = module, pipe
     plan.clip_grad_norm = lambda _model, max_norm: grad_sync.clip(max_norm)
     base = plan.build_optimizer  # tensor parallelism's, when it adds state-dict hooks
@@ -230,6 +243,21 @@ def _holders(model: nn.Module, graph: ProxyGraph, part: Partition, stage_rank: l
     for pid in names:  # weights the graph never reads still need a home for checkpoints
         holders.setdefault(names[pid][0], {0})
     return holders
+
+
+def _row_shares(model: nn.Module, graph: ProxyGraph, part: Partition, stage_rank: list[int]
+                ) -> list[RowShare]:
+    names = parameter_aliases(model)
+    first = {p: names[id(model.get_parameter(graph.nodes[p].fqn))][0] for p in graph.param_users}
+    return find_row_shares(graph, part.stage_of(graph), stage_rank, first)
+
+
+def _row_holding(model: nn.Module, shares: list[RowShare], mesh: Mesh, pp_rank: int,
+                 device: torch.device) -> RowHolding:
+    """This rank's rows of the row-shared weights, bound under every name of each."""
+    aliases = {names[0]: names for names in parameter_aliases(model).values()}
+    weights = {share.name: model.get_parameter(share.name) for share in shares}
+    return RowHolding(shares, weights, aliases, mesh.group("pp"), pp_rank, device)
 
 
 def _device_of(model: nn.Module) -> torch.device:

@@ -61,8 +61,11 @@ class PipelineEngine:
         n = len(batches)
         built = self.pipe.program.get(tuple(batches[0]["input_ids"].shape), training=True)
         actions = self.pipe.actions(n)
+        self._refresh_rows()
         with self.pipe.grad_sync.accumulate():  # chunk memory: no dp reduce mid-pipeline
             total = self._run(built, batches, actions, train=True)
+        if self.pipe.rows is not None:  # before the tied and dp rules read the home's grad
+            self.pipe.rows.reduce_grads()
         self.pipe.grad_sync.sync()
         loss = self._broadcast_loss(total / n)
         # Imported here: tessera.train imports this module (the Trainer picks the engine).
@@ -76,7 +79,13 @@ class PipelineEngine:
         batch = self.pipe.prepare({k: v.to(self.device) for k, v in batch.items()})
         built = self.pipe.program.get(tuple(batch["input_ids"].shape), training=False)
         actions = [Action("F", s, 0) for s in self.pipe.local_stages]
+        self._refresh_rows()
         return self._broadcast_loss(self._run(built, [batch], actions, train=False))
+
+    def _refresh_rows(self) -> None:
+        """Row holders take their rows from the weight's home (after its last update)."""
+        if self.pipe.rows is not None:
+            self.pipe.rows.refresh()
 
     # ---------------------------------------------------------------------------- private
     def _run(self, built, batches, actions: list[Action], train: bool) -> torch.Tensor:

@@ -19,8 +19,8 @@ the head. The loss is then the mean of ``nll`` over tokens whose label is not -1
 The labels become a batch input of the graph. Used without tensor parallelism, whose loss
 reads vocabulary-sharded logits; under sequence parallelism each rank's graph returns the
 loss of its own tokens, which the sequence-parallel loss sums and scales as it would the
-cross-entropy of its logits. A stage holding a slice holds the whole weight (as tied weights
-are held), and the slices' gradients are summed over the stages that hold it.
+cross-entropy of its logits. A rank reading the weight only through slices holds just
+their rows (rows.py); the weight's home holds it whole and receives the rows' gradients.
 """
 
 from __future__ import annotations

@@ -26,6 +26,7 @@ from dataclasses import dataclass
 
 from tessera.parallel.pipeline.capture import ProxyGraph
 from tessera.parallel.pipeline.cost import DeviceRates, value_bytes
+from tessera.parallel.pipeline.rows import row_slice
 from tessera.parallel.pipeline.schedules import max_kept
 
 RATIO_GRID = (0.0, 0.25, 0.5, 0.75, 1.0)
@@ -33,6 +34,7 @@ RATIO_GRID = (0.0, 0.25, 0.5, 0.75, 1.0)
 # slowest stage this far over the mean, and kept when they make it FINER_GAIN faster.
 FINER_BALANCE, FINER_GAIN, FINER_BYTES = 1.05, 0.01, 5
 STATE_FACTOR = 4  # fp32 AdamW: weight + gradient + two moments, in bytes of the weight
+ROWS_FACTOR = 2  # rows held for row-slice reads: the rows and their gradient (rows.py)
 
 
 class PartitionError(ValueError):
@@ -79,6 +81,38 @@ class Partition:
         return out
 
 
+@dataclass
+class _WeightUse:
+    """Where a weight is read: whole (by compute index) or as row slices (index, lo, hi).
+
+    Its home (the first whole reader, else the first slice) holds it with gradient and AdamW
+    states; a stage reading it whole holds it so too (tied weights); a stage reading it only
+    through row slices holds just the rows it spans and their gradient (rows.py)."""
+
+    size: int
+    rows: int
+    whole: list[int]
+    slices: list[tuple[int, int, int]]
+
+    @classmethod
+    def of(cls, graph: ProxyGraph, pname: str, users: list[int]) -> "_WeightUse":
+        spans = {i: row_slice(graph.nodes[graph.compute[i]].node) for i in users}
+        val = graph.nodes[pname].node.meta["val"]
+        return cls(graph.param_bytes(pname), val.shape[0] if val.dim() else 1,
+                   [i for i in users if spans[i] is None],
+                   [(i, *spans[i]) for i in users if spans[i] is not None])
+
+    def state_bytes(self, a: int, b: int) -> float:
+        home = self.whole[0] if self.whole else self.slices[0][0]
+        if a <= home < b or any(a <= i < b for i in self.whole):
+            return STATE_FACTOR * self.size
+        read = [(lo, hi) for i, lo, hi in self.slices if a <= i < b]
+        if not read:
+            return 0.0
+        span = min(max(hi for _, hi in read), self.rows) - max(min(lo for lo, _ in read), 0)
+        return ROWS_FACTOR * self.size * span / self.rows
+
+
 class CostTable:
     """Prefix sums over the compute nodes, so a stage [a, b) is priced in O(params)."""
 
@@ -94,11 +128,12 @@ class CostTable:
         self.cross_count, self.cross_bytes = _crossings(graph)
         self.blocks = _block_spans(graph, self.act)
         self.logits_bytes = value_bytes(graph.nodes[graph.output].node.meta.get("val"))
-        self.params = [(graph.param_bytes(p), min(u), max(u))
-                       for p, u in graph.param_users.items() if u]
+        self.weights = [_WeightUse.of(graph, p, users)
+                        for p, users in graph.param_users.items() if users]
 
-    def param_bytes(self, a: int, b: int) -> int:
-        return sum(size for size, lo, hi in self.params if lo < b and hi >= a)
+    def state_bytes(self, a: int, b: int) -> float:
+        """Weights, gradients and AdamW states held by a stage of compute nodes [a, b)."""
+        return sum(w.state_bytes(a, b) for w in self.weights)
 
     def time(self, a: int, b: int, ratio: float, last: bool) -> float:
         fwd = self.fwd[b] - self.fwd[a]
@@ -122,7 +157,7 @@ class CostTable:
             act += min(ratio * full, self.largest_block(a, b))
         if last:
             act += self.logits_bytes
-        return STATE_FACTOR * self.param_bytes(a, b) + act
+        return self.state_bytes(a, b) + act
 
 
     def largest_block(self, a: int, b: int) -> float:

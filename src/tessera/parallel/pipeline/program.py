@@ -121,6 +121,8 @@ class PipelineProgram:
         # Set when the model was built on the meta device and this rank materialised only its
         # share: captures then run on meta stand-ins and their ops are pointed at this device.
         self.run_device: torch.device | None = None
+        # Weights this rank holds only as rows: name -> (rows, first row) (rows.py).
+        self.row_bindings: dict[str, tuple[torch.Tensor, int]] = {}
 
     @property
     def graph(self) -> ProxyGraph:
@@ -161,9 +163,11 @@ class PipelineProgram:
         for segs, (_, tail) in zip(segments, halves):
             first_piece.append(len(piece_groups))
             piece_groups += segs + ([tail] if tail else [])
-        pieces = split_graph(graph, piece_groups, self.model)
+        mine = {first_piece[s] + i for s in self.local
+                for i in range(len(segments[s]) + bool(halves[s][1]))}
+        pieces = split_graph(graph, piece_groups, self.model, self.row_bindings, only=mine)
         if parts > 1:
-            pieces = [subpipeline(p) for p in pieces]
+            pieces = [p and subpipeline(p) for p in pieces]
         entering = boundaries(graph, piece_groups)
         runners = {}
         for s in self.local:

@@ -9,7 +9,8 @@ inputs are read directly, so boundaries carry activations only.
 
 Parameters and buffers are bound by attribute, to the very tensors of the original model: a
 piece's gradients land in the model's parameters, and the optimizer and checkpoints see the
-original names.
+original names. A weight this rank holds only as rows (``rows.py``) is bound to those rows,
+and the piece's row slices of it are shifted to them.
 """
 
 from __future__ import annotations
@@ -22,6 +23,10 @@ from torch.distributed.tensor import DTensor
 
 from tessera.parallel.pipeline.capture import ProxyGraph
 from tessera.parallel.pipeline.comm import TensorSpec
+from tessera.parallel.pipeline.rows import row_slice
+
+# weight name -> (this rank's rows of it, the first row's index): see rows.py
+RowBindings = dict[str, tuple[torch.Tensor, int]]
 
 
 @dataclass
@@ -75,13 +80,22 @@ def boundaries(graph: ProxyGraph, groups: list[list[str]]) -> list[list[str]]:
     return out
 
 
-def split_graph(graph: ProxyGraph, groups: list[list[str]], model: nn.Module) -> list[Piece]:
-    """One :class:`Piece` per group of compute nodes (groups in graph order, together all)."""
+def split_graph(graph: ProxyGraph, groups: list[list[str]], model: nn.Module,
+                rows: RowBindings | None = None, only: set[int] | None = None
+                ) -> list[Piece | None]:
+    """One :class:`Piece` per group of compute nodes (groups in graph order, together all).
+
+    With ``only``, just those pieces are built (the others are None): a rank builds its own
+    stages, whose weights it holds. Weights named in ``rows`` are bound to this rank's rows.
+    """
     entering = boundaries(graph, groups)
-    pieces = []
+    pieces: list[Piece | None] = []
     for p, group in enumerate(groups):
+        if only is not None and p not in only:
+            pieces.append(None)
+            continue
         outputs = entering[p + 1] if p + 1 < len(groups) else [graph.output]
-        pieces.append(_build_piece(graph, group, entering[p], outputs, model))
+        pieces.append(_build_piece(graph, group, entering[p], outputs, model, rows or {}))
     return pieces
 
 
@@ -101,9 +115,10 @@ def _needed(graph: ProxyGraph, group: list[str], inputs: list[str]) -> set[str]:
 
 
 def _build_piece(graph: ProxyGraph, group: list[str], inputs: list[str], outputs: list[str],
-                 model: nn.Module) -> Piece:
+                 model: nn.Module, rows: RowBindings) -> Piece:
     needed = _needed(graph, group, inputs)
     new, env, root = fx.Graph(), {}, {}
+    row_start: dict[str, int] = {}  # weights bound to this rank's rows -> first row held
     for name in inputs:
         env[name] = new.placeholder(name)
     batch = [n for n in graph.inputs if n in needed]
@@ -115,10 +130,15 @@ def _build_piece(graph: ProxyGraph, group: list[str], inputs: list[str], outputs
             continue
         proxy = graph.nodes[node.name]
         if node.op in ("placeholder", "get_attr"):
-            root[node.name] = _state_value(graph, proxy, model)
+            bound = rows.get(proxy.fqn) if proxy.kind == "param" else None
+            root[node.name] = bound[0] if bound else _state_value(graph, proxy, model)
             env[node.name] = new.get_attr(node.name)
+            if bound:
+                row_start[node.name] = bound[1]
             if proxy.kind == "param":
                 params.append(node.name)
+        elif any(a.name in row_start for a in node.all_input_nodes):
+            env[node.name] = _shifted_slice(new, node, env, row_start)
         elif _is_local_shard(node):
             # export reads a DTensor parameter's shard with an op autograd does not see
             # through; to_local() carries the gradient back to the parameter.
@@ -127,6 +147,21 @@ def _build_piece(graph: ProxyGraph, group: list[str], inputs: list[str], outputs
             env[node.name] = new.node_copy(node, lambda n: env[n.name])
     new.output(tuple(env[n] for n in outputs))
     return Piece(fx.GraphModule(root, new), inputs, batch, outputs, params)
+
+
+def _shifted_slice(new: fx.Graph, node: fx.Node, env: dict, row_start: dict[str, int]
+                   ) -> fx.Node:
+    """``W[lo:hi]`` read from this rank's rows of W, which start at row ``row_start``."""
+    span, weight = row_slice(node), node.args[0]
+    if span is None or weight.name not in row_start:
+        raise RuntimeError(f"{node.name} ({node.target}) reads a weight this rank holds only "
+                           "as rows, other than by a row slice (pipeline/rows.py)")
+    start = row_start[weight.name]
+    return new.call_function(aten_slice, (env[weight.name], 0, span[0] - start,
+                                          span[1] - start))
+
+
+aten_slice = torch.ops.aten.slice.Tensor
 
 
 def dtensor_local(param: torch.Tensor) -> torch.Tensor:
