@@ -30,6 +30,9 @@ with the machine's load average (os.getloadavg) beside timings.
   rank's materialised weights over the whole model's, and its peak resident memory once
   the Trainer is built over the same run given the model on the device (every rank builds
   all of it first). No timing.
+- training_state_bytes_max_rank_over_whole: the same meta run after one training step, the
+  largest rank's weights (rows held for a sliced head included, pipeline/rows.py) and AdamW
+  moments over one device's (3x the model); per-rank figures beside it.
 - subpipe_vs_plain_tp_step_ratio: tp=2 x pp=2 (4 processes) step time without sub-pipelined
   tensor parallelism over the time with it (``tp_overlap=subpipe``); > 1 means the overlap
   of one half's all-reduces with the other half's compute pays off.
@@ -356,18 +359,18 @@ def _materialize_worker(rank, world, root, on_meta):
                            steps=1, model={"preset": MATERIALIZE["preset"], "max_seq_len": 32,
                                            "on_meta": on_meta})
     params = list(trainer.model.parameters())
-    rows = trainer.plan.pipeline.rows  # weights held only as rows (pipeline/rows.py)
+    # weights held only as rows (pipeline/rows.py; absent before it, for comparisons)
+    rows = getattr(trainer.plan.pipeline, "rows", None)
     row_tensors = list(rows.rows.values()) if rows is not None else []
     held = sum(_nbytes(p) for p in params + row_tensors if not p.is_meta)
     whole = sum(_nbytes(p) for p in params)
     # ru_maxrss: KiB on Linux; the process's peak, torch's own import included
     peak_built = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
-    trainer.train()  # one step: gradients and AdamW states exist
-    grads = [p.grad for p in params + row_tensors if p.grad is not None]
+    trainer.train()  # one step: AdamW states exist (the Trainer frees gradients after it)
     moments = [t for state in trainer.optimizer.state.values() for t in state.values()
                if isinstance(t, torch.Tensor)]
     return {"held": held, "whole": whole, "peak_rss": peak_built,
-            "state_after_step": held + sum(map(_nbytes, grads + moments))}
+            "state_after_step": held + sum(map(_nbytes, moments))}
 
 
 def _nbytes(tensor: torch.Tensor) -> int:
@@ -395,9 +398,9 @@ def materialize_figures() -> None:
          whole_MiB=round(whole / 2**20, 1),
          per_rank_MiB=[round(r["held"] / 2**20, 1) for r in runs["on_meta"]], **common)
     state = [r["state_after_step"] for r in runs["on_meta"]]
-    emit("training_state_bytes_max_rank_over_whole", max(state) / (4 * whole), "ratio",
-         "weights + gradients + AdamW moments after one step, largest rank, over one device's "
-         "4x the model", per_rank_MiB=[round(b / 2**20, 1) for b in state], **common)
+    emit("training_state_bytes_max_rank_over_whole", max(state) / (3 * whole), "ratio",
+         "weights + AdamW moments after one step, largest rank, over one device's 3x the "
+         "model", per_rank_MiB=[round(b / 2**20, 1) for b in state], **common)
     emit("peak_rss_on_meta_over_on_device", rss["on_meta"] / rss["on_device"], "ratio",
          "peak resident memory of the largest rank once the Trainer is built",
          on_meta_MiB=round(rss["on_meta"] / 2**20, 1),
