@@ -2,10 +2,12 @@
 
 from __future__ import annotations
 
+import pytest
+
 from tessera.models.config import preset
 from tessera.planner import estimate
 from tessera.planner.cluster import parse_cluster
-from tessera.planner.memory import stage_params
+from tessera.planner.memory import holds_head_rows, stage_memory, stage_params
 from tessera.planner.simulator import SimOptions
 from tessera.planner.split import equal_split, stage_split
 from tessera.strategy import Strategy
@@ -32,9 +34,22 @@ def test_a_heavy_head_is_sliced_over_the_last_stages_without_tp():
     work, equal = _work(split, head), _work(equal_split(12, 4), head)
     mean = sum(work) / 4
     assert max(work) < max(equal) and max(work) <= mean + 1  # within one layer of the mean
-    # Each stage running a slice holds the whole (tied) head weight, as the runtime does.
+    # Megatron-LM's rule: each stage running a slice holds the whole (tied) head weight.
     holders = [p for p in stage_params(GPT2, 4, split) if p.head_share > 0]
     assert all(p.head_params == GPT2.vocab_size * GPT2.d_model for p in holders)
+    # tessera's runtime (pipeline/rows.py): the tied weight's home is the first stage; the
+    # head stages hold their share of its rows, which together are the whole weight once.
+    assert holds_head_rows(Strategy(pp=4), split)
+    stages = stage_params(GPT2, 4, split, rows=True)
+    assert stages[0].embed_params >= GPT2.vocab_size * GPT2.d_model
+    assert all(p.head_params == 0 for p in stages)
+    assert sum(p.head_rows for p in stages) == pytest.approx(GPT2.vocab_size * GPT2.d_model)
+    assert not holds_head_rows(Strategy(pp=4, memory="chunk"), split)  # chunks: whole
+    # fp32: weights 4 bytes and AdamW moments 8 per parameter, but no moments for the rows.
+    last = stage_memory(GPT2, Strategy(pp=4, micro_batch_size=1, global_batch_size=4), 1024)[-1]
+    assert stages[-1].head_rows > 0
+    assert last.weights - last.optimizer / 2 == pytest.approx(4 * stages[-1].head_rows)
+    assert last.gradients == last.weights
 
 
 def test_with_tensor_parallelism_the_head_stays_whole_with_fewer_layers_beside_it():

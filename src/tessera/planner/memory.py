@@ -59,6 +59,9 @@ class StageParams:
     head_params: int
     final_norm_params: int
     head_share: float = 0.0  # fraction of the LM head's work this stage runs (split.py)
+    # Rows of the head weight held for its slices only: weights and gradients, no optimizer
+    # state, not reduced over dp (the weight's home does that; pipeline/rows.py).
+    head_rows: float = 0.0
 
     @property
     def total(self) -> int:
@@ -72,26 +75,42 @@ def block_params(model: ModelConfig) -> int:
     return (model.num_params(include_embedding=False) - final_norm) // model.n_layers
 
 
-def stage_params(model: ModelConfig, pp: int, split: Split | None = None
-                 ) -> list[StageParams]:
-    """Parameters of each stage under ``split`` (split.py; default: the equal split). A
-    stage running any share of the head holds its whole weight; with tied embeddings a
+def stage_params(model: ModelConfig, pp: int, split: Split | None = None,
+                 rows: bool = False) -> list[StageParams]:
+    """Parameters of each stage under ``split`` (split.py; default: the equal split). The
+    final norm sits with the first head stage.
+
+    A stage running any share of the head holds its whole weight; with tied embeddings a
     head stage other than the first keeps a copy of the embedding (as Megatron-LM and
-    tessera's tied-weight rule do). The final norm sits with the first head stage."""
+    tessera's tied-weight rule do). With ``rows`` (tessera's runtime for a head sliced over
+    several stages, without tp or chunk memory: :func:`holds_head_rows`) only the weight's
+    home holds it whole (the first stage when tied, else the first head stage); the other
+    head stages hold their share of its rows (``head_rows``)."""
     split = split or equal_split(model.n_layers, pp)
     final_norm = model.d_model * (2 if model.norm == "layernorm" and model.bias else 1)
     embed = model.vocab_size * model.d_model
     pos = model.max_seq_len * model.d_model if model.position == "learned" else 0
     head = embed if not model.tie_embeddings else 0
     first_head = next(i for i, (_, share) in enumerate(split) if share > 0)
+    home = 0 if model.tie_embeddings else first_head
     out = []
     for i, (layers, share) in enumerate(split):
         holds = share > 0
         head_here = (head if holds else 0) + (embed if holds and i > 0 and model.tie_embeddings
                                               else 0)
+        head_rows = 0.0
+        if rows and holds and i != home:
+            head_here, head_rows = 0, share * embed
         out.append(StageParams(layers, block_params(model), embed + pos if i == 0 else 0,
-                               head_here, final_norm if i == first_head else 0, share))
+                               head_here, final_norm if i == first_head else 0, share,
+                               head_rows))
     return out
+
+
+def holds_head_rows(s: Strategy, split: Split) -> bool:
+    """Whether tessera's runtime holds the head as rows on all but its home (pipeline/rows.py):
+    the head sliced over several stages (only without tp), not under chunk memory."""
+    return s.tp == 1 and s.memory != "chunk" and sum(share > 0 for _, share in split) > 1
 
 
 @dataclass(frozen=True)
@@ -213,7 +232,7 @@ def stage_memory(model: ModelConfig, s: Strategy, seq: int, reserved: float = 0.
     if kept is None:
         kept = scp_kept(model, s, seq, reserved, flash, tessera) if s.schedule == "scp" else []
     out = []
-    for i, stage in enumerate(stage_params(model, s.pp, stage_split(model, s, tessera))):
+    for i, stage in enumerate(pipeline_stage_params(model, s, tessera)):
         p = local_params(model, stage, s.tp)
         sharded_w = s.memory in ("zero3", "chunk")
         weights = p * w_b / (shard_dp if sharded_w else 1)
@@ -223,6 +242,7 @@ def stage_memory(model: ModelConfig, s: Strategy, seq: int, reserved: float = 0.
             # gradients of remote chunks accumulate on the device until the reduce-scatter.
             grads = p * g_b
         optim = p * o_b / shard_dp
+        weights, grads = weights + stage.head_rows * w_b, grads + stage.head_rows * g_b
         host = 0.0
         if s.offload:
             host, optim = optim, 0.0
@@ -247,7 +267,7 @@ def scp_kept(model: ModelConfig, s: Strategy, seq: int, reserved: float = 0.0,
         return []
     m, one_f_one_b = s.grad_accum_steps, s.replace(schedule="1f1b")
     base = stage_memory(model, one_f_one_b, seq, reserved, flash, tessera)
-    stages = stage_params(model, s.pp, stage_split(model, s, tessera))
+    stages = pipeline_stage_params(model, s, tessera)
     # What scp holds keeping nothing whole: 1F1B's, but for its swap's extra micro-batch on
     # stage S-2. The budget is 1F1B's fullest stage, or that where higher (Partition.keep).
     rest, scp_plain = [], []
@@ -267,6 +287,14 @@ def scp_kept(model: ModelConfig, s: Strategy, seq: int, reserved: float = 0.0,
             keep = min(keep, held) - 1
         out.append(keep)
     return out
+
+
+def pipeline_stage_params(model: ModelConfig, s: Strategy, tessera: bool = True
+                          ) -> list[StageParams]:
+    """:func:`stage_params` of ``s``'s stages, dealt as tessera's partitioner deals them
+    (``tessera``) or equally, with the head's rows where the runtime holds them so."""
+    split = stage_split(model, s, tessera)
+    return stage_params(model, s.pp, split, rows=tessera and holds_head_rows(s, split))
 
 
 def _buffers(model: ModelConfig, s: Strategy, seq: int, p: float, stage: StageParams,

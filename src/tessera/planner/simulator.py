@@ -32,9 +32,8 @@ from tessera.planner.cluster import Cluster
 from tessera.planner.compute import (LayerTime, bytes_per_element, embedding_time, head_time,
                                      layer_time, optimizer_time)
 from tessera.planner.memory import (INTERLEAVE_CHUNKS, MemoryBreakdown, device_memory,
-                                    local_params, recomputed_layers, scp_kept, stage_params,
-                                    state_bytes)
-from tessera.planner.split import stage_split
+                                    local_params, pipeline_stage_params, recomputed_layers,
+                                    scp_kept, state_bytes)
 from tessera.strategy import Strategy, StrategyError
 
 DDP_BUCKET_BYTES = 25 * 2**20
@@ -205,7 +204,7 @@ def _stage_costs(model: ModelConfig, cl: Cluster, s: Strategy, groups, opt: SimO
 
 
 def _stage_params(model: ModelConfig, s: Strategy, opt: SimOptions) -> list:
-    return stage_params(model, s.pp, stage_split(model, s, opt.tessera_pipeline))
+    return pipeline_stage_params(model, s, opt.tessera_pipeline)
 
 
 def _cached_layer_time(model: ModelConfig, cl: Cluster, s: Strategy,
