@@ -17,10 +17,13 @@ from tessera.models.hf import build_hf_model, hf_config_from_reference
 from tessera.parallel.pipeline import capture, partition
 from tessera.parallel.pipeline.capture import CaptureError
 from tessera.parallel.pipeline.head import head_slices_for, slice_head, sliced_head_loss
-from tessera.parallel.pipeline.partition import (PartitionError, evaluate_bounds,
+from tessera.parallel.pipeline.cost import DeviceRates
+from tessera.parallel.pipeline.partition import (ROWS_FACTOR, STATE_FACTOR, CostTable,
+                                                 PartitionError, evaluate_bounds,
                                                  layer_bounds)
 from tessera.parallel.pipeline.recompute import (ratios_from_first, stage_aware_ratios,
                                                  strategy_text)
+from tessera.parallel.pipeline.rows import find_row_shares
 from tessera.parallel.pipeline.split import split_graph
 
 
@@ -99,6 +102,37 @@ def test_sliced_head_spreads_gpt2_over_stages_within_ten_percent():
         assert slices > 1 and part.balance <= 1.10, (pp, slices, part.balance)
         # Only the residual stream and two (B, T) rows cross a cut between slices.
         assert max(part.crossing_bytes) <= 128 * 768 * 4 + 2 * 128 * 4
+
+
+def test_stages_reading_only_head_slices_are_charged_and_hold_only_rows():
+    # GPT-2 small, pp=8: the tied weight's home is the embedding's rank 0; the stages running
+    # slices of the head hold only the rows they span (rows.py), and the partitioner's
+    # memory estimate charges them those rows and their gradient, not 4x the weight.
+    with torch.device("meta"):
+        model = build_hf_model("gpt2", **hf_config_from_reference(
+            "gpt2", preset("gpt2", max_seq_len=128)))
+    graph = capture(model, 1, 128)
+    graph = slice_head(graph, head_slices_for(graph, 8))
+    part = partition(graph, 8, micro_batches=16)
+    stage_of = part.stage_of(graph)
+    names = {p: graph.nodes[p].fqn for p in graph.param_users}
+    shares = find_row_shares(graph, stage_of, list(range(8)), names)
+    wte = [s for s in shares if s.name in ("transformer.wte.weight", "lm_head.weight")]
+    assert len(wte) >= 2 and all(s.home == 0 and s.holder > 0 for s in wte), wte
+    spans = sorted((s.start, s.stop) for s in wte)
+    assert spans[0][0] == 0 and spans[-1][1] == 50257  # together: every row, once
+    assert all(a[1] == b[0] for a, b in zip(spans, spans[1:]))
+    table = CostTable(graph, DeviceRates())
+    row_bytes = 768 * 4
+    for share in wte:
+        a, b = part.bounds[share.holder], part.bounds[share.holder + 1]
+        whole = [w for w in table.weights if w.size == 50257 * row_bytes][0]
+        assert whole.state_bytes(a, b) == ROWS_FACTOR * (share.stop - share.start) * row_bytes
+    a, b = part.bounds[0], part.bounds[1]  # the home: weight, gradient and AdamW moments
+    assert whole.state_bytes(a, b) == STATE_FACTOR * 50257 * row_bytes
+    for stage in range(1, 8):  # not charged where it is not read
+        if all(s.holder != stage for s in wte):
+            assert whole.state_bytes(part.bounds[stage], part.bounds[stage + 1]) == 0
 
 
 def test_light_lm_head_stays_whole(uniform):
@@ -250,8 +284,6 @@ class _LongSkip(nn.Module):
 
 
 def test_a_skip_over_a_stage_passes_through_it_and_gradients_match():
-    from tessera.parallel.pipeline.split import split_graph
-
     torch.manual_seed(0)
     model, ids = _LongSkip(), torch.randint(0, 32, (2, 5))
     graph = capture(model, 2, 5)
