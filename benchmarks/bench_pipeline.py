@@ -30,6 +30,9 @@ with the machine's load average (os.getloadavg) beside timings.
   rank's materialised weights over the whole model's, and its peak resident memory once
   the Trainer is built over the same run given the model on the device (every rank builds
   all of it first). No timing.
+- estimated_head_stage_state_rows_over_whole_head: the partitioner's estimate of a sliced
+  head's stage (weights, gradients, AdamW moments) with the head held as rows (rows.py) over
+  the same stage holding the whole head weight with its moments, as before row holding.
 - training_state_bytes_max_rank_over_whole: the same meta run after one training step, the
   largest rank's weights (rows held for a sliced head included, pipeline/rows.py) and AdamW
   moments over one device's (3x the model); per-rank figures beside it.
@@ -58,7 +61,8 @@ from tessera.models.hf import build_hf_model, hf_config_from_reference
 from tessera.parallel.pipeline import capture, partition
 from tessera.parallel.pipeline.cost import DeviceRates
 from tessera.parallel.pipeline.head import head_slices_for, slice_head
-from tessera.parallel.pipeline.partition import CostTable, evaluate_bounds, layer_bounds
+from tessera.parallel.pipeline.partition import (STATE_FACTOR, CostTable, evaluate_bounds,
+                                                 layer_bounds)
 from tessera.parallel.plan import lm_loss
 from tessera.testing import run_distributed
 
@@ -116,6 +120,29 @@ def balance_figures() -> None:
                   "head_whole_bound_heaviest_node_over_mean": round(max(1.0, heaviest / mean),
                                                                     4)},
                  model=label, pp=pp, head_slices=slices, target="<= 1.10")
+            if slices > 1:
+                _emit_head_rows(sliced, ours.bounds, label, pp)
+
+
+def _emit_head_rows(graph, bounds: list[int], label: str, pp: int) -> None:
+    """The partitioner's estimate of each stage's weights, gradients and AdamW moments
+    with the sliced head's rows held as rows (pipeline/rows.py) against every stage reading
+    the head holding all of it with its moments (before row holding)."""
+    table = CostTable(graph, DeviceRates())
+    stages = list(zip(bounds, bounds[1:]))
+    rows = [table.state_bytes(a, b) for a, b in stages]
+    whole = [sum(STATE_FACTOR * w.size for w in table.weights
+                 if any(a <= i < b for i in w.whole + [i for i, _, _ in w.slices]))
+             for a, b in stages]
+    changed = [i for i in range(len(stages)) if rows[i] != whole[i]]
+    if not changed:  # the head's slices all on its home's stage
+        return
+    worst = max(changed, key=whole.__getitem__)
+    emit("estimated_head_stage_state_rows_over_whole_head", rows[worst] / whole[worst], "ratio",
+         "the same stage holding all of the sliced head with gradient and moments; the "
+         "head stage (not the weight's home) holding the most before row holding", stage=worst,
+         rows_GiB=[round(b / 2**30, 2) for b in rows],
+         whole_GiB=[round(b / 2**30, 2) for b in whole], model=label, pp=pp)
 
 
 # ------------------------------------------------------------------------------ timings

@@ -96,6 +96,7 @@ class _WeightUse:
 
     @classmethod
     def of(cls, graph: ProxyGraph, pname: str, users: list[int]) -> "_WeightUse":
+        users = sorted(set(users))
         spans = {i: row_slice(graph.nodes[graph.compute[i]].node) for i in users}
         val = graph.nodes[pname].node.meta["val"]
         return cls(graph.param_bytes(pname), val.shape[0] if val.dim() else 1,
@@ -130,10 +131,22 @@ class CostTable:
         self.logits_bytes = value_bytes(graph.nodes[graph.output].node.meta.get("val"))
         self.weights = [_WeightUse.of(graph, p, users)
                         for p, users in graph.param_users.items() if users]
+        # Most weights are read by one node: their states are prefix sums over the nodes, so
+        # the search prices a stage in O(weights read by several nodes).
+        self.point_state = [0.0] * (n + 1)
+        self.shared: list[_WeightUse] = []
+        for w in self.weights:
+            if len(w.whole) == 1 and not w.slices:
+                self.point_state[w.whole[0] + 1] += STATE_FACTOR * w.size
+            else:
+                self.shared.append(w)
+        for i in range(n):
+            self.point_state[i + 1] += self.point_state[i]
 
     def state_bytes(self, a: int, b: int) -> float:
         """Weights, gradients and AdamW states held by a stage of compute nodes [a, b)."""
-        return sum(w.state_bytes(a, b) for w in self.weights)
+        return (self.point_state[b] - self.point_state[a]
+                + sum(w.state_bytes(a, b) for w in self.shared))
 
     def time(self, a: int, b: int, ratio: float, last: bool) -> float:
         fwd = self.fwd[b] - self.fwd[a]
