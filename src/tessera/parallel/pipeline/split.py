@@ -157,11 +157,10 @@ def _shifted_slice(new: fx.Graph, node: fx.Node, env: dict, row_start: dict[str,
         raise RuntimeError(f"{node.name} ({node.target}) reads a weight this rank holds only "
                            "as rows, other than by a row slice (pipeline/rows.py)")
     start = row_start[weight.name]
-    return new.call_function(aten_slice, (env[weight.name], 0, span[0] - start,
-                                          span[1] - start))
-
-
-aten_slice = torch.ops.aten.slice.Tensor
+    out = new.call_function(torch.ops.aten.slice.Tensor,
+                            (env[weight.name], 0, span[0] - start, span[1] - start))
+    out.meta = dict(node.meta)  # the same (hi - lo, ...) value as the original slice
+    return out
 
 
 def dtensor_local(param: torch.Tensor) -> torch.Tensor:
