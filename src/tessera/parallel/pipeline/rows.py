@@ -67,9 +67,10 @@ def find_row_shares(graph: ProxyGraph, stage_of: dict[str, int], stage_rank: lis
     """
     shares = []
     for pname, users in graph.param_users.items():
-        if not users:
+        value = graph.nodes[pname].node.meta["val"]
+        if not users or value.dim() == 0:  # a scalar has no rows to share
             continue
-        rows = graph.nodes[pname].node.meta["val"].shape[0]
+        rows = value.shape[0]
         whole: set[int] = set()
         spans: dict[int, tuple[int, int]] = {}
         for i in users:
