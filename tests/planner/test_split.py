@@ -7,7 +7,9 @@ import pytest
 from tessera.models.config import preset
 from tessera.planner import estimate
 from tessera.planner.cluster import parse_cluster
-from tessera.planner.memory import holds_head_rows, stage_memory, stage_params
+from tessera.planner import comm
+from tessera.planner.memory import (holds_head_rows, pipeline_stage_params, stage_memory,
+                                     stage_params)
 from tessera.planner.simulator import SimOptions
 from tessera.planner.split import equal_split, stage_split
 from tessera.strategy import Strategy
@@ -67,3 +69,17 @@ def test_tessera_pipeline_price_faster_pipelines_and_published_runs_stay_equal()
     flat = Strategy.parse("dp=8,mbs=1,gbs=64")  # pp=1: nothing to split
     assert estimate(GPT2, cluster, flat).step_time == estimate(
         GPT2, cluster, flat, SimOptions(tessera_pipeline=False)).step_time
+
+
+def test_head_rows_are_priced_as_messages_to_and_from_their_home():
+    # pp=4 without dp: the only step-level communication is the head's rows (rows.py), sent
+    # by the home before the step and their gradients back after it (fp32: 4 bytes each).
+    cluster = parse_cluster("a100-80gb:8x1")
+    s = Strategy.parse("pp=4,mbs=1,gbs=8")
+    rows = sum(p.head_rows for p in pipeline_stage_params(GPT2, s))
+    pair = comm.Group(2, comm.mesh_groups(1, 1, 1, 4)["pp"].stride)
+    want = 2 * comm.collective_time(cluster, "p2p", rows * 4, pair)
+    assert rows > 0 and estimate(GPT2, cluster, s).breakdown["dp_comm"] == pytest.approx(want)
+    # Chunk memory keeps the head whole on its stages: the tied all-reduce is priced instead.
+    chunk = s.replace(memory="chunk")
+    assert sum(p.head_rows for p in pipeline_stage_params(GPT2, chunk)) == 0

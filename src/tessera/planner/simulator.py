@@ -399,9 +399,16 @@ def _data_parallel(model: ModelConfig, cl: Cluster, s: Strategy, groups, stages:
             ag = comm.collective_time(cl, "all_gather", p * w_b, group)
             rs = comm.collective_time(cl, "reduce_scatter", p * g_b, group)
             sync = m * max(0.0, 2 * ag - ovl * (st.fwd + st.bwd)) + max(0.0, rs - ovl * st.bwd)
-    if s.pp > 1 and model.tie_embeddings:
+    head_rows = sum(stage.head_rows for stage in _stage_params(model, s, opt))
+    pp_pair = comm.Group(2, groups["pp"].stride)
+    if head_rows:
+        # Rows of a sliced head (pipeline/rows.py): the home sends them before the step and
+        # receives their gradients after it, one message each way per holder, in series.
+        sync += (comm.collective_time(cl, "p2p", head_rows * w_b, pp_pair)
+                 + comm.collective_time(cl, "p2p", head_rows * g_b, pp_pair))
+    elif s.pp > 1 and model.tie_embeddings:
         tied = model.vocab_size * model.d_model / s.tp * g_b
-        sync += comm.collective_time(cl, "all_reduce", tied, comm.Group(2, groups["pp"].stride))
+        sync += comm.collective_time(cl, "all_reduce", tied, pp_pair)
     shard = group.size if s.memory != "ddp" else 1
     n_tensors = 12 * max(1, model.n_layers // s.pp)
     offload = 0.0
