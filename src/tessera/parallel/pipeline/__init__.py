@@ -236,20 +236,23 @@ def _holders(model: nn.Module, graph: ProxyGraph, part: Partition, stage_rank: l
     names = parameter_aliases(model)
     stage_of = part.stage_of(graph)
     holders: dict[str, set[int]] = {}
-    for pname, users in graph.param_users.items():
-        name = names[id(model.get_parameter(graph.nodes[pname].fqn))][0]
-        for i in users:
+    for pname, name in _first_names(model, graph).items():
+        for i in graph.param_users[pname]:
             holders.setdefault(name, set()).add(stage_rank[stage_of[graph.compute[i]]])
     for pid in names:  # weights the graph never reads still need a home for checkpoints
         holders.setdefault(names[pid][0], {0})
     return holders
 
 
+def _first_names(model: nn.Module, graph: ProxyGraph) -> dict[str, str]:
+    """Each parameter placeholder of ``graph`` -> its weight's first name in ``model``."""
+    names = parameter_aliases(model)
+    return {p: names[id(model.get_parameter(graph.nodes[p].fqn))][0] for p in graph.param_users}
+
+
 def _row_shares(model: nn.Module, graph: ProxyGraph, part: Partition, stage_rank: list[int]
                 ) -> list[RowShare]:
-    names = parameter_aliases(model)
-    first = {p: names[id(model.get_parameter(graph.nodes[p].fqn))][0] for p in graph.param_users}
-    return find_row_shares(graph, part.stage_of(graph), stage_rank, first)
+    return find_row_shares(graph, part.stage_of(graph), stage_rank, _first_names(model, graph))
 
 
 def _row_holding(model: nn.Module, shares: list[RowShare], mesh: Mesh, pp_rank: int,

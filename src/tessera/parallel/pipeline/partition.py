@@ -26,7 +26,7 @@ from dataclasses import dataclass
 
 from tessera.parallel.pipeline.capture import ProxyGraph
 from tessera.parallel.pipeline.cost import DeviceRates, value_bytes
-from tessera.parallel.pipeline.rows import row_slice
+from tessera.parallel.pipeline.rows import row_reads
 from tessera.parallel.pipeline.schedules import max_kept
 
 RATIO_GRID = (0.0, 0.25, 0.5, 0.75, 1.0)
@@ -96,12 +96,11 @@ class _WeightUse:
 
     @classmethod
     def of(cls, graph: ProxyGraph, pname: str, users: list[int]) -> "_WeightUse":
-        users = sorted(set(users))
-        spans = {i: row_slice(graph.nodes[graph.compute[i]].node) for i in users}
+        reads = row_reads(graph, users)
         val = graph.nodes[pname].node.meta["val"]
         return cls(graph.param_bytes(pname), val.shape[0] if val.dim() else 1,
-                   [i for i in users if spans[i] is None],
-                   [(i, *spans[i]) for i in users if spans[i] is not None])
+                   [i for i, span in reads if span is None],
+                   [(i, *span) for i, span in reads if span is not None])
 
     def state_bytes(self, a: int, b: int) -> float:
         home = self.whole[0] if self.whole else self.slices[0][0]

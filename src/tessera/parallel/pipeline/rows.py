@@ -58,6 +58,12 @@ def row_slice(node: fx.Node) -> tuple[int, int] | None:
     return lo, hi
 
 
+def row_reads(graph: ProxyGraph, users: list[int]) -> list[tuple[int, tuple[int, int] | None]]:
+    """For each compute index reading a weight (once each, in order), the rows it reads as a
+    row slice, or None when it reads the weight otherwise (whole)."""
+    return [(i, row_slice(graph.nodes[graph.compute[i]].node)) for i in sorted(set(users))]
+
+
 def find_row_shares(graph: ProxyGraph, stage_of: dict[str, int], stage_rank: list[int],
                     first_name: dict[str, str]) -> list[RowShare]:
     """The row shares of every weight some rank reads only through row slices.
@@ -73,10 +79,8 @@ def find_row_shares(graph: ProxyGraph, stage_of: dict[str, int], stage_rank: lis
         rows = value.shape[0]
         whole: set[int] = set()
         spans: dict[int, tuple[int, int]] = {}
-        for i in users:
-            node = graph.nodes[graph.compute[i]].node
-            rank = stage_rank[stage_of[node.name]]
-            span = row_slice(node)
+        for i, span in row_reads(graph, users):
+            rank = stage_rank[stage_of[graph.compute[i]]]
             if span is None:
                 whole.add(rank)
                 continue
@@ -118,10 +122,6 @@ class RowHolding:
             for alias in aliases[share.name]:
                 self.bindings[alias] = (rows, share.start)
 
-    def held_names(self) -> set[str]:
-        """First names of the weights this rank holds only as rows."""
-        return set(self.rows)
-
     def refresh(self) -> None:
         """Copy each holder's rows from the home's current weight."""
         works = []
@@ -130,11 +130,9 @@ class RowHolding:
                 rows = self.weights[share.name].detach()[share.start:share.stop].contiguous()
                 works.append((dist.isend(rows, group=self.group, group_dst=share.holder,
                                          tag=_TAG + i), rows))
-            elif share.holder == self.rank:
-                buffer = torch.empty_like(self.rows[share.name])
-                dist.irecv(buffer, group=self.group, group_src=share.home, tag=_TAG + i).wait()
-                with torch.no_grad():
-                    self.rows[share.name].copy_(buffer)
+            elif share.holder == self.rank:  # straight into the rows' storage
+                dist.irecv(self.rows[share.name].detach(), group=self.group,
+                           group_src=share.home, tag=_TAG + i).wait()
         for work, _ in works:
             work.wait()
 
@@ -145,9 +143,10 @@ class RowHolding:
         for i, share in enumerate(self.shares):
             if share.holder == self.rank:
                 rows = self.rows[share.name]
-                grad = rows.grad if rows.grad is not None else torch.zeros_like(rows)
-                works.append((dist.isend(grad.contiguous(), group=self.group,
-                                         group_dst=share.home, tag=_TAG + i), grad))
+                grad = (rows.grad if rows.grad is not None else torch.zeros_like(rows)
+                        ).contiguous()
+                works.append((dist.isend(grad, group=self.group, group_dst=share.home,
+                                         tag=_TAG + i), grad))
             elif share.home == self.rank:
                 weight = self.weights[share.name]
                 part = torch.empty((share.stop - share.start, *weight.shape[1:]),
