@@ -365,7 +365,8 @@ def _data_parallel(model: ModelConfig, cl: Cluster, s: Strategy, groups, stages:
                    opt: SimOptions) -> dict[str, float]:
     """Exposed gradient sync, optimizer and offload seconds of the critical stage."""
     w_b, g_b, o_b = state_bytes(s.precision)
-    params = [local_params(model, p, s.tp) for p in _stage_params(model, s, opt)]
+    stage_params = _stage_params(model, s, opt)
+    params = [local_params(model, p, s.tp) for p in stage_params]
     worst = max(range(s.pp), key=params.__getitem__)
     p = params[worst]
     st = stages[worst]
@@ -399,7 +400,7 @@ def _data_parallel(model: ModelConfig, cl: Cluster, s: Strategy, groups, stages:
             ag = comm.collective_time(cl, "all_gather", p * w_b, group)
             rs = comm.collective_time(cl, "reduce_scatter", p * g_b, group)
             sync = m * max(0.0, 2 * ag - ovl * (st.fwd + st.bwd)) + max(0.0, rs - ovl * st.bwd)
-    head_rows = sum(stage.head_rows for stage in _stage_params(model, s, opt))
+    head_rows = sum(stage.head_rows for stage in stage_params)
     pp_pair = comm.Group(2, groups["pp"].stride)
     if head_rows:
         # Rows of a sliced head (pipeline/rows.py): the home sends them before the step and
