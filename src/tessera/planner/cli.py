@@ -62,8 +62,9 @@ def _typed(key: str, value: str) -> Any:
 
 _COMMON = [
     click.option("--model", "model_text", required=True,
-                 help="Preset (gpt3-175b), or layers=..,hidden=..,heads=..[,seq,vocab,ffn,"
-                      "kv_heads,style]."),
+                 help="Preset (gpt3-175b), layers=..,hidden=..,heads=..[,seq,vocab,ffn,"
+                      "kv_heads,style], or a Hugging Face config.json (other architectures "
+                      "than GPT-2/Llama/Mistral are read from their captured graph)."),
     click.option("--cluster", "cluster_text", required=True,
                  help="DEVICE:PER_NODExNODES (a100-80gb:8x128) or a cluster YAML file."),
     click.option("--seq", type=int, default=None, help="Training sequence length override."),

@@ -2,17 +2,25 @@
 
 Accepted: a ModelConfig, a preset name (``gpt3-175b``), the command-line shorthand
 ``layers=96,hidden=12288,heads=96,seq=2048,vocab=51200[,ffn=..,kv_heads=..,style=gpt2|llama]``,
-a Hugging Face ``GPT2Config``/``LlamaConfig`` object, or a dict of either kind of fields. The
-planner trains at ``max_seq_len``, so ``seq`` sets the sequence length it prices.
+a Hugging Face ``GPT2Config``/``LlamaConfig`` object, a dict of either kind of fields, a
+Hugging Face ``config.json`` path, a model (``nn.Module``) or a graph captured from one
+(``ProxyGraph``). Models and configs of other architectures are described from their captured
+graph (graph_spec.py). The planner trains at ``max_seq_len``, so ``seq`` sets the sequence
+length it prices.
 """
 
 from __future__ import annotations
 
+import json
+from pathlib import Path
 from typing import Any, Mapping
+
+from torch import nn
 
 from tessera.models.config import PRESETS, ModelConfig, ModelConfigError, preset
 
 STYLES = ("gpt2", "llama")
+HF_TYPES = ("gpt2", "llama", "mistral")  # model_types read from the config alone
 _SHORT_KEYS = {"layers": "n_layers", "hidden": "d_model", "heads": "n_heads",
                "seq": "max_seq_len", "vocab": "vocab_size", "ffn": "d_ff",
                "kv_heads": "n_kv_heads"}
@@ -33,12 +41,22 @@ def describe_model(source: Any, seq_len: int | None = None) -> ModelConfig:
     """Turn any supported model description into a validated ModelConfig.
 
     Args:
-        source: ModelConfig, preset name, shorthand text, HF config object, or mapping.
+        source: ModelConfig, preset name, shorthand text, HF config object, mapping or
+            ``config.json`` path, ``nn.Module`` or captured ``ProxyGraph``.
         seq_len: training sequence length; overrides the description's ``max_seq_len``.
 
     Raises:
-        ModelSpecError: for an unknown preset, a malformed shorthand or a bad field, naming it.
+        ModelSpecError: for an unknown preset, a malformed shorthand, a bad field or a graph
+            the planner cannot price, naming it.
     """
+    from tessera.parallel.pipeline.capture import ProxyGraph
+
+    if isinstance(source, ProxyGraph):
+        from tessera.planner.graph_spec import describe_graph
+
+        return describe_graph(source, seq_len).config
+    if isinstance(source, nn.Module):
+        return describe_module_or_config(source, seq_len)
     config = _describe(source)
     if seq_len is not None:
         config = config.replace(max_seq_len=int(seq_len))
@@ -54,8 +72,11 @@ def _describe(source: Any) -> ModelConfig:
             return parse_model_shorthand(text)
         if text in PRESETS:
             return preset(text)
-        raise ModelSpecError(f"unknown model {text!r}: not a preset ({', '.join(PRESETS)}) "
-                             "and not shorthand like 'layers=24,hidden=2048,heads=16'")
+        if text.endswith(".json"):
+            return from_hf_json(Path(text))
+        raise ModelSpecError(f"unknown model {text!r}: not a preset ({', '.join(PRESETS)}), "
+                             "not shorthand like 'layers=24,hidden=2048,heads=16' and not a "
+                             "Hugging Face config.json")
     if isinstance(source, Mapping):
         return from_hf_dict(source) if _looks_hf(source) else _from_config_mapping(source)
     if hasattr(source, "to_dict") and hasattr(source, "model_type"):
@@ -133,8 +154,9 @@ def from_hf_dict(values: Mapping[str, Any]) -> ModelConfig:
             d_model=get("hidden_size"), n_heads=get("num_attention_heads"),
             n_kv_heads=values.get("num_key_value_heads") or 0,
             d_ff=get("intermediate_size"), max_seq_len=get("max_position_embeddings")))
-    raise ModelSpecError(f"Hugging Face model_type {kind!r} is not supported; "
-                         "supported: gpt2, llama (and the llama-shaped mistral)")
+    raise ModelSpecError(f"Hugging Face model_type {kind!r} is not read from its config alone "
+                         f"(only {', '.join(HF_TYPES)}); pass its config.json path, or the "
+                         "model itself, to describe it from its captured graph")
 
 
 def _getter(values: Mapping[str, Any], kind: str):
@@ -143,3 +165,67 @@ def _getter(values: Mapping[str, Any], kind: str):
             raise ModelSpecError(f"Hugging Face {kind} config lacks {key!r}")
         return values[key]
     return get
+
+
+def from_hf_json(path: Path) -> ModelConfig:
+    """Describe the model of a Hugging Face ``config.json``: GPT-2 / Llama / Mistral from its
+    fields, any other causal LM by building it on the meta device (transformers' Auto classes,
+    nothing allocated) and reading its captured graph.
+
+    Raises:
+        ModelSpecError: for a missing or unreadable file, or a model the planner cannot price.
+    """
+    try:
+        values = json.loads(path.read_text())
+    except (OSError, ValueError) as err:
+        raise ModelSpecError(f"cannot read Hugging Face config {str(path)!r}: {err}") from None
+    if not isinstance(values, dict) or "model_type" not in values:
+        raise ModelSpecError(f"{str(path)!r} is not a Hugging Face config (no model_type)")
+    if values["model_type"] in HF_TYPES:
+        return from_hf_dict(values)
+    return describe_module_or_config(_meta_hf_model(values), None)
+
+
+def _meta_hf_model(values: dict[str, Any]) -> nn.Module:
+    import torch
+
+    try:
+        import transformers
+    except ImportError:
+        raise ModelSpecError(f"describing a {values['model_type']!r} model needs transformers "
+                             "(pip install 'tessera[hf]')") from None
+    try:
+        config = transformers.AutoConfig.for_model(**{**values, "use_cache": False})
+        with torch.device("meta"):
+            return transformers.AutoModelForCausalLM.from_config(config)
+    except (ValueError, KeyError, TypeError) as err:
+        raise ModelSpecError(f"transformers cannot build a causal LM of model_type "
+                             f"{values['model_type']!r}: {err}") from None
+
+
+def describe_module_or_config(model: nn.Module, seq_len: int | None) -> ModelConfig:
+    """A model's description: its ``.config`` when that is a ModelConfig or a config the
+    planner reads (GPT-2, Llama, Mistral), else its captured graph (graph_spec.py), priced at
+    ``seq_len`` (default: the config's position count).
+
+    Raises:
+        ModelSpecError: when neither describes it, naming why.
+    """
+    from tessera.planner.graph_spec import describe_module
+
+    config = getattr(model, "config", None)
+    if isinstance(config, ModelConfig) or getattr(config, "model_type", None) in HF_TYPES:
+        return describe_model(config, seq_len)
+    seq = seq_len or _position_count(config)
+    if seq is None:
+        raise ModelSpecError(f"{type(model).__name__}: give the sequence length to plan for "
+                             "(its config names no position count)")
+    return describe_module(model, seq).config
+
+
+def _position_count(config: Any) -> int | None:
+    for key in ("max_position_embeddings", "n_positions", "max_seq_len"):
+        value = getattr(config, key, None)
+        if isinstance(value, int) and value > 0:
+            return value
+    return None

@@ -25,16 +25,23 @@ def local_cluster(world_size: int) -> str:
 
 
 def plan_strategy(model: nn.Module, world_size: int, global_batch_size: int,
-                  precision: str) -> Strategy:
+                  precision: str, seq_len: int | None = None) -> Strategy:
     """The planner's top strategy among those the runtime supports (AVAILABLE).
 
+    The model is described by its config when the planner reads it (reference, GPT-2,
+    Llama, Mistral), else by its captured graph, at ``seq_len`` tokens (default: the
+    config's position count).
+
     Raises:
-        StrategyError: when nothing fits, with the planner's explanation.
+        StrategyError: when the model cannot be described or nothing fits, saying why.
     """
-    config = getattr(model, "config", None)
-    if config is None:
-        raise StrategyError("strategy=auto needs a model with a .config (reference or Hugging "
-                            "Face) to describe it to the planner")
+    from tessera.planner.model_spec import ModelSpecError, describe_module_or_config
+
+    try:
+        config = describe_module_or_config(model, seq_len)
+    except ModelSpecError as err:
+        raise StrategyError(f"strategy=auto cannot describe the model to the planner: {err}; "
+                            "give a Strategy explicitly") from None
     return best_runnable(config, world_size, global_batch_size, precision)
 
 

@@ -190,7 +190,8 @@ class Trainer:
         a = self.args
         world = dist.get_world_size() if dist.is_initialized() else _env_world_size()
         strategy = resolve_strategy(a.strategy, model, world, a.per_device_train_batch_size,
-                                    a.gradient_accumulation_steps, a.precision)
+                                    a.gradient_accumulation_steps, a.precision,
+                                    seq_len=_sample_length(train_dataset))
         steps_per_epoch = max(1, len(train_dataset) // strategy.global_batch_size)
         max_steps = a.max_steps if a.max_steps > 0 else math.ceil(
             a.num_train_epochs * steps_per_epoch)
@@ -244,8 +245,10 @@ class TrainerControl:
 
 
 def resolve_strategy(text: str | None, model: nn.Module, world: int, per_device: int,
-                     accumulation: int, precision: str) -> Strategy:
-    """The Strategy for a run: given text, "auto" (planned), or data parallel over ``world``."""
+                     accumulation: int, precision: str, seq_len: int | None = None
+                     ) -> Strategy:
+    """The Strategy for a run: given text, "auto" (planned at ``seq_len`` tokens, default
+    the model's position count), or data parallel over ``world``."""
     gbs = per_device * accumulation * world
     if text is None:
         strategy = Strategy(dp=world, micro_batch_size=per_device, global_batch_size=gbs,
@@ -253,13 +256,26 @@ def resolve_strategy(text: str | None, model: nn.Module, world: int, per_device:
     elif text.strip() == "auto":
         from tessera.train.auto import plan_strategy
 
-        strategy = plan_strategy(model, world, gbs, precision)
+        strategy = plan_strategy(model, world, gbs, precision, seq_len)
     else:
         strategy = Strategy.parse(text)
         if precision != "fp32" and strategy.precision != precision:
             raise StrategyError(f"strategy says precision={strategy.precision} but the "
                                 f"arguments ask for {precision} (bf16/fp16 flags)")
     return strategy.validate_for(world_size=world)
+
+
+def _sample_length(dataset: Dataset) -> int | None:
+    """Tokens in the dataset's first example (the length to plan for), when it says."""
+    try:
+        sample = dataset[0]
+    except (TypeError, KeyError, IndexError):
+        return None
+    ids = sample.get("input_ids") if isinstance(sample, dict) else sample
+    if not isinstance(ids, (torch.Tensor, list)):
+        return None
+    length = torch.as_tensor(ids).shape[-1] if len(ids) else 0
+    return int(length) if length > 1 else None
 
 
 def _env_world_size() -> int:

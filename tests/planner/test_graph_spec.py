@@ -1,0 +1,160 @@
+"""Model description from a captured graph: Hugging Face architectures the planner has no
+config reader for, the reference model, config.json files, the CLI and strategy=auto."""
+
+import copy
+import json
+
+import pytest
+import torch
+import transformers as hf
+from click.testing import CliRunner
+
+from tessera.models import Transformer
+from tessera.models.config import preset
+from tessera.planner.cli import plan_group
+from tessera.planner.graph_spec import MAX_GAP, describe_module
+from tessera.planner.model_spec import ModelSpecError, describe_model, from_hf_dict
+
+SMALL = dict(vocab_size=512, num_hidden_layers=2, max_position_embeddings=128,
+             bos_token_id=None, eos_token_id=None, pad_token_id=None)
+
+# (config, expected (layers, hidden, heads, kv_heads, ffn, norm, activation, position, tied)).
+# Each architecture reads its own way: fused q/k/v (GPT-NeoX, Falcon, GPT-2's Conv1D as
+# addmm), multi-query (Falcon), grouped heads (Qwen2, Gemma, Phi-3), gate and up fused into one
+# matmul (Phi-3), gated GELU (Gemma: swiglu-priced, same matmuls), parallel attention and MLP
+# (Phi, Falcon, GPT-NeoX), learned positions with an offset (OPT), q/k/v-only biases (Qwen2).
+ARCHITECTURES = {
+    "qwen2": (hf.Qwen2Config(hidden_size=64, intermediate_size=160, num_attention_heads=8,
+                             num_key_value_heads=2, **SMALL),
+              (2, 64, 8, 2, 160, "rmsnorm", "swiglu", "rope", False)),
+    "gpt_neox": (hf.GPTNeoXConfig(hidden_size=64, intermediate_size=256, num_attention_heads=4,
+                                  **SMALL),
+                 (2, 64, 4, 4, 256, "layernorm", "gelu", "rope", False)),
+    "opt": (hf.OPTConfig(hidden_size=64, ffn_dim=256, num_attention_heads=4,
+                         word_embed_proj_dim=64, **SMALL),
+            (2, 64, 4, 4, 256, "layernorm", "gelu", "learned", True)),
+    "phi": (hf.PhiConfig(hidden_size=64, intermediate_size=256, num_attention_heads=4, **SMALL),
+            (2, 64, 4, 4, 256, "layernorm", "gelu", "rope", False)),
+    "phi3": (hf.Phi3Config(hidden_size=64, intermediate_size=160, num_attention_heads=8,
+                           num_key_value_heads=2, **SMALL),
+             (2, 64, 8, 2, 160, "rmsnorm", "swiglu", "rope", False)),
+    "gemma": (hf.GemmaConfig(hidden_size=64, intermediate_size=160, num_attention_heads=4,
+                             num_key_value_heads=1, head_dim=16, **SMALL),
+              (2, 64, 4, 1, 160, "rmsnorm", "swiglu", "rope", True)),
+    "falcon": (hf.FalconConfig(hidden_size=64, num_attention_heads=4, **SMALL),
+               (2, 64, 4, 1, 256, "layernorm", "gelu", "rope", True)),
+}
+
+
+def _arch(name):
+    """A fresh copy of an architecture's config (tests change them) and its expected shape."""
+    config, expected = ARCHITECTURES[name]
+    return copy.deepcopy(config), expected
+
+
+def _meta_model(config):
+    config.use_cache = False
+    with torch.device("meta"):  # nothing allocated: the planner's route for big models
+        return hf.AutoModelForCausalLM.from_config(config)
+
+
+def _shape(config):
+    return (config.n_layers, config.d_model, config.n_heads, config.n_kv_heads, config.d_ff,
+            config.norm, config.activation, config.position, config.tie_embeddings)
+
+
+@pytest.mark.parametrize("name", sorted(ARCHITECTURES))
+def test_architectures_without_a_config_reader_are_read_from_their_graph(name):
+    config, expected = _arch(name)
+    described = describe_module(_meta_model(config), seq_len=256)
+    assert _shape(described.config) == expected
+    assert described.config.vocab_size == 512 and described.config.max_seq_len == 256
+    assert described.flops_gap <= MAX_GAP and described.param_gap <= MAX_GAP
+
+
+@pytest.mark.parametrize("name", ["gpt2", "llama"])
+def test_graph_and_config_readers_agree(name):
+    if name == "gpt2":
+        config = hf.GPT2Config(vocab_size=512, n_embd=64, n_layer=3, n_head=4, n_positions=128)
+    else:
+        config = hf.LlamaConfig(hidden_size=64, intermediate_size=160, num_attention_heads=8,
+                                num_key_value_heads=2, **SMALL)
+    from_config = from_hf_dict(config.to_dict()).replace(max_seq_len=128)
+    described = describe_module(_meta_model(config), seq_len=128)
+    assert described.config == from_config
+    # Exact for these two: the description is the model, so parameters agree to the last one.
+    assert described.param_gap == 0.0
+
+
+def test_eager_attention_reads_like_sdpa():
+    config, expected = _arch("qwen2")
+    config._attn_implementation = "eager"  # softmax(q k^T) then p @ v, no fused op
+    assert _shape(describe_module(_meta_model(config), seq_len=256).config) == expected
+
+
+@pytest.mark.parametrize("style", [{}, dict(norm="rmsnorm", activation="swiglu",
+                                            position="rope", tie_embeddings=False, bias=False,
+                                            n_kv_heads=2)])
+def test_reference_model_is_read_back_exactly(style):
+    config = preset("tiny").replace(**style)
+    with torch.device("meta"):
+        model = Transformer(config)
+    assert describe_module(model, config.max_seq_len).config == config
+
+
+def test_blocks_that_differ_are_refused_naming_the_block():
+    config = preset("tiny")
+    with torch.device("meta"):
+        model = Transformer(config)
+        wider = Transformer(config.replace(d_ff=2 * config.d_ff))
+    model.blocks[1].mlp = wider.blocks[1].mlp
+    with pytest.raises(ModelSpecError, match="block 1 differs from block 0.*identical blocks"):
+        describe_module(model, config.max_seq_len)
+
+
+def test_mixture_of_experts_is_refused():
+    config = hf.Qwen2MoeConfig(hidden_size=64, intermediate_size=160, num_attention_heads=4,
+                               num_key_value_heads=2, moe_intermediate_size=32, num_experts=4,
+                               num_experts_per_tok=2, shared_expert_intermediate_size=64,
+                               **SMALL)
+    with pytest.raises(ModelSpecError, match="no mixture of experts"):
+        describe_module(_meta_model(config), seq_len=128)
+
+
+def test_config_json_paths_and_refusals(tmp_path):
+    qwen, expected = _arch("qwen2")
+    qwen.save_pretrained(tmp_path / "qwen")
+    assert _shape(describe_model(str(tmp_path / "qwen/config.json"), seq_len=64)) == expected
+    gpt2 = hf.GPT2Config(vocab_size=512, n_embd=64, n_layer=3, n_head=4, n_positions=128)
+    gpt2.save_pretrained(tmp_path / "gpt2")  # read from its fields, nothing captured
+    assert describe_model(str(tmp_path / "gpt2/config.json")) == from_hf_dict(gpt2.to_dict())
+    with pytest.raises(ModelSpecError, match="cannot read"):
+        describe_model(str(tmp_path / "missing.json"))
+    (tmp_path / "bad.json").write_text(json.dumps({"hidden_size": 8}))
+    with pytest.raises(ModelSpecError, match="no model_type"):
+        describe_model(str(tmp_path / "bad.json"))
+    with pytest.raises(ModelSpecError, match="'qwen2'.*config.json path, or the model itself"):
+        describe_model(qwen)  # a config object alone: say how to get a description
+
+
+def test_plan_cli_takes_a_config_json(tmp_path):
+    config, _ = _arch("phi3")
+    config.save_pretrained(tmp_path)
+    result = CliRunner().invoke(plan_group, ["--model", str(tmp_path / "config.json"),
+                                             "--cluster", "a100-40gb:4x1", "--gbs", "16",
+                                             "--seq", "128", "--top", "2", "--json"])
+    assert result.exit_code == 0, result.output
+    assert len(json.loads(result.output)["results"]) == 2
+
+
+def test_auto_strategy_plans_an_architecture_it_has_no_config_reader_for():
+    from tessera.strategy import AVAILABLE
+    from tessera.train.hf_api import resolve_strategy
+
+    config, _ = _arch("gpt_neox")
+    config.use_cache = True  # as users build them: switched off for the capture only
+    model = hf.AutoModelForCausalLM.from_config(config)
+    strategy = resolve_strategy("auto", model, 2, 4, 2, "fp32", seq_len=64)
+    assert strategy.world_size == 2 and strategy.global_batch_size == 16
+    strategy.require_available(AVAILABLE)
+    assert model.config.use_cache is True and model.training
