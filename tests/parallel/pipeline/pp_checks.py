@@ -37,6 +37,28 @@ MBS, SEQ = 2, 64
 BIG_VOCAB = 4096
 
 
+def _hf_config(model_type: str, **fields):
+    import transformers
+
+    def make(n_layers: int, vocab: int):
+        return transformers.AutoConfig.for_model(
+            model_type, vocab_size=vocab, num_hidden_layers=n_layers, hidden_size=32,
+            num_attention_heads=4, max_position_embeddings=SEQ, use_cache=False,
+            bos_token_id=None, eos_token_id=None, pad_token_id=None, **fields)
+    return make
+
+
+# Architectures with no tensor-parallel policy and no planner config reader: the pipeline
+# needs nothing from them but a torch.export capture. Phi runs attention and the MLP in
+# parallel off one norm, with partial rotary and a biased LM head; Qwen2 has grouped
+# key/value heads and biases on q/k/v only.
+OTHER_HF = {
+    "phi": _hf_config("phi", intermediate_size=64, resid_pdrop=0.0, embd_pdrop=0.0,
+                      attention_dropout=0.0),
+    "qwen2": _hf_config("qwen2", intermediate_size=64, num_key_value_heads=2),
+}
+
+
 def split_arch(arch: str) -> tuple[str, int]:
     """"gpt2-bigvocab" -> ("gpt2", 4096); plain names keep the tiny presets' 256 tokens."""
     base, _, variant = arch.removesuffix("-meta").partition("-")
@@ -51,6 +73,10 @@ def make_model(arch: str, n_layers: int = 4) -> torch.nn.Module:
         with torch.device("meta"):
             return make_model(arch.removesuffix("-meta"), n_layers)
     arch, vocab = split_arch(arch)
+    if arch in OTHER_HF:
+        import transformers
+
+        return transformers.AutoModelForCausalLM.from_config(OTHER_HF[arch](n_layers, vocab))
     if arch == "ref":
         return Transformer(preset("tiny", n_layers=n_layers, vocab_size=vocab))
     base = preset("tiny-llama" if arch == "llama" else "tiny", n_layers=n_layers,
