@@ -144,7 +144,10 @@ def test_plan_cli_takes_a_config_json(tmp_path):
                                              "--cluster", "a100-40gb:4x1", "--gbs", "16",
                                              "--seq", "128", "--top", "2", "--json"])
     assert result.exit_code == 0, result.output
-    assert len(json.loads(result.output)["results"]) == 2
+    data = json.loads(result.output)
+    assert len(data["results"]) == 2  # and it says what it priced: the graph's reading
+    assert data["model"].startswith("layers=2,hidden=64,heads=8,kv_heads=2,ffn=160,vocab=512,"
+                                    "seq=128 (rmsnorm, swiglu, rope")
 
 
 def test_auto_strategy_plans_an_architecture_it_has_no_config_reader_for():

@@ -14,7 +14,7 @@ import click
 
 from tessera.planner.cluster import ClusterError, parse_cluster, save_cluster
 from tessera.planner.hardware import HardwareError
-from tessera.planner.model_spec import ModelSpecError, describe_model
+from tessera.planner.model_spec import ModelSpecError, describe_model, summary
 from tessera.planner.search import PlannerError, search
 from tessera.planner.simulator import SimOptions, estimate
 from tessera.strategy import Strategy, StrategyError
@@ -81,7 +81,8 @@ def _common(func):
 
 
 @click.group("plan", invoke_without_command=True)
-@click.option("--model", "model_text", default=None, help="Model: preset or shorthand.")
+@click.option("--model", "model_text", default=None,
+              help="Model: preset, shorthand or Hugging Face config.json (see estimate --help).")
 @click.option("--cluster", "cluster_text", default=None, help="Cluster shorthand or YAML.")
 @click.option("--gbs", type=int, default=None, help="Global batch size (samples per step).")
 @click.option("--devices", type=int, default=None, help="Devices to use (default: all).")
@@ -111,8 +112,9 @@ def plan_group(ctx: click.Context, model_text, cluster_text, gbs, devices, top, 
     except (PlannerError, StrategyError, HardwareError) as err:
         raise click.ClickException(str(err)) from None
     if as_json:
-        click.echo(json.dumps(result.to_dict(), indent=2))
+        click.echo(json.dumps({**result.to_dict(), "model": summary(model)}, indent=2))
     else:
+        click.echo(f"model: {summary(model)}")
         _print_table(result, cluster.name, gbs)
     if result.infeasible is not None:
         if not as_json:
@@ -159,9 +161,10 @@ def estimate_command(model_text, cluster_text, seq, tp_overlap, as_json, strateg
     except HardwareError as err:
         raise click.ClickException(str(err)) from None
     if as_json:
-        click.echo(json.dumps(est.to_dict(), indent=2))
+        click.echo(json.dumps({**est.to_dict(), "model": summary(model)}, indent=2))
         return
     d = est.to_dict()
+    click.echo(f"model                    {summary(model)}")
     click.echo(f"strategy                 {d['strategy']}")
     for key in ("step_time_s", "tokens_per_s", "tflops_per_device", "mfu"):
         click.echo(f"{key:<25}{d[key]:.4g}")

@@ -229,3 +229,12 @@ def _position_count(config: Any) -> int | None:
         if isinstance(value, int) and value > 0:
             return value
     return None
+
+
+def summary(config: ModelConfig) -> str:
+    """One line naming what the planner prices, e.g. for a model read from its graph."""
+    return (f"layers={config.n_layers},hidden={config.d_model},heads={config.n_heads},"
+            f"kv_heads={config.n_kv_heads},ffn={config.d_ff},vocab={config.vocab_size},"
+            f"seq={config.max_seq_len} ({config.norm}, {config.activation}, {config.position} "
+            f"positions, {'tied' if config.tie_embeddings else 'untied'} embeddings; "
+            f"{config.num_params() / 1e6:,.1f}M parameters)")
