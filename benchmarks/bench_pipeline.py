@@ -30,6 +30,12 @@ with the machine's load average (os.getloadavg) beside timings.
   rank's materialised weights over the whole model's, and its peak resident memory once
   the Trainer is built over the same run given the model on the device (every rank builds
   all of it first). No timing.
+- materialized_param_bytes_max_rank_over_whole_tp4, peak_rss_on_meta_over_on_device_tp4
+  (and _tp2_pp2): the same for GPT-2 medium (vocabulary padded to 50,304, divisible by tp)
+  at tp=4 (1d) and at tp=2 x pp=2: on meta each
+  replaced module's weights are materialised whole just before being cut into the rank's
+  shards (under pp only those of the rank's stages); on the device every rank builds the
+  whole model and then shards it.
 - estimated_head_stage_state_rows_over_whole_head: the partitioner's estimate of a sliced
   head's stage (weights, gradients, AdamW moments) with the head held as rows (rows.py) over
   the same stage holding the whole head weight with its moments, as before row holding.
@@ -374,62 +380,79 @@ def subpipe_figures(quick: bool) -> None:
          loadavg_before=before, loadavg_after=load(), cpu_cores=os.cpu_count())
 
 
-MATERIALIZE = dict(pp=4, preset="gpt2-medium")
+MATERIALIZE = dict(preset="gpt2-medium", ranks=4,
+                   layouts={"": "pp=4,mbs=1,gbs=4,schedule=1f1b", "_tp4": "tp=4,mbs=1,gbs=1",
+                            "_tp2_pp2": "tp=2,pp=2,mbs=1,gbs=2,schedule=1f1b"},
+                   # tensor parallelism splits the vocabulary: GPT-2's padded to 64 x 786
+                   tp_vocab=50304)
 
 
-def _materialize_worker(rank, world, root, on_meta):
+def _materialize_worker(rank, world, root, on_meta, strategy):
     import resource
 
     from tessera.testing import tiny_trainer
 
-    trainer = tiny_trainer(f"{root}/{on_meta}", f"pp={world},mbs=1,gbs={world},schedule=1f1b",
-                           steps=1, model={"preset": MATERIALIZE["preset"], "max_seq_len": 32,
-                                           "on_meta": on_meta})
-    params = list(trainer.model.parameters())
+    model = {"preset": MATERIALIZE["preset"], "max_seq_len": 32, "on_meta": on_meta}
+    if "tp=" in strategy:
+        model["vocab_size"] = MATERIALIZE["tp_vocab"]
+    trainer = tiny_trainer(f"{root}/{on_meta}", strategy, steps=1, model=model)
+    params = [_local(p) for p in trainer.model.parameters()]
     # weights held only as rows (pipeline/rows.py; absent before it, for comparisons)
     rows = getattr(trainer.plan.pipeline, "rows", None)
     row_tensors = list(rows.rows.values()) if rows is not None else []
     held = sum(_nbytes(p) for p in params + row_tensors if not p.is_meta)
-    whole = sum(_nbytes(p) for p in params)
+    # the single-device model's bytes (a DTensor's numel is its global one)
+    whole_model = sum(p.numel() * p.element_size() for p in trainer.model.parameters())
     # ru_maxrss: KiB on Linux; the process's peak, torch's own import included
     peak_built = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
     trainer.train()  # one step: AdamW states exist (the Trainer frees gradients after it)
     moments = [t for state in trainer.optimizer.state.values() for t in state.values()
                if isinstance(t, torch.Tensor)]
-    return {"held": held, "whole": whole, "peak_rss": peak_built,
+    return {"held": held, "whole_model": whole_model, "peak_rss": peak_built,
             "state_after_step": held + sum(map(_nbytes, moments))}
 
 
 def _nbytes(tensor: torch.Tensor) -> int:
-    return tensor.numel() * tensor.element_size()
+    return _local(tensor).numel() * tensor.element_size()
+
+
+def _local(tensor: torch.Tensor) -> torch.Tensor:
+    """A DTensor's shard on this rank (tensor parallelism); a plain tensor itself."""
+    return tensor.to_local() if hasattr(tensor, "to_local") else tensor
 
 
 def materialize_figures() -> None:
     """Per-rank weights and peak memory once the Trainer is built, for a model given on the
-    meta device (each rank materialises its stages' share) against the same model given on
-    the device (each rank builds all of it before keeping its share)."""
+    meta device (each rank materialises its share) against the same model given on the device
+    (each rank builds all of it before keeping its share): pp=4, then tp=4."""
+    for suffix, strategy in MATERIALIZE["layouts"].items():
+        _materialize_layout(suffix, strategy)
+
+
+def _materialize_layout(suffix: str, strategy: str) -> None:
     import tempfile
 
-    before, pp = load(), MATERIALIZE["pp"]
+    before, ranks = load(), MATERIALIZE["ranks"]
     with tempfile.TemporaryDirectory() as root:
-        runs = {side: run_distributed(_materialize_worker, world_size=pp,
-                                      args=(root, side == "on_meta"), timeout=900)
+        runs = {side: run_distributed(_materialize_worker, world_size=ranks,
+                                      args=(root, side == "on_meta", strategy), timeout=900)
                 for side in ("on_device", "on_meta")}
     held = {side: max(r["held"] for r in out) for side, out in runs.items()}
     rss = {side: max(r["peak_rss"] for r in out) for side, out in runs.items()}
-    whole = runs["on_device"][0]["whole"]
-    common = dict(pp=pp, model=MATERIALIZE["preset"], loadavg_before=before,
+    whole = runs["on_device"][0]["whole_model"]
+    common = dict(strategy=strategy, model=MATERIALIZE["preset"], loadavg_before=before,
                   loadavg_after=load(), cpu_cores=os.cpu_count())
-    emit("materialized_param_bytes_max_rank_over_whole", held["on_meta"] / whole, "ratio",
-         "the same model given on the device: every rank materialises all of it (1.0)",
+    emit(f"materialized_param_bytes_max_rank_over_whole{suffix}", held["on_meta"] / whole,
+         "ratio", "the same model given on the device: every rank materialises all of it (1.0)",
          whole_MiB=round(whole / 2**20, 1),
          per_rank_MiB=[round(r["held"] / 2**20, 1) for r in runs["on_meta"]], **common)
-    state = [r["state_after_step"] for r in runs["on_meta"]]
-    emit("training_state_bytes_max_rank_over_whole", max(state) / (3 * whole), "ratio",
-         "weights + AdamW moments after one step, largest rank, over one device's 3x the "
-         "model", per_rank_MiB=[round(b / 2**20, 1) for b in state], **common)
-    emit("peak_rss_on_meta_over_on_device", rss["on_meta"] / rss["on_device"], "ratio",
-         "peak resident memory of the largest rank once the Trainer is built",
+    if not suffix:
+        state = [r["state_after_step"] for r in runs["on_meta"]]
+        emit("training_state_bytes_max_rank_over_whole", max(state) / (3 * whole), "ratio",
+             "weights + AdamW moments after one step, largest rank, over one device's 3x the "
+             "model", per_rank_MiB=[round(b / 2**20, 1) for b in state], **common)
+    emit(f"peak_rss_on_meta_over_on_device{suffix}", rss["on_meta"] / rss["on_device"],
+         "ratio", "peak resident memory of the largest rank once the Trainer is built",
          on_meta_MiB=round(rss["on_meta"] / 2**20, 1),
          on_device_MiB=round(rss["on_device"] / 2**20, 1), **common)
 

@@ -14,6 +14,7 @@ that weight has had; weights left on meta take no draws and shift no one else's.
 from __future__ import annotations
 
 import contextlib
+import copy
 import hashlib
 from collections import Counter
 from dataclasses import dataclass
@@ -23,8 +24,8 @@ import torch
 from torch import nn
 from torch.utils._python_dispatch import TorchDispatchMode
 
-__all__ = ["DeferredInit", "MaterializeError", "has_meta", "materialize", "parameter_aliases",
-           "shapes_on_meta"]
+__all__ = ["DeferredInit", "FewAtATime", "MaterializeError", "has_meta", "materialize",
+           "parameter_aliases", "shapes_on_meta"]
 
 aten = torch.ops.aten
 # In-place random fills nn.init and Hugging Face's initialisers use (each takes a generator).
@@ -206,3 +207,31 @@ def shapes_on_meta(model: nn.Module) -> Iterator[None]:
     finally:
         for table, key, tensor in swapped:
             table[key] = tensor
+
+
+class FewAtATime:
+    """Whole values of a meta model's weights, a few at a time, for a layout that keeps only a
+    piece of each (tensor parallelism keeps a shard).
+
+    Each request materialises the weights asked for, with ``deferred``, on a fresh copy of the
+    model made while it is all on meta (so copies cost no storage): the initialisation runs
+    over the original structure, and a weight's values depend only on its name (module
+    docstring), so each comes out as materialising the whole model would make it, pretrained
+    values loaded included. A fresh copy each time, because initialisations remember what they
+    did (Hugging Face marks each module initialised). The model itself is not changed.
+    """
+
+    def __init__(self, model: nn.Module, deferred: DeferredInit) -> None:
+        self.template = copy.deepcopy(model)
+        self.deferred = deferred
+        self.names = parameter_aliases(model)  # id(model's parameter) -> its names
+
+    def whole(self, params: Iterable[nn.Parameter]) -> dict[int, torch.Tensor]:
+        """{id(parameter): its whole initial value} for those of ``params`` still on meta.
+        The values' storage is freed when the caller drops them."""
+        wanted = {id(p): self.names[id(p)][0] for p in params if p.is_meta}
+        if not wanted:
+            return {}
+        work = copy.deepcopy(self.template)
+        self.deferred(work, list(wanted.values()))
+        return {key: work.get_parameter(name).detach() for key, name in wanted.items()}

@@ -29,8 +29,9 @@ def parallelize(model: nn.Module, strategy: Strategy, mesh: Mesh,
 
     The model's parameters must be on the mesh's device, or on the meta device with
     ``deferred`` saying how to materialise them: pipeline stages without tensor parallelism
-    materialise only the weights this rank's stages hold, every other layout the whole model
-    first (docs/pipeline.md, *Models larger than memory*). The returned ``module`` may
+    materialise only the weights this rank's stages hold; tensor parallelism materialises one
+    module's weights at a time, each cut into this rank's shards at once (with pp, only the
+    shards of this rank's stages); every other layout the whole model first (docs/pipeline.md, *Models larger than memory*). The returned ``module`` may
     wrap ``model`` (e.g. DistributedDataParallel); ``model`` keeps its parameter names, so
     checkpoints stay in the single-device layout. ``memory`` holds the chunk-memory options
     (the config's ``memory:`` section) used when ``strategy.memory == "chunk"``.
@@ -45,8 +46,9 @@ def parallelize(model: nn.Module, strategy: Strategy, mesh: Mesh,
         if deferred is None:
             raise ValueError("the model has parameters on the meta device and no "
                              "DeferredInit says how to materialise them")
-        if not per_stage_materialization(strategy):
+        if strategy.pp == 1 and strategy.tp == 1:
             deferred(model)
+    on_meta = deferred if has_meta(model) else None
     plan = Parallelized(module=model, model=model, loss_group=mesh.group("dp"))
     stage_inputs = None  # what the pipeline's stages read besides input_ids (sp > 1)
     if strategy.tp > 1:
@@ -54,7 +56,7 @@ def parallelize(model: nn.Module, strategy: Strategy, mesh: Mesh,
         # the model's policy, parameters become DTensor shards, loss over sharded logits.
         from tessera.parallel.tensor import apply_tensor_parallel
 
-        apply_tensor_parallel(plan, strategy, mesh)
+        apply_tensor_parallel(plan, strategy, mesh, deferred=on_meta)
     if strategy.sp > 1:
         # Sequence parallel: attention swapped for ring/rsa/ulysses, each rank's loss over its
         # own tokens, loss group widened to dp x sp (see parallel/sequence/).
@@ -93,10 +95,3 @@ def parallelize(model: nn.Module, strategy: Strategy, mesh: Mesh,
     if plan.module is not model:
         plan.features.append("data_parallel")
     return plan
-
-
-def per_stage_materialization(strategy: Strategy) -> bool:
-    """Whether a meta-device model is materialised per pipeline stage (only the weights this
-    rank holds) rather than whole before the layout is applied. Tensor parallelism shards
-    whole weights, so it needs them first."""
-    return strategy.pp > 1 and strategy.tp == 1

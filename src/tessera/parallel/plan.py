@@ -62,6 +62,8 @@ class Parallelized:
         memory: the chunk-memory runtime when memory=chunk (statistics, timeline).
         pipeline: this rank's pipeline stages and schedule when pp > 1 (run by
             :class:`tessera.parallel.pipeline.PipelineEngine`).
+        pending_shards: tp x pp of a model on meta: the tensor-parallel shards still on meta,
+            which the pipeline fills for its stages (tensor/deferred.py).
     """
 
     module: nn.Module
@@ -74,6 +76,7 @@ class Parallelized:
     grad_scaler: Any = None
     memory: Any = None
     pipeline: Any = None
+    pending_shards: Any = None
 
     def loss(self, batch: Batch) -> torch.Tensor:
         return self.forward_loss(self.module, batch)

@@ -27,7 +27,8 @@ TOL = 1e-5
 PARAM_TOL = 1e-4
 CASES = {  # name: (model, strategy); dp=2 x tp=2 x pp=2, 2 micro-batches per dp rank
     "ref_1f1b": ("ref", "dp=2,tp=2,pp=2,mbs=2,gbs=8,schedule=1f1b"),
-    "gpt2_scp": ("gpt2", "dp=2,tp=2,pp=2,mbs=2,gbs=8,schedule=scp,recompute=full"),
+    # Built on meta: each rank materialises only its stages' shards, one module at a time.
+    "gpt2_meta_scp": ("gpt2-meta", "dp=2,tp=2,pp=2,mbs=2,gbs=8,schedule=scp,recompute=full"),
     "llama_gpipe": ("llama", "dp=2,tp=2,pp=2,mbs=2,gbs=8,schedule=gpipe"),
     # Sub-pipelined: each micro-batch of 2 runs as two interleaved halves of 1.
     "ref_1f1b_subpipe": ("ref", "dp=2,tp=2,pp=2,mbs=2,gbs=8,schedule=1f1b,tp_overlap=subpipe"),
@@ -56,6 +57,8 @@ def test_dp2_tp2_pp2_equals_one_device(eight, name):
         assert got["param"] < PARAM_TOL, (name, rank, got)
         # Saved in the single-device layout (GPT-2's fused q|k|v unpermuted): same weights.
         assert got["saved"] < PARAM_TOL, (name, rank, got)
+        # From meta, the other stage's shards are never materialised.
+        assert (got["shard_elements_left_on_meta"] > 0) == ("meta" in name), (name, rank, got)
 
 
 def test_subpipelined_run_equals_the_plain_one(eight):

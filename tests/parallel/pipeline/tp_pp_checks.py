@@ -13,6 +13,7 @@ import torch
 from torch.distributed.tensor import DTensor
 
 from tessera.mesh import Mesh
+from tessera.models.materialize import DeferredInit, has_meta, materialize
 from tessera.parallel import parallelize
 from tessera.parallel.pipeline import PipelineEngine
 from tessera.parallel.plan import Parallelized
@@ -36,10 +37,15 @@ def parity(arch: str, text: str) -> dict[str, float]:
     strategy = Strategy.parse(text)
     n = strategy.grad_accum_steps
     ref = pp_checks.make_model(arch)
+    deferred = None
+    if has_meta(ref):  # one device materialises all of it, each rank its stages' shards
+        materialize(ref, "cpu", seed=0)
+        deferred = DeferredInit(torch.device("cpu"), seed=0)
     ref_engine = Engine(Parallelized(ref, ref, None), Strategy(), torch.device("cpu"))
     ref_opt = build_optimizer(ref, *ADAM)
     model = pp_checks.make_model(arch)
-    plan = parallelize(model, strategy, Mesh(strategy, "cpu"))
+    plan = parallelize(model, strategy, Mesh(strategy, "cpu"), deferred=deferred)
+    on_meta = sum(p.to_local().numel() for p in model.parameters() if p.to_local().is_meta)
     engine = PipelineEngine(plan, strategy, torch.device("cpu"))
     opt = plan.build_optimizer(model, *ADAM)
     loss_diff = grad_diff = 0.0
@@ -58,7 +64,7 @@ def parity(arch: str, text: str) -> dict[str, float]:
     params = _whole(plan.module, lambda p: p.detach())
     return {"loss": loss_diff, "grad": grad_diff, "param": _diff(params, ref, lambda p: p),
             "saved": _saved_diff(plan.module, ref), "losses": losses,
-            "features": list(plan.features)}
+            "features": list(plan.features), "shard_elements_left_on_meta": on_meta}
 
 
 def _saved_diff(stage: torch.nn.Module, ref: torch.nn.Module) -> float:

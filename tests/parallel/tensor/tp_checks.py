@@ -15,6 +15,7 @@ from tessera.mesh import Mesh
 from tessera.models import Transformer
 from tessera.models.config import preset
 from tessera.models.hf import build_hf_model, hf_config_from_reference
+from tessera.models.materialize import DeferredInit, materialize
 from tessera.parallel.plan import Parallelized, default_forward_loss, lm_loss
 from tessera.parallel.tensor import apply_tensor_parallel
 from tessera.parallel.tensor import comm, layers1d, layers2d, loss
@@ -372,3 +373,48 @@ def grad_scaler_overflow(mesh: Mesh) -> dict[str, float]:
     scaler.update()
     return {"found_inf": found, "scale": scaler.get_scale(),
             "moved": _diff(weight.to_local(), torch.ones(2, 2))}
+
+
+class _CountingInit(DeferredInit):
+    """DeferredInit that records the parameter bytes each call left materialised."""
+
+    def __init__(self) -> None:
+        super().__init__(torch.device("cpu"), seed=0)
+        self.held: list[int] = []
+
+    def __call__(self, model, names=None):
+        done = super().__call__(model, names)
+        self.held.append(sum(p.numel() * p.element_size() for p in model.parameters()
+                             if not p.is_meta))
+        return done
+
+
+def from_meta(mesh: Mesh, kind: str) -> dict[str, float]:
+    """The model built on meta and given to tensor parallelism with a DeferredInit against the
+    same model materialised whole first: the same shards (exactly), the same loss, and at most
+    one module's own weights whole at a time."""
+    with torch.device("meta"):
+        on_meta = build(kind)
+    whole = copy.deepcopy(on_meta)
+    materialize(whole, "cpu", seed=0)
+    largest = max(sum(p.numel() * p.element_size() for p in m.parameters(recurse=False))
+                  for m in whole.modules())
+    model_bytes = sum(p.numel() * p.element_size() for p in whole.parameters())
+    strategy = mesh.strategy.replace(dp=1, global_batch_size=1) if mesh.strategy.dp > 1 \
+        else mesh.strategy
+    init = _CountingInit()
+    plans = []
+    for model, deferred in ((on_meta, init), (whole, None)):
+        plan = Parallelized(module=model, model=model, loss_group=None)
+        apply_tensor_parallel(plan, strategy, mesh, deferred=deferred)
+        plans.append(plan)
+    mine = dict(whole.named_parameters())
+    shards = [(p.to_local(), mine[name].to_local()) for name, p in on_meta.named_parameters()]
+    losses = [float(plan.forward_loss(plan.module, batch())) for plan in plans]
+    return {"shard_diff": max(_diff(a, b) for a, b in shards),
+            "shard_std": float(torch.cat([b.flatten() for _, b in shards]).std()),
+            "loss_diff": abs(losses[0] - losses[1]), "loss": losses[1],
+            "left_on_meta": sum(p.is_meta or p.to_local().is_meta
+                                for p in on_meta.parameters()),
+            "peak_over_largest_module": max(init.held) / largest,
+            "peak_over_model": max(init.held) / model_bytes}

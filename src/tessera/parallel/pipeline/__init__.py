@@ -143,7 +143,7 @@ def apply_pipeline(plan: Parallelized, strategy: Strategy, mesh: Mesh,
     shares = [] if strategy.memory == "chunk" else _row_shares(model, graph, part, stage_rank)
     for share in shares:  # a row holder holds its rows, not the weight
         holders[share.name].discard(share.holder)
-    on_meta = _materialise_share(model, graph, holders, pp_rank, deferred)
+    on_meta = _materialise_share(model, graph, holders, pp_rank, deferred, plan.pending_shards)
     module, grad_sync = _ownership(model, holders, graph, part, stage_rank, pp_rank, mesh,
                                    strategy)
     carry_permutations(model, module)  # fused q|k|v shards keep saving unpermuted
@@ -185,16 +185,21 @@ def _cut(graph: ProxyGraph, stages: int, micro_batches: int, strategy: Strategy,
 
 
 def _materialise_share(model: nn.Module, graph: ProxyGraph, holders: dict[str, set[int]],
-                       pp_rank: int, deferred: DeferredInit | None) -> bool:
+                       pp_rank: int, deferred: DeferredInit | None, pending=None) -> bool:
     """For a model on the meta device, give storage to the parameters this rank's stages
     hold (and every buffer) and point the graph captured on meta at the run's device.
-    Returns whether the model was on meta."""
+    ``pending``: tensor parallelism's shards still on meta, filled instead (its buffers are
+    materialised already). Returns whether the model was on meta."""
     if not has_meta(model):
         return False
     if deferred is None:
         raise ValueError("the model is on the meta device and no DeferredInit says how "
                          "to materialise this rank's stages")
-    deferred(model, [name for name, ranks in holders.items() if pp_rank in ranks])
+    held = [name for name, ranks in holders.items() if pp_rank in ranks]
+    if pending is not None:
+        pending.fill(model, held)
+    else:
+        deferred(model, held)
     retarget(graph, deferred.device)  # captured on meta; its stages run on the device
     return True
 

@@ -8,13 +8,16 @@ logits and a gradient clip that counts each shard once.
 
 from __future__ import annotations
 
+import torch
 from torch import nn
 from torch.distributed.tensor import DTensor, Replicate, Shard
 
 from tessera.mesh import Mesh
+from tessera.models.materialize import DeferredInit, FewAtATime
 from tessera.parallel.plan import Parallelized
 from tessera.parallel.tensor.comm import CommCounter, Grid, TPGroup
 from tessera.parallel.tensor.data_parallel import ShardGradSync
+from tessera.parallel.tensor.deferred import PendingShards, ShardRecipe
 from tessera.parallel.tensor.loss import (make_clip_grad_norm, make_forward_loss_1d,
                                           make_forward_loss_2d)
 from tessera.parallel.tensor.modules import (BlockInput, ColumnLinear, Embedding2D, Linear2D,
@@ -32,7 +35,8 @@ from tessera.strategy import Strategy
 
 def apply_tensor_parallel(plan: Parallelized, strategy: Strategy, mesh: Mesh,
                           sequence_parallel: bool = False,
-                          counter: CommCounter | None = None) -> None:
+                          counter: CommCounter | None = None,
+                          deferred: DeferredInit | None = None) -> None:
     """Shard ``plan.model`` in place over the mesh's tensor axes and set the plan's loss/clip.
 
     Args:
@@ -42,6 +46,11 @@ def apply_tensor_parallel(plan: Parallelized, strategy: Strategy, mesh: Mesh,
         sequence_parallel: Megatron sequence parallelism around norms and dropout (1D, the
             reference model only: Hugging Face models build masks from the local length).
         counter: counts collective bytes (benchmarks).
+        deferred: for a model on the meta device, how to materialise it. Each replaced
+            module's weights are then materialised whole just before being cut into this
+            rank's shards (models/materialize.py, FewAtATime), so a rank never holds more than
+            its shards and one module's weights whole. Under pp > 1 the shards stay on meta
+            and ``plan.pending_shards`` fills those of this rank's stages (deferred.py).
 
     Raises:
         PolicyError: unknown architecture, sizes not divisible, or an unsupported mix.
@@ -68,7 +77,13 @@ def apply_tensor_parallel(plan: Parallelized, strategy: Strategy, mesh: Mesh,
         check_divisible(dims, group.size, kv_ways_ok=True, what=what)
         builder = _Builder1D(dims, group, mesh.submesh("tp"), sequence_parallel)
         plan.forward_loss = make_forward_loss_1d(group)
+    if deferred is not None:
+        builder.source = FewAtATime(model, deferred)  # copied while on meta: no storage
+        builder.defer = strategy.pp > 1  # the pipeline fills its stages' shards
+        deferred(model, ())  # buffers only (RoPE tables, masks); weights come from ``source``
     _replace_modules(model, policy, builder)
+    if builder.defer:
+        plan.pending_shards = PendingShards(builder.source, builder.recipes)
     if isinstance(builder, _Builder1D):
         _check_block_inputs(model, builder)
     if strategy.pp > 1:  # the pipeline captures the model: collectives must be graph nodes
@@ -140,7 +155,9 @@ def _replace_modules(model: nn.Module, policy, builder) -> None:
         style = style_of(path, policy)
         if style is None:
             continue
+        builder.fetch_wholes(module)
         new = builder.build(style, module)
+        builder.wholes = {}  # frees them: the new module holds only this rank's shards
         if new is not None:
             accept_full_tensors(new)
             parent, _, name = path.rpartition(".")
@@ -182,15 +199,34 @@ class _Builder:
         self.dims, self.dmesh = dims, dmesh
         # id -> (original, converted): holding the original keeps its id from being reused.
         self._done: dict[int, tuple[nn.Parameter, nn.Parameter]] = {}
+        # A model on meta (apply_tensor_parallel's ``deferred``): where whole values come from,
+        # and whether shards stay on meta (``defer``), each with the recipe that fills it.
+        self.source: FewAtATime | None = None
+        self.defer = False
+        self.wholes: dict[int, torch.Tensor] = {}  # id -> whole value of a meta parameter
+        self.recipes: dict[int, ShardRecipe] = {}  # id(meta DTensor parameter) -> recipe
+
+    def fetch_wholes(self, module: nn.Module) -> None:
+        """Materialise ``module``'s own weights not converted yet (a tied one is converted
+        once) whole, until the module is built from them."""
+        if self.source is not None and not self.defer:
+            self.wholes = self.source.whole(
+                p for p in module.parameters(recurse=False) if id(p) not in self._done)
 
     def param(self, p, placements, perm=None, perm_dim=0):
         if p is None:
             return None
         if id(p) not in self._done:
-            full = p.detach()
+            full = self.wholes.get(id(p), p).detach()
+            if full.is_meta and not self.defer:  # a style reading a weight not its module's
+                raise PolicyError(f"a {tuple(full.shape)} weight is still on the meta device "
+                                  "when its tensor-parallel module is built")
             if perm is not None:
                 full = full.index_select(perm_dim, perm.to(full.device))
-            self._done[id(p)] = (p, make_param(full, self.dmesh, placements, p.requires_grad))
+            new = make_param(full, self.dmesh, placements, p.requires_grad)
+            if full.is_meta:
+                self.recipes[id(new)] = ShardRecipe(p, self.dmesh, placements, perm, perm_dim)
+            self._done[id(p)] = (p, new)
         return self._done[id(p)][1]
 
     def attention(self, module: nn.Module, ways: int, kv_local: int) -> None:
