@@ -160,7 +160,8 @@ def _grad_diff(stage: torch.nn.Module, ref: torch.nn.Module) -> float:
 
 
 def checkpoint_round_trip(root: str) -> dict[str, list[float]]:
-    """pp=2 trains 3 steps and saves; pp=2 and pp=1 (dp=2) each resume and run step 4.
+    """pp=2 trains 3 steps and saves; pp=2 and pp=1 (dp=2) each resume and run step 4; a
+    dp=2 run's step-3 checkpoint resumes at pp=2 too.
 
     The model's vocabulary is BIG_VOCAB, so at pp=2 its LM head is sliced over both stages
     and the second stage holds only its rows of the tied weight (pipeline/rows.py): the
@@ -191,7 +192,13 @@ def checkpoint_round_trip(root: str) -> dict[str, list[float]]:
     rows = resumed.plan.pipeline.rows
     on_pp1, trainer = train(root / "pp1", "dp=2,tp=1,pp=1,mbs=2,gbs=8", resume=True)
     fresh, _ = train(root / "dp2", "dp=2,tp=1,pp=1,mbs=2,gbs=8", until=3)
+    torch.distributed.barrier()
+    if torch.distributed.get_rank() == 0:  # and the other way: a pp=1 checkpoint at pp=2
+        shutil.copytree(root / "dp2", root / "dp2_to_pp2")
+    torch.distributed.barrier()
+    from_pp1, _ = train(root / "dp2_to_pp2", "dp=1,tp=1,pp=2,mbs=2,gbs=8", resume=True)
     return {"pp2_first": first.losses, "pp2_step4": on_pp2.losses, "pp1_step4": on_pp1.losses,
+            "pp2_step4_from_pp1": from_pp1.losses,
             "dp2_first": fresh.losses, "eval_pp2": [l for _, l in on_pp2.eval_losses],
             "rows_held": [] if rows is None else [tuple(t.shape) for t in rows.rows.values()]}
 

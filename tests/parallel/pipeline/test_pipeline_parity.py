@@ -1,4 +1,4 @@
-"""Pipeline parity with one device, scp recomputation placement, pp=2 -> pp=1 checkpoints.
+"""Pipeline parity with one device, scp recomputation placement, pp=2 <-> pp=1 checkpoints.
 
 Two launches: 2 ranks (every schedule at pp=2 on the reference model, HF GPT-2 and Llama,
 and HF Qwen2 and Phi, which tessera has no policy for;
@@ -192,7 +192,7 @@ def test_scp_keeps_the_last_micro_batches_of_each_stage_at_pp4(four):
 
 
 @pytest.mark.slow
-def test_pp2_checkpoint_loads_at_pp1(two):
+def test_checkpoints_load_across_pp2_and_pp1(two):
     ckpt = two[0]["ckpt"]
     assert len(ckpt["pp2_first"]) == 3
     # Trainer-level parity: pp=2 equals dp=2 (the same global batch) over the first 3 steps.
@@ -201,6 +201,9 @@ def test_pp2_checkpoint_loads_at_pp1(two):
     # Step 4 after loading the pp=2 checkpoint: the same at pp=2 and at pp=1 (dp=2).
     assert len(ckpt["pp1_step4"]) == 1 and len(ckpt["pp2_step4"]) == 1
     assert abs(ckpt["pp1_step4"][0] - ckpt["pp2_step4"][0]) <= TOL
+    # A dp=2 checkpoint (the same 3 steps, within TOL) resumed at pp=2: step 4 agrees too.
+    assert len(ckpt["pp2_step4_from_pp1"]) == 1
+    assert abs(ckpt["pp2_step4_from_pp1"][0] - ckpt["pp1_step4"][0]) <= TOL
     assert two[1]["ckpt"]["pp2_step4"] == ckpt["pp2_step4"]  # the last stage's loss, on all
     # Below ln(4096) = 8.3, the loss of a uniform guess over the 4096-token vocabulary.
     assert ckpt["eval_pp2"] and all(4.0 < v < 8.0 for v in ckpt["eval_pp2"])
