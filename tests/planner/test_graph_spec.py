@@ -160,4 +160,24 @@ def test_auto_strategy_plans_an_architecture_it_has_no_config_reader_for():
     strategy = resolve_strategy("auto", model, 2, 4, 2, "fp32", seq_len=64)
     assert strategy.world_size == 2 and strategy.global_batch_size == 16
     strategy.require_available(AVAILABLE)
+    assert strategy.tp == 1 and strategy.sp == 1  # no tensor-parallel policy for GPT-NeoX
     assert model.config.use_cache is True and model.training
+
+
+def test_auto_holds_tensor_and_sequence_parallelism_off_without_a_policy(monkeypatch):
+    import tessera.train.auto as auto
+
+    with torch.device("meta"):
+        gpt2 = hf.GPT2LMHeadModel(hf.GPT2Config(n_embd=64, n_layer=2, n_head=4))
+        neox = hf.AutoModelForCausalLM.from_config(hf.GPTNeoXConfig(
+            vocab_size=50432, hidden_size=4096, intermediate_size=16384, num_hidden_layers=4,
+            num_attention_heads=32, max_position_embeddings=2048, use_cache=False))
+    assert auto.layout_limits(neox) == {"tp": 1, "sp": 1} and auto.layout_limits(gpt2) == {}
+    # On 8 A100s (not this machine's CPU workers, so the pick does not depend on the host) the
+    # planner, free to choose, would split this 1.2B model with tensor parallelism, which the
+    # runtime cannot apply to GPT-NeoX (no policy); held to tp=1 it picks another layout.
+    monkeypatch.setattr(auto, "local_cluster", lambda n: f"a100-40gb:{n}x1")
+    config = describe_model(neox, seq_len=2048)
+    assert auto.best_runnable(config, 8, 16, "bf16").tp > 1
+    held = auto.plan_strategy(neox, 8, 16, "bf16", seq_len=2048)
+    assert held.tp == 1 and held.sp == 1 and held.world_size == 8

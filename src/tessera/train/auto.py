@@ -42,7 +42,18 @@ def plan_strategy(model: nn.Module, world_size: int, global_batch_size: int,
     except ModelSpecError as err:
         raise StrategyError(f"strategy=auto cannot describe the model to the planner: {err}; "
                             "give a Strategy explicitly") from None
-    return best_runnable(config, world_size, global_batch_size, precision)
+    return best_runnable(config, world_size, global_batch_size, precision,
+                         layout_limits(model))
+
+
+def layout_limits(model: nn.Module) -> dict[str, int]:
+    """Strategy fields held at 1 for a model the runtime cannot split that way: tensor
+    parallelism needs a policy for the model's class; sequence parallelism is tested only on
+    the models that have one (its Hugging Face route, AttentionInterface, is generic but
+    untested elsewhere). Pipeline and data parallelism need only a capture."""
+    from tessera.parallel.tensor.policy import POLICIES
+
+    return {} if type(model).__name__ in POLICIES else {"tp": 1, "sp": 1}
 
 
 def best_runnable(model_config, world_size: int, global_batch_size: int, precision: str,
