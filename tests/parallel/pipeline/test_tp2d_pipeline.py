@@ -74,6 +74,7 @@ def test_summa_ops_equal_the_eager_functions_and_survive_export(eight):
         assert not any("c10d" in t or "broadcast" in t for t in ops["other_targets"]), ops
         # The partitioner prices a SUMMA linear by its per-rank FLOPs (2 m C O / q).
         assert ops["flops"] == ops["flops_expected"], ops
+        assert ops["comm"] == (ops["comm_expected"], 2 * ops["comm_expected"]), ops
 
 
 def test_tp4_2d_runs_in_bf16_like_one_device(eight):

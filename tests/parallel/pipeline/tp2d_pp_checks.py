@@ -91,7 +91,11 @@ def op_parity(mesh: Mesh) -> dict:
             "targets": sorted({t for t in targets if t.startswith("tessera.")}),
             "other_targets": sorted({t for t in targets if not t.startswith("tessera.")}),
             "flops": node_cost(first).fwd_flops,
-            "flops_expected": 2.0 * rows * C * O / grid.q}
+            "flops_expected": 2.0 * rows * C * O / grid.q,
+            # q steps, each a (O/q, C/q) weight block broadcast and a (rows, O/q) partial
+            # reduced, 4-byte floats; the backward's two products twice that.
+            "comm": (node_cost(first).fwd_comm_bytes, node_cost(first).bwd_comm_bytes),
+            "comm_expected": grid.q * (O * C / grid.q**2 + rows * O / grid.q) * 4}
 
 
 def bf16_step(text: str) -> dict[str, float]:

@@ -121,6 +121,11 @@ def node_cost(node: fx.Node) -> NodeCost:
         return NodeCost(out_bytes=out, fwd_comm_bytes=traffic if op in TP_COMM_FWD else 0.0,
                         bwd_comm_bytes=traffic if op in TP_COMM_BWD else 0.0)
     flops = matmul_flops(node)
+    if op == "summa_linear":  # 2D tensor parallelism: SUMMA broadcasts and reduces blocks
+        from tessera.parallel.tensor.ops2d import summa_linear_comm_bytes
+
+        comm = summa_linear_comm_bytes(node)
+        return NodeCost(flops, BWD_MATMUL * flops, out, out, comm, BWD_MATMUL * comm)
     if flops:
         factor = BWD_ATTENTION if "attention" in op else BWD_MATMUL
         return NodeCost(flops, factor * flops, out, out)

@@ -177,3 +177,18 @@ def summa_linear_flops(node) -> float:
     out = weight.shape[1] if node.args[3] else weight.shape[0]
     rows = x.numel() // x.shape[-1]
     return 2.0 * rows * out * x.shape[-1] * grid_of(grid).q
+
+
+def summa_linear_comm_bytes(node) -> float:
+    """Bytes one rank's ``summa_linear`` node sends or receives in forward (pipeline cost
+    model); the backward's two products move twice as much.
+
+    nn.Linear runs A B^T (summa.summa_abt): q steps each broadcast a weight block along the
+    column and reduce an output-sized partial along the row. Conv1D runs A B (summa_ab): q
+    steps each broadcast an input block and a weight block. A broadcast or reduce tree moves
+    about its payload per rank (an all-reduce twice that).
+    """
+    x, weight, grid = node.args[0].meta["val"], node.args[1].meta["val"], node.args[2]
+    blocks = x if node.args[3] else node.meta["val"]  # Conv1D: X's block; else Y's partial
+    size = weight.element_size()
+    return float(grid_of(grid).q * (weight.numel() + blocks.numel()) * size)
