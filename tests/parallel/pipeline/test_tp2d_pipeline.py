@@ -38,7 +38,8 @@ OP_TOL = 1e-6
 CASES = {  # name: (model, strategy); tp=4 as a 2 x 2 grid, pp=2; mbs=2 is 1 row per grid row
     "ref_1f1b": ("ref", "tp=4,tp_mode=2d,pp=2,mbs=2,gbs=4,schedule=1f1b"),
     "gpt2_scp": ("gpt2", "tp=4,tp_mode=2d,pp=2,mbs=2,gbs=8,schedule=scp,recompute=full"),
-    "llama_gpipe": ("llama", "tp=4,tp_mode=2d,pp=2,mbs=2,gbs=4,schedule=gpipe"),
+    # Built on meta: each rank fills only its stage's 2D blocks, one module at a time.
+    "llama_meta_gpipe": ("llama-meta", "tp=4,tp_mode=2d,pp=2,mbs=2,gbs=4,schedule=gpipe"),
 }
 BF16 = ["tp=4,tp_mode=2d,pp=2,mbs=2,gbs=4,precision=bf16",  # through the pipeline's ops
         "dp=2,tp=4,tp_mode=2d,mbs=2,gbs=8,precision=bf16"]  # the eager functions, pp=1
@@ -98,6 +99,8 @@ def test_tp4_2d_pp2_equals_one_device(eight, name):
         assert got["param"] < PARAM_TOL, (name, rank, got)
         # Saved in the single-device layout (GPT-2's fused q|k|v unpermuted): same weights.
         assert got["saved"] < PARAM_TOL, (name, rank, got)
+        # From meta, the other stage's blocks are never materialised.
+        assert (got["shard_elements_left_on_meta"] > 0) == ("meta" in name), (name, rank, got)
 
 
 def test_tp4_2d_pp2_loads_and_saves_the_single_device_checkpoint(eight):
