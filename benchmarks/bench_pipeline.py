@@ -33,7 +33,7 @@ with the machine's load average (os.getloadavg) beside timings.
 - materialized_param_bytes_max_rank_over_whole_tp4, peak_rss_on_meta_over_on_device_tp4
   (and _tp2_pp2): the same for GPT-2 medium (vocabulary padded to 50,304, divisible by tp)
   at tp=4 (1d) and at tp=2 x pp=2: on meta each
-  replaced module's weights are materialised whole just before being cut into the rank's
+  transformer block's weights are materialised whole just before being cut into the rank's
   shards (under pp only those of the rank's stages); on the device every rank builds the
   whole model and then shards it.
 - estimated_head_stage_state_rows_over_whole_head: the partitioner's estimate of a sliced

@@ -114,3 +114,29 @@ def test_parallelize_refuses_a_meta_model_without_a_deferred_init():
     model = _on_meta("ref")
     with pytest.raises(ValueError, match="meta device"):
         parallelize(model, Strategy(), mesh=None)  # refused before the mesh is read
+
+
+@pytest.mark.parametrize("arch", ARCHS)
+def test_few_at_a_time_gives_the_whole_models_values_and_copies_no_storage(arch):
+    from tessera.models.materialize import DeferredInit, FewAtATime
+
+    whole = _on_meta(arch)
+    materialize(whole, "cpu", seed=3)
+    model = _on_meta(arch)
+    source = FewAtATime(model, DeferredInit(torch.device("cpu"), seed=3))
+    # Twice from the same source (Hugging Face marks modules initialised: a fresh copy each).
+    for names in (["lm_head.weight"], [n for n, _ in model.named_parameters()][:3]):
+        params = [model.get_parameter(n) for n in names]
+        got = source.whole(params)
+        for name, p in zip(names, params):
+            assert torch.equal(got[id(p)], whole.get_parameter(name)), (arch, name)
+    assert has_meta(model)  # the model itself is left as it was
+    # A model whose weights are real but whose buffers are on meta (loaded with assign=True):
+    # the copy the requests start from holds none of the real weights.
+    for module in whole.modules():
+        for key, buf in list(module._buffers.items()):
+            if buf is not None:
+                module._buffers[key] = torch.empty_like(buf, device="meta")
+    held = FewAtATime(whole, DeferredInit(torch.device("cpu")))
+    assert all(p.is_meta for p in held.template.parameters())
+    assert not any(p.is_meta for p in whole.parameters())

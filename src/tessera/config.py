@@ -37,8 +37,9 @@ class ModelSection(BaseModel):
 
     preset: str = "tiny"
     hf: Literal[None, "gpt2", "llama"] = None
-    # Build on the meta device; the layout materialises it (under pp without tp, only each
-    # rank's stages) with weights seeded per name (docs/pipeline.md, models larger than memory).
+    # Build on the meta device; the layout materialises it (under pp only each rank's stages,
+    # under tp only its shards, one transformer block at a time) with weights seeded per name
+    # (docs/pipeline.md, models larger than memory).
     on_meta: bool = False
 
     @model_validator(mode="after")

@@ -13,7 +13,8 @@ from tessera.models import Transformer
 from tessera.models.config import preset
 from tessera.planner.cli import plan_group
 from tessera.planner.graph_spec import MAX_GAP, describe_module
-from tessera.planner.model_spec import ModelSpecError, describe_model, from_hf_dict
+from tessera.planner.model_spec import (ModelSpecError, describe_model, from_hf_dict,
+                                        from_hf_json)
 
 SMALL = dict(vocab_size=512, num_hidden_layers=2, max_position_embeddings=128,
              bos_token_id=None, eos_token_id=None, pad_token_id=None)
@@ -181,3 +182,32 @@ def test_auto_holds_tensor_and_sequence_parallelism_off_without_a_policy(monkeyp
     assert auto.best_runnable(config, 8, 16, "bf16").tp > 1
     held = auto.plan_strategy(neox, 8, 16, "bf16", seq_len=2048)
     assert held.tp == 1 and held.sp == 1 and held.world_size == 8
+
+
+def test_seq_reaches_a_config_json_read_from_its_graph(tmp_path):
+    config, _ = _arch("phi3")
+    config.save_pretrained(tmp_path)
+    # Read at the length asked for, not the config's position count (128): a config naming
+    # none could not be described at all when the length was dropped on the way.
+    assert from_hf_json(tmp_path / "config.json", seq_len=96).max_seq_len == 96
+
+
+def test_reading_leaves_the_models_modes_and_handles_ffn_equal_to_hidden():
+    config, _ = _arch("gpt_neox")
+    config.intermediate_size = 64  # d_ff = hidden: the up and down projections look alike
+    model = _meta_model(config)
+    model.train()
+    model.gpt_neox.layers[0].eval()  # a user's choice the capture must not undo
+    described = describe_module(model, seq_len=64).config
+    assert described.d_ff == 64 and described.activation == "gelu"
+    assert model.training and not model.gpt_neox.layers[0].training
+
+
+@pytest.mark.parametrize("sample, length", [
+    ({"input_ids": torch.arange(12)}, 12), ({"input_ids": list(range(7))}, 7),
+    (torch.arange(5), 5), (hf.BatchEncoding({"input_ids": [1, 2, 3]}), 3),
+    ({"input_ids": torch.tensor(4)}, None), ({"text": "no ids"}, None)])
+def test_auto_plans_at_the_training_sets_length(sample, length):
+    from tessera.train.hf_api import _sample_length
+
+    assert _sample_length([sample]) == length

@@ -16,6 +16,7 @@ from __future__ import annotations
 import contextlib
 import copy
 import hashlib
+import re
 from collections import Counter
 from dataclasses import dataclass
 from typing import Callable, Iterable, Iterator
@@ -25,7 +26,7 @@ from torch import nn
 from torch.utils._python_dispatch import TorchDispatchMode
 
 __all__ = ["DeferredInit", "FewAtATime", "MaterializeError", "has_meta", "materialize",
-           "parameter_aliases", "shapes_on_meta"]
+           "materialize_unit", "parameter_aliases", "shapes_on_meta"]
 
 aten = torch.ops.aten
 # In-place random fills nn.init and Hugging Face's initialisers use (each takes a generator).
@@ -209,12 +210,24 @@ def shapes_on_meta(model: nn.Module) -> Iterator[None]:
             table[key] = tensor
 
 
+_BLOCK_PATH = re.compile(r"^(.*?(?:^|\.)(?:h|layers|blocks)\.\d+)(?:\.|$)")
+
+
+def materialize_unit(path: str) -> str:
+    """What a layout materialising a few weights at a time takes at once for the module at
+    ``path``: its transformer block (``model.layers.3`` for ``model.layers.3.mlp.up_proj``),
+    else the module itself. One request per block keeps the number of requests, each of which
+    runs the model's initialisation, proportional to the depth, not to the module count."""
+    match = _BLOCK_PATH.match(path)
+    return match.group(1) if match else path
+
+
 class FewAtATime:
     """Whole values of a meta model's weights, a few at a time, for a layout that keeps only a
     piece of each (tensor parallelism keeps a shard).
 
     Each request materialises the weights asked for, with ``deferred``, on a fresh copy of the
-    model made while it is all on meta (so copies cost no storage): the initialisation runs
+    model made with every tensor on meta (so copies cost no storage): the initialisation runs
     over the original structure, and a weight's values depend only on its name (module
     docstring), so each comes out as materialising the whole model would make it, pretrained
     values loaded included. A fresh copy each time, because initialisations remember what they
@@ -222,7 +235,8 @@ class FewAtATime:
     """
 
     def __init__(self, model: nn.Module, deferred: DeferredInit) -> None:
-        self.template = copy.deepcopy(model)
+        with shapes_on_meta(model):  # a weight already materialised is not copied either
+            self.template = copy.deepcopy(model)
         self.deferred = deferred
         self.names = parameter_aliases(model)  # id(model's parameter) -> its names
 

@@ -30,8 +30,9 @@ def parallelize(model: nn.Module, strategy: Strategy, mesh: Mesh,
     The model's parameters must be on the mesh's device, or on the meta device with
     ``deferred`` saying how to materialise them: pipeline stages without tensor parallelism
     materialise only the weights this rank's stages hold; tensor parallelism materialises one
-    module's weights at a time, each cut into this rank's shards at once (with pp, only the
-    shards of this rank's stages); every other layout the whole model first (docs/pipeline.md, *Models larger than memory*). The returned ``module`` may
+    block's weights at a time, each cut into this rank's shards at once (with pp, only the
+    shards of this rank's stages); every other layout the whole model first
+    (docs/pipeline.md, *Models larger than memory*). The returned ``module`` may
     wrap ``model`` (e.g. DistributedDataParallel); ``model`` keeps its parameter names, so
     checkpoints stay in the single-device layout. ``memory`` holds the chunk-memory options
     (the config's ``memory:`` section) used when ``strategy.memory == "chunk"``.

@@ -90,7 +90,7 @@ def describe_module(model: nn.Module, seq_len: int, capture_len: int = 16
     """
     cfg = getattr(model, "config", None)
     use_cache = getattr(cfg, "use_cache", None)
-    was_training = model.training
+    modes = [(module, module.training) for module in model.modules()]
     model.eval()  # dropout off: the graph holds no random ops
     try:
         if use_cache:  # torch.export captures Hugging Face models without the k/v cache
@@ -99,7 +99,8 @@ def describe_module(model: nn.Module, seq_len: int, capture_len: int = 16
     except CaptureError as err:
         raise ModelSpecError(str(err)) from err
     finally:
-        model.train(was_training)
+        for module, training in modes:  # each as it was (a user may freeze some in eval)
+            module.training = training
         if use_cache:
             cfg.use_cache = use_cache
     return describe_graph(graph, seq_len)
@@ -158,10 +159,11 @@ def _kv_heads(qkv_width: int, heads: int, head_dim: int) -> int:
 
 
 def _mlp_shape(mlp: list[tuple[int, int]], width: int) -> tuple[int, bool]:
-    """(d_ff, gated) from the MLP's weight matmuls as (in, out) widths."""
-    ups = [out for inp, out in mlp if inp == width]
-    downs = [inp for inp, out in mlp if out == width and inp != width]
-    if len(downs) != 1 or len(ups) + len(downs) != len(mlp) or not ups:
+    """(d_ff, gated) from the MLP's weight matmuls as (in, out) widths, in graph order: the
+    last is the down projection back to the hidden width, the others project up from it."""
+    ups = [out for inp, out in mlp[:-1] if inp == width]
+    downs = [inp for inp, out in mlp[-1:] if out == width]
+    if len(downs) != 1 or len(ups) + 1 != len(mlp) or not ups:
         raise ModelSpecError(f"block 0's MLP has weight matmuls (in, out) {mlp}; the planner "
                              "prices one or two up projections from the hidden width and one "
                              "down projection (no mixture of experts)")
@@ -283,7 +285,9 @@ class _GraphReader:
             if op_name(node) in ("softmax", "_softmax") and len(self._val(node.name).shape) == 4:
                 pv = next((u for u in self._descendant_nodes(node) if op_name(u) in _MATMULS
                            and self._weight_of(u.name) is None), None)
-                if pv is not None:
+                # (B, heads, T, head_dim); a 3-d (B * heads, T, head_dim) product names no
+                # head count (BLOOM-style bmm): not read
+                if pv is not None and len(self._val(pv.name).shape) == 4:
                     out = self._val(pv.name).shape  # (B, heads, T, head_dim)
                     return pv, int(out[1]), int(out[-1])
         raise ModelSpecError("no attention found in block 0 (scaled_dot_product_attention, or "

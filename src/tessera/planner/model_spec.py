@@ -57,13 +57,13 @@ def describe_model(source: Any, seq_len: int | None = None) -> ModelConfig:
         return describe_graph(source, seq_len).config
     if isinstance(source, nn.Module):
         return describe_module_or_config(source, seq_len)
-    config = _describe(source)
+    config = _describe(source, seq_len)
     if seq_len is not None:
         config = config.replace(max_seq_len=int(seq_len))
     return config
 
 
-def _describe(source: Any) -> ModelConfig:
+def _describe(source: Any, seq_len: int | None = None) -> ModelConfig:
     if isinstance(source, ModelConfig):
         return source
     if isinstance(source, str):
@@ -73,7 +73,7 @@ def _describe(source: Any) -> ModelConfig:
         if text in PRESETS:
             return preset(text)
         if text.endswith(".json"):
-            return from_hf_json(Path(text))
+            return from_hf_json(Path(text), seq_len)
         raise ModelSpecError(f"unknown model {text!r}: not a preset ({', '.join(PRESETS)}), "
                              "not shorthand like 'layers=24,hidden=2048,heads=16' and not a "
                              "Hugging Face config.json")
@@ -167,7 +167,7 @@ def _getter(values: Mapping[str, Any], kind: str):
     return get
 
 
-def from_hf_json(path: Path) -> ModelConfig:
+def from_hf_json(path: Path, seq_len: int | None = None) -> ModelConfig:
     """Describe the model of a Hugging Face ``config.json``: GPT-2 / Llama / Mistral from its
     fields, any other causal LM by building it on the meta device (transformers' Auto classes,
     nothing allocated) and reading its captured graph.
@@ -183,7 +183,7 @@ def from_hf_json(path: Path) -> ModelConfig:
         raise ModelSpecError(f"{str(path)!r} is not a Hugging Face config (no model_type)")
     if values["model_type"] in HF_TYPES:
         return from_hf_dict(values)
-    return describe_module_or_config(_meta_hf_model(values), None)
+    return describe_module_or_config(_meta_hf_model(values), seq_len)
 
 
 def _meta_hf_model(values: dict[str, Any]) -> nn.Module:

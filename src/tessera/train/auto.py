@@ -48,12 +48,20 @@ def plan_strategy(model: nn.Module, world_size: int, global_batch_size: int,
 
 def layout_limits(model: nn.Module) -> dict[str, int]:
     """Strategy fields held at 1 for a model the runtime cannot split that way: tensor
-    parallelism needs a policy for the model's class; sequence parallelism is tested only on
-    the models that have one (its Hugging Face route, AttentionInterface, is generic but
-    untested elsewhere). Pipeline and data parallelism need only a capture."""
-    from tessera.parallel.tensor.policy import POLICIES
+    parallelism needs a policy for the model's class that styles every module holding
+    weights (a user's class named like a known one may not fit it); sequence parallelism is
+    tested only on the models that have one (its Hugging Face route, AttentionInterface, is
+    generic but untested elsewhere). Pipeline and data parallelism need only a capture."""
+    from tessera.parallel.tensor.policy import PolicyError, policy_for, style_of
 
-    return {} if type(model).__name__ in POLICIES else {"tp": 1, "sp": 1}
+    try:
+        policy = policy_for(model)
+    except PolicyError:
+        return {"tp": 1, "sp": 1}
+    holders = [path for path, module in model.named_modules()
+               if next(module.parameters(recurse=False), None) is not None]
+    covered = all(style_of(path, policy) is not None for path in holders)
+    return {} if covered else {"tp": 1, "sp": 1}
 
 
 def best_runnable(model_config, world_size: int, global_batch_size: int, precision: str,

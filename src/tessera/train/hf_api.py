@@ -21,7 +21,7 @@ from __future__ import annotations
 
 import math
 from pathlib import Path
-from typing import Any, Callable, Literal, Sequence
+from typing import Any, Callable, Literal, Mapping, Sequence
 
 import torch
 import torch.distributed as dist
@@ -189,9 +189,10 @@ class Trainer:
                    ) -> tuple[CoreArguments, Strategy]:
         a = self.args
         world = dist.get_world_size() if dist.is_initialized() else _env_world_size()
+        planned = a.strategy is not None and a.strategy.strip() == "auto"
         strategy = resolve_strategy(a.strategy, model, world, a.per_device_train_batch_size,
                                     a.gradient_accumulation_steps, a.precision,
-                                    seq_len=_sample_length(train_dataset))
+                                    seq_len=_sample_length(train_dataset) if planned else None)
         steps_per_epoch = max(1, len(train_dataset) // strategy.global_batch_size)
         max_steps = a.max_steps if a.max_steps > 0 else math.ceil(
             a.num_train_epochs * steps_per_epoch)
@@ -269,13 +270,11 @@ def _sample_length(dataset: Dataset) -> int | None:
     """Tokens in the dataset's first example (the length to plan for), when it says."""
     try:
         sample = dataset[0]
-    except (TypeError, KeyError, IndexError):
+        ids = sample.get("input_ids") if isinstance(sample, Mapping) else sample
+        shape = torch.as_tensor(ids).shape  # a list, tensor or numpy array of token ids
+    except (TypeError, KeyError, IndexError, ValueError, RuntimeError):
         return None
-    ids = sample.get("input_ids") if isinstance(sample, dict) else sample
-    if not isinstance(ids, (torch.Tensor, list)):
-        return None
-    length = torch.as_tensor(ids).shape[-1] if len(ids) else 0
-    return int(length) if length > 1 else None
+    return int(shape[-1]) if len(shape) >= 1 and shape[-1] > 1 else None
 
 
 def _env_world_size() -> int:

@@ -38,7 +38,7 @@ OP_TOL = 1e-6
 CASES = {  # name: (model, strategy); tp=4 as a 2 x 2 grid, pp=2; mbs=2 is 1 row per grid row
     "ref_1f1b": ("ref", "tp=4,tp_mode=2d,pp=2,mbs=2,gbs=4,schedule=1f1b"),
     "gpt2_scp": ("gpt2", "tp=4,tp_mode=2d,pp=2,mbs=2,gbs=8,schedule=scp,recompute=full"),
-    # Built on meta: each rank fills only its stage's 2D blocks, one module at a time.
+    # Built on meta: each rank fills only its stage's 2D blocks, one block at a time.
     "llama_meta_gpipe": ("llama-meta", "tp=4,tp_mode=2d,pp=2,mbs=2,gbs=4,schedule=gpipe"),
 }
 BF16 = ["tp=4,tp_mode=2d,pp=2,mbs=2,gbs=4,precision=bf16",  # through the pipeline's ops

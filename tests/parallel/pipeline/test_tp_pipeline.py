@@ -27,7 +27,7 @@ TOL = 1e-5
 PARAM_TOL = 1e-4
 CASES = {  # name: (model, strategy); dp=2 x tp=2 x pp=2, 2 micro-batches per dp rank
     "ref_1f1b": ("ref", "dp=2,tp=2,pp=2,mbs=2,gbs=8,schedule=1f1b"),
-    # Built on meta: each rank materialises only its stages' shards, one module at a time.
+    # Built on meta: each rank materialises only its stages' shards, one block at a time.
     "gpt2_meta_scp": ("gpt2-meta", "dp=2,tp=2,pp=2,mbs=2,gbs=8,schedule=scp,recompute=full"),
     "llama_gpipe": ("llama", "dp=2,tp=2,pp=2,mbs=2,gbs=8,schedule=gpipe"),
     # Sub-pipelined: each micro-batch of 2 runs as two interleaved halves of 1.

@@ -15,7 +15,7 @@ from tessera.mesh import Mesh
 from tessera.models import Transformer
 from tessera.models.config import preset
 from tessera.models.hf import build_hf_model, hf_config_from_reference
-from tessera.models.materialize import DeferredInit, materialize
+from tessera.models.materialize import DeferredInit, materialize, materialize_unit
 from tessera.parallel.plan import Parallelized, default_forward_loss, lm_loss
 from tessera.parallel.tensor import apply_tensor_parallel
 from tessera.parallel.tensor import comm, layers1d, layers2d, loss
@@ -392,13 +392,15 @@ class _CountingInit(DeferredInit):
 def from_meta(mesh: Mesh, kind: str) -> dict[str, float]:
     """The model built on meta and given to tensor parallelism with a DeferredInit against the
     same model materialised whole first: the same shards (exactly), the same loss, and at most
-    one module's own weights whole at a time."""
+    one unit's weights (a transformer block, else a module) whole at a time."""
     with torch.device("meta"):
         on_meta = build(kind)
     whole = copy.deepcopy(on_meta)
     materialize(whole, "cpu", seed=0)
-    largest = max(sum(p.numel() * p.element_size() for p in m.parameters(recurse=False))
-                  for m in whole.modules())
+    units: dict[str, int] = {}
+    for path, module in whole.named_modules():
+        units[materialize_unit(path)] = units.get(materialize_unit(path), 0) + sum(
+            p.numel() * p.element_size() for p in module.parameters(recurse=False))
     model_bytes = sum(p.numel() * p.element_size() for p in whole.parameters())
     strategy = mesh.strategy.replace(dp=1, global_batch_size=1) if mesh.strategy.dp > 1 \
         else mesh.strategy
@@ -416,5 +418,6 @@ def from_meta(mesh: Mesh, kind: str) -> dict[str, float]:
             "loss_diff": abs(losses[0] - losses[1]), "loss": losses[1],
             "left_on_meta": sum(p.is_meta or p.to_local().is_meta
                                 for p in on_meta.parameters()),
-            "peak_over_largest_module": max(init.held) / largest,
+            "peak_over_largest_unit": max(init.held) / max(units.values()),
+            "requests": len(init.held) - 1, "units": sum(1 for b in units.values() if b),
             "peak_over_model": max(init.held) / model_bytes}

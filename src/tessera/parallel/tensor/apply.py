@@ -13,7 +13,7 @@ from torch import nn
 from torch.distributed.tensor import DTensor, Replicate, Shard
 
 from tessera.mesh import Mesh
-from tessera.models.materialize import DeferredInit, FewAtATime
+from tessera.models.materialize import DeferredInit, FewAtATime, materialize_unit
 from tessera.parallel.plan import Parallelized
 from tessera.parallel.tensor.comm import CommCounter, Grid, TPGroup
 from tessera.parallel.tensor.data_parallel import ShardGradSync
@@ -46,10 +46,10 @@ def apply_tensor_parallel(plan: Parallelized, strategy: Strategy, mesh: Mesh,
         sequence_parallel: Megatron sequence parallelism around norms and dropout (1D, the
             reference model only: Hugging Face models build masks from the local length).
         counter: counts collective bytes (benchmarks).
-        deferred: for a model on the meta device, how to materialise it. Each replaced
-            module's weights are then materialised whole just before being cut into this
-            rank's shards (models/materialize.py, FewAtATime), so a rank never holds more than
-            its shards and one module's weights whole. Under pp > 1 the shards stay on meta
+        deferred: for a model on the meta device, how to materialise it. Each transformer
+            block's weights (each other replaced module's) are then materialised whole just
+            before being cut into this rank's shards (models/materialize.py, FewAtATime), so a
+            rank never holds more than its shards and one block's weights whole. Under pp > 1 the shards stay on meta
             and ``plan.pending_shards`` fills those of this rank's stages (deferred.py).
 
     Raises:
@@ -82,7 +82,7 @@ def apply_tensor_parallel(plan: Parallelized, strategy: Strategy, mesh: Mesh,
         builder.defer = strategy.pp > 1  # the pipeline fills its stages' shards
         deferred(model, ())  # buffers only (RoPE tables, masks); weights come from ``source``
     _replace_modules(model, policy, builder)
-    if builder.defer:
+    if builder.recipes:  # under pp: the pipeline fills its stages' shards
         plan.pending_shards = PendingShards(builder.source, builder.recipes)
     if isinstance(builder, _Builder1D):
         _check_block_inputs(model, builder)
@@ -155,13 +155,13 @@ def _replace_modules(model: nn.Module, policy, builder) -> None:
         style = style_of(path, policy)
         if style is None:
             continue
-        builder.fetch_wholes(module)
+        builder.fetch_wholes(model, path)
         new = builder.build(style, module)
-        builder.wholes = {}  # frees them: the new module holds only this rank's shards
         if new is not None:
             accept_full_tensors(new)
             parent, _, name = path.rpartition(".")
             setattr(model.get_submodule(parent) if parent else model, name, new)
+    builder.wholes = {}  # frees the last unit's whole values: the modules hold only shards
     missed = sorted({n.rpartition(".")[0] for n, p in model.named_parameters()
                      if not isinstance(p, DTensor)})
     if missed:
@@ -205,13 +205,20 @@ class _Builder:
         self.defer = False
         self.wholes: dict[int, torch.Tensor] = {}  # id -> whole value of a meta parameter
         self.recipes: dict[int, ShardRecipe] = {}  # id(meta DTensor parameter) -> recipe
+        self._unit: str | None = None  # the unit ``wholes`` holds
 
-    def fetch_wholes(self, module: nn.Module) -> None:
-        """Materialise ``module``'s own weights not converted yet (a tied one is converted
-        once) whole, until the module is built from them."""
-        if self.source is not None and not self.defer:
-            self.wholes = self.source.whole(
-                p for p in module.parameters(recurse=False) if id(p) not in self._done)
+    def fetch_wholes(self, model: nn.Module, path: str) -> None:
+        """Before the module at ``path`` is built: materialise whole, in one request, the
+        weights not converted yet (a tied one is converted once) of its unit (its transformer
+        block, else itself; materialize_unit), dropping the previous unit's."""
+        unit = materialize_unit(path)
+        if self.source is None or self.defer or unit == self._unit:
+            return
+        self.wholes = {}  # the previous unit's modules are built: only their shards remain
+        owner = model.get_submodule(path if unit == path else unit)
+        self._unit = unit
+        self.wholes = self.source.whole(p for p in owner.parameters(recurse=unit != path)
+                                        if id(p) not in self._done)
 
     def param(self, p, placements, perm=None, perm_dim=0):
         if p is None:

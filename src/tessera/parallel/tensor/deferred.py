@@ -1,7 +1,7 @@
 """Tensor-parallel shards of a meta-device model, materialised when the layout knows which.
 
-A model built on meta and laid out with tensor parallelism gets its weights one module at a
-time (apply.py, FewAtATime). Under pipeline parallelism a rank keeps only its stages' weights,
+A model built on meta and laid out with tensor parallelism gets its weights one transformer
+block at a time (apply.py, FewAtATime). Under pipeline parallelism a rank keeps only its stages' weights,
 which are known only once the pipeline has partitioned the graph; so there each parameter
 becomes a DTensor whose local shard is still on meta, with a :class:`ShardRecipe` saying how to
 cut it, and the pipeline asks :class:`PendingShards` to fill the ones its stages hold.
@@ -15,7 +15,7 @@ from typing import Iterable
 import torch
 from torch import nn
 
-from tessera.models.materialize import FewAtATime, parameter_aliases
+from tessera.models.materialize import FewAtATime, materialize_unit, parameter_aliases
 from tessera.parallel.tensor.shard import make_param
 
 
@@ -42,22 +42,26 @@ class PendingShards:
         self.source, self.recipes = source, recipes  # recipes by id(DTensor parameter)
 
     def fill(self, model: nn.Module, names: Iterable[str]) -> list[str]:
-        """Materialise the shards of the parameters named (any of a tied weight's names),
-        module by module (one module's weights whole at a time); the others stay on meta.
-        Returns the filled parameters' first names."""
+        """Materialise the shards of the parameters named (any of a tied weight's names), one
+        unit at a time (a transformer block's weights whole at once, materialize_unit); the
+        others stay on meta. Returns the filled parameters' first names."""
         wanted, aliases = set(names), parameter_aliases(model)
+        units: dict[str, list[int]] = {}  # unit -> ids of the named meta shards in it, in order
+        seen: set[int] = set()
+        for path, module in model.named_modules():
+            for p in module.parameters(recurse=False):
+                if id(p) in self.recipes and id(p) not in seen and wanted & set(aliases[id(p)]):
+                    seen.add(id(p))
+                    units.setdefault(materialize_unit(path), []).append(id(p))
         new: dict[int, nn.Parameter] = {}
-        for module in model.modules():
-            todo = {id(p): p for p in module._parameters.values()
-                    if p is not None and id(p) in self.recipes and id(p) not in new
-                    and wanted & set(aliases[id(p)])}
-            if todo:
-                originals = [self.recipes[key].original for key in todo]
-                wholes = self.source.whole(originals)
-                for key in todo:
-                    recipe = self.recipes[key]
-                    new[key] = recipe.shard(wholes[id(recipe.original)])
-            for slot, p in module._parameters.items():  # tied: every holder gets the shard
+        for ids in units.values():
+            wholes = self.source.whole(self.recipes[key].original for key in ids)
+            for key in ids:
+                recipe = self.recipes[key]
+                new[key] = recipe.shard(wholes[id(recipe.original)])
+            del wholes  # before the next unit's request: one unit whole at a time
+        for module in model.modules():  # tied: every holder gets the one shard
+            for slot, p in module._parameters.items():
                 if p is not None and id(p) in new:
                     module._parameters[slot] = new[id(p)]
         return [aliases[key][0] for key in new]
