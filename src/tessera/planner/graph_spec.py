@@ -119,7 +119,7 @@ def describe_graph(graph: ProxyGraph, seq_len: int | None = None) -> GraphDescri
     batch, length = reader.batch_shape()
     vocab, width, embed = reader.token_embedding()
     layers = reader.check_blocks()
-    heads, head_dim, qkv_width, o_proj, mlp = reader.attention(width)
+    heads, head_dim, qkv_width, mlp = reader.attention()
     notes: list[str] = []
     if heads * head_dim != width:
         raise ModelSpecError(f"attention has {heads} heads of width {head_dim}, which is not "
@@ -260,9 +260,10 @@ class _GraphReader:
             raise ModelSpecError("block 0 computes nothing")
         return len(shapes)
 
-    def attention(self, width: int
-                  ) -> tuple[int, int, int, str, list[tuple[int, int]]]:
-        """(heads, head_dim, width into attention, output projection, MLP (in, out) widths)."""
+    def attention(self) -> tuple[int, int, int, list[tuple[int, int]]]:
+        """(heads, head_dim, width of the projections into attention, the MLP's weight
+        matmuls as (in, out) widths in graph order). The output projection, the first weight
+        matmul after the attention op, is in neither."""
         anchor, heads, head_dim = self._attention_op()
         before = self._ancestors(anchor)
         qkv = [n for n in self.block_matmuls if n in before]
@@ -273,7 +274,7 @@ class _GraphReader:
             raise ModelSpecError("block 0's attention is not fed by weight projections and "
                                  "followed by an output projection")
         mlp = [self._dims(n) for n in after if n != o_proj]
-        return heads, head_dim, sum(self._dims(n)[1] for n in qkv), o_proj, mlp
+        return heads, head_dim, sum(self._dims(n)[1] for n in qkv), mlp
 
     def _attention_op(self) -> tuple[fx.Node, int, int]:
         nodes = [self.graph.nodes[n].node for n in self.block0]
