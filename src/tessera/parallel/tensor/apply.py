@@ -49,8 +49,9 @@ def apply_tensor_parallel(plan: Parallelized, strategy: Strategy, mesh: Mesh,
         deferred: for a model on the meta device, how to materialise it. Each transformer
             block's weights (each other replaced module's) are then materialised whole just
             before being cut into this rank's shards (models/materialize.py, FewAtATime), so a
-            rank never holds more than its shards and one block's weights whole. Under pp > 1 the shards stay on meta
-            and ``plan.pending_shards`` fills those of this rank's stages (deferred.py).
+            rank never holds more than its shards and one block's weights whole. Under pp > 1
+            the shards stay on meta and ``plan.pending_shards`` fills those of this rank's
+            stages (deferred.py).
 
     Raises:
         PolicyError: unknown architecture, sizes not divisible, or an unsupported mix.
@@ -215,7 +216,7 @@ class _Builder:
         if self.source is None or self.defer or unit == self._unit:
             return
         self.wholes = {}  # the previous unit's modules are built: only their shards remain
-        owner = model.get_submodule(path if unit == path else unit)
+        owner = model.get_submodule(unit)
         self._unit = unit
         self.wholes = self.source.whole(p for p in owner.parameters(recurse=unit != path)
                                         if id(p) not in self._done)

@@ -1,10 +1,11 @@
 """Tensor-parallel shards of a meta-device model, materialised when the layout knows which.
 
 A model built on meta and laid out with tensor parallelism gets its weights one transformer
-block at a time (apply.py, FewAtATime). Under pipeline parallelism a rank keeps only its stages' weights,
-which are known only once the pipeline has partitioned the graph; so there each parameter
-becomes a DTensor whose local shard is still on meta, with a :class:`ShardRecipe` saying how to
-cut it, and the pipeline asks :class:`PendingShards` to fill the ones its stages hold.
+block at a time (apply.py, FewAtATime). Under pipeline parallelism a rank keeps only its
+stages' weights, which are known only once the pipeline has partitioned the graph; so there
+each parameter becomes a DTensor whose local shard is still on meta, with a
+:class:`ShardRecipe` saying how to cut it, and the pipeline asks :class:`PendingShards` to fill
+the ones its stages hold.
 """
 
 from __future__ import annotations
