@@ -87,6 +87,13 @@ def test_graph_and_config_readers_agree(name):
     assert described.param_gap == 0.0
 
 
+def test_what_the_planner_prices_differently_is_warned_about():
+    config, _ = _arch("qwen2")  # biases on q, k and v only
+    with pytest.warns(UserWarning, match="Qwen2ForCausalLM read from its graph: biases on "
+                                         "some projections only"):
+        assert describe_module(_meta_model(config), seq_len=64).config.bias
+
+
 def test_eager_attention_reads_like_sdpa():
     config, expected = _arch("qwen2")
     config._attn_implementation = "eager"  # softmax(q k^T) then p @ v, no fused op

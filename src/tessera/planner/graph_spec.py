@@ -23,6 +23,7 @@ planner pricing the wrong model would mislead more than it helps.
 
 from __future__ import annotations
 
+import warnings
 from collections import Counter
 from dataclasses import dataclass
 
@@ -82,7 +83,8 @@ def describe_module(model: nn.Module, seq_len: int, capture_len: int = 16
     """Capture ``model`` (best on the meta device) and describe it, priced at ``seq_len``.
 
     The capture uses ``capture_len`` tokens (shapes are read from it, not costs). A Hugging
-    Face model's ``use_cache`` is off during the capture and restored after it.
+    Face model's ``use_cache`` is off during the capture and restored after it. What the
+    description prices differently from the model (its ``notes``) is also warned about.
 
     Raises:
         ModelSpecError: when the graph is not a stack of identical transformer blocks, naming
@@ -103,7 +105,10 @@ def describe_module(model: nn.Module, seq_len: int, capture_len: int = 16
             module.training = training
         if use_cache:
             cfg.use_cache = use_cache
-    return describe_graph(graph, seq_len)
+    described = describe_graph(graph, seq_len)
+    for note in described.notes:  # what the planner prices differently from the model
+        warnings.warn(f"{type(model).__name__} read from its graph: {note}", stacklevel=2)
+    return described
 
 
 def describe_graph(graph: ProxyGraph, seq_len: int | None = None) -> GraphDescription:
