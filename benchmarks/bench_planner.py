@@ -6,7 +6,11 @@ Prints one JSON line per figure: {"name", "value", "unit", "compared_against"}.
    candidate counts before and after pruning.
 2. Accuracy at scale: predicted TFLOP/s per GPU against published measured runs (the table and
    its sources are in docs/planner.md and in PUBLISHED below).
-3. Local validation (tessera.planner.validation): ``tessera profile`` measures this machine for
+3. graph_description_param_gap: models of architectures the planner has no config reader for
+   (Qwen2-7B, Falcon-7B, GPT-NeoX-20B shapes), built on the meta device and described from
+   their torch.export graph (planner/graph_spec.py): the described model's parameter count
+   against the model's own, with the time the description took (the capture, mostly).
+4. Local validation (tessera.planner.validation): ``tessera profile`` measures this machine for
    4 (and, without --quick, 8) CPU workers; then real tessera training steps (the Trainer,
    every runnable strategy of a list mixing dp, tp 1d/2d, pp schedules, sp ring/ulysses,
    recomputation and memory=chunk; OMP_NUM_THREADS=1) are timed, median of several steps
@@ -228,6 +232,42 @@ def write_scatter(rows: list[dict], path: str, note: str) -> None:
     plt.close(fig)
 
 
+# Shapes of published models (their Hugging Face config.json values).
+GRAPH_MODELS = {
+    "qwen2-7b": ("qwen2", dict(hidden_size=3584, intermediate_size=18944, num_hidden_layers=28,
+                               num_attention_heads=28, num_key_value_heads=4,
+                               vocab_size=152064, max_position_embeddings=32768)),
+    "falcon-7b": ("falcon", dict(hidden_size=4544, num_hidden_layers=32, num_attention_heads=71,
+                                 vocab_size=65024, multi_query=True, parallel_attn=True)),
+    "gpt-neox-20b": ("gpt_neox", dict(hidden_size=6144, intermediate_size=24576,
+                                      num_hidden_layers=44, num_attention_heads=64,
+                                      vocab_size=50432)),
+}
+
+
+def bench_graph_description() -> None:
+    import torch
+    import transformers
+
+    from tessera.planner.graph_spec import describe_module
+
+    for name, (model_type, fields) in GRAPH_MODELS.items():
+        config = transformers.AutoConfig.for_model(model_type, use_cache=False, **fields)
+        with torch.device("meta"):
+            model = transformers.AutoModelForCausalLM.from_config(config)
+        own = sum(p.numel() for p in model.parameters())
+        start = time.perf_counter()
+        described = describe_module(model, seq_len=2048)
+        elapsed = time.perf_counter() - start
+        c = described.config
+        emit("graph_description_param_gap", abs(c.num_params() - own) / own, "ratio",
+             "the model's own parameter count (Hugging Face's, on meta)", model=name,
+             described_params=c.num_params(), own_params=own,
+             flops_gap=round(described.flops_gap, 5), describe_s=round(elapsed, 2),
+             described=f"layers={c.n_layers},hidden={c.d_model},heads={c.n_heads},"
+                       f"kv_heads={c.n_kv_heads},ffn={c.d_ff},{c.norm},{c.activation}")
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true",
@@ -244,6 +284,7 @@ def main() -> None:
                          else None)
     bench_plan_time()
     bench_published()
+    bench_graph_description()
     if not args.skip_local:
         bench_local(args.quick, args.out_dir, plot)
 
