@@ -20,6 +20,7 @@ SMALL = dict(vocab_size=512, num_hidden_layers=2, max_position_embeddings=128,
              bos_token_id=None, eos_token_id=None, pad_token_id=None)
 
 # (config, expected (layers, hidden, heads, kv_heads, ffn, norm, activation, position, tied)).
+# vocab 512 for all; XGLM and BLOOM name their sizes in their own words.
 # Each architecture reads its own way: fused q/k/v (GPT-NeoX, Falcon, GPT-2's Conv1D as
 # addmm), multi-query (Falcon), grouped heads (Qwen2, Gemma, Phi-3), gate and up fused into one
 # matmul (Phi-3), gated GELU (Gemma: swiglu-priced, same matmuls), parallel attention and MLP
@@ -44,6 +45,15 @@ ARCHITECTURES = {
               (2, 64, 4, 1, 160, "rmsnorm", "swiglu", "rope", True)),
     "falcon": (hf.FalconConfig(hidden_size=64, num_attention_heads=4, **SMALL),
                (2, 64, 4, 1, 256, "layernorm", "gelu", "rope", True)),
+    # Eager attention on (B * heads, T, T) scores: BLOOM (ALiBi, no position table: priced as
+    # rotary, which costs the same next to nothing) and XGLM (sinusoidal, likewise).
+    "bloom": (hf.BloomConfig(vocab_size=512, hidden_size=64, n_layer=2, n_head=4,
+                             bos_token_id=None, eos_token_id=None, pad_token_id=None),
+              (2, 64, 4, 4, 256, "layernorm", "gelu", "rope", True)),
+    "xglm": (hf.XGLMConfig(vocab_size=512, d_model=64, num_layers=2, attention_heads=4,
+                           ffn_dim=128, bos_token_id=None, eos_token_id=None,
+                           pad_token_id=None),
+             (2, 64, 4, 4, 128, "layernorm", "gelu", "rope", True)),
 }
 
 

@@ -287,17 +287,19 @@ class _GraphReader:
             if op_name(node) in _ATTENTION:
                 q = self._val(node.args[0].name).shape  # (B, heads, T, head_dim)
                 return node, int(q[1]), int(q[-1])
+        batch = self.batch_shape()[0]
         for node in nodes:  # eager attention: softmax(q k^T) then p @ v
-            if op_name(node) in ("softmax", "_softmax") and len(self._val(node.name).shape) == 4:
-                pv = next((u for u in self._descendant_nodes(node) if op_name(u) in _MATMULS
-                           and self._weight_of(u.name) is None), None)
-                # (B, heads, T, head_dim); a 3-d (B * heads, T, head_dim) product names no
-                # head count (BLOOM-style bmm): not read
-                if pv is not None and len(self._val(pv.name).shape) == 4:
-                    out = self._val(pv.name).shape  # (B, heads, T, head_dim)
-                    return pv, int(out[1]), int(out[-1])
+            scores = self._val(node.name).shape  # (B, heads, T, T) or (B * heads, T, T)
+            if op_name(node) not in ("softmax", "_softmax") or len(scores) not in (3, 4):
+                continue
+            pv = next((u for u in self._descendant_nodes(node) if op_name(u) in _MATMULS
+                       and self._weight_of(u.name) is None), None)
+            if pv is not None:  # (B, heads, T, head_dim) or (B * heads, T, head_dim)
+                heads = scores[1] if len(scores) == 4 else scores[0] // batch
+                return pv, int(heads), int(self._val(pv.name).shape[-1])
         raise ModelSpecError("no attention found in block 0 (scaled_dot_product_attention, or "
-                             "a 4-d softmax followed by a product)")
+                             "a softmax over (B, heads, T, T) or (B * heads, T, T) scores "
+                             "followed by a product)")
 
     def norm(self) -> str:
         ops = {op_name(self.graph.nodes[n].node) for n in self.block0}
