@@ -47,13 +47,14 @@ ARCHITECTURES = {
                (2, 64, 4, 1, 256, "layernorm", "gelu", "rope", True)),
     # Eager attention on (B * heads, T, T) scores: BLOOM (ALiBi, no position table: priced as
     # rotary, which costs the same next to nothing) and XGLM (sinusoidal, likewise).
-    "bloom": (hf.BloomConfig(vocab_size=512, hidden_size=64, n_layer=2, n_head=4,
+    # Head width 32, not the capture's 16 tokens: the two cannot be confused.
+    "bloom": (hf.BloomConfig(vocab_size=512, hidden_size=96, n_layer=2, n_head=3,
                              bos_token_id=None, eos_token_id=None, pad_token_id=None),
-              (2, 64, 4, 4, 256, "layernorm", "gelu", "rope", True)),
-    "xglm": (hf.XGLMConfig(vocab_size=512, d_model=64, num_layers=2, attention_heads=4,
+              (2, 96, 3, 3, 384, "layernorm", "gelu", "rope", True)),
+    "xglm": (hf.XGLMConfig(vocab_size=512, d_model=96, num_layers=2, attention_heads=3,
                            ffn_dim=128, bos_token_id=None, eos_token_id=None,
                            pad_token_id=None),
-             (2, 64, 4, 4, 128, "layernorm", "gelu", "rope", True)),
+             (2, 96, 3, 3, 128, "layernorm", "gelu", "rope", True)),
 }
 
 
@@ -104,8 +105,9 @@ def test_what_the_planner_prices_differently_is_warned_about():
         assert describe_module(_meta_model(config), seq_len=64).config.bias
 
 
-def test_eager_attention_reads_like_sdpa():
-    config, expected = _arch("qwen2")
+@pytest.mark.parametrize("name", ["qwen2", "gpt_neox"])  # GPT-NeoX splits its fused q|k|v
+def test_eager_attention_reads_like_sdpa(name):
+    config, expected = _arch(name)
     config._attn_implementation = "eager"  # softmax(q k^T) then p @ v, no fused op
     assert _shape(describe_module(_meta_model(config), seq_len=256).config) == expected
 
@@ -228,3 +230,12 @@ def test_auto_plans_at_the_training_sets_length(sample, length):
     from tessera.train.hf_api import _sample_length
 
     assert _sample_length([sample]) == length
+
+
+def test_three_d_scores_give_heads_at_any_captured_batch():
+    from tessera.parallel.pipeline.capture import capture
+    from tessera.planner.graph_spec import describe_graph
+
+    model = _meta_model(_arch("xglm")[0])  # (B * heads, T, T) scores
+    for batch in (1, 3):
+        assert describe_graph(capture(model.eval(), batch, 16)).config.n_heads == 3

@@ -83,8 +83,9 @@ def describe_module(model: nn.Module, seq_len: int, capture_len: int = 16
     """Capture ``model`` (best on the meta device) and describe it, priced at ``seq_len``.
 
     The capture uses ``capture_len`` tokens (shapes are read from it, not costs). A Hugging
-    Face model's ``use_cache`` is off during the capture and restored after it. What the
-    description prices differently from the model (its ``notes``) is also warned about.
+    Face model's ``use_cache`` is off during the capture and restored after it. The
+    description's ``notes`` (biases on only some projections, priced on all) are also warned
+    about; positions other than a learned table are priced as rotary without a warning.
 
     Raises:
         ModelSpecError: when the graph is not a stack of identical transformer blocks, naming
@@ -289,8 +290,10 @@ class _GraphReader:
                 return node, int(q[1]), int(q[-1])
         batch = self.batch_shape()[0]
         for node in nodes:  # eager attention: softmax(q k^T) then p @ v
+            if op_name(node) not in ("softmax", "_softmax"):
+                continue  # (other nodes' values may be lists: a split's)
             scores = self._val(node.name).shape  # (B, heads, T, T) or (B * heads, T, T)
-            if op_name(node) not in ("softmax", "_softmax") or len(scores) not in (3, 4):
+            if len(scores) not in (3, 4):
                 continue
             pv = next((u for u in self._descendant_nodes(node) if op_name(u) in _MATMULS
                        and self._weight_of(u.name) is None), None)

@@ -218,7 +218,7 @@ class _Builder:
         self.wholes = {}  # the previous unit's modules are built: only their shards remain
         owner = model.get_submodule(unit)
         self._unit = unit
-        self.wholes = self.source.whole(p for p in owner.parameters(recurse=unit != path)
+        self.wholes = self.source.whole(p for p in owner.parameters()
                                         if id(p) not in self._done)
 
     def param(self, p, placements, perm=None, perm_dim=0):
