@@ -210,7 +210,10 @@ def shapes_on_meta(model: nn.Module) -> Iterator[None]:
             table[key] = tensor
 
 
-_BLOCK_PATH = re.compile(r"^(.*?(?:^|\.)(?:h|layers|blocks)\.\d+)(?:\.|$)")
+# The module lists that hold transformer blocks (GPT-2's ``h``, Llama's ``layers``, tessera's
+# ``blocks``); the pipeline's capture reads block indices with the same names.
+BLOCK_LISTS = "h|layers|blocks"
+_BLOCK_PATH = re.compile(rf"^(.*?(?:^|\.)(?:{BLOCK_LISTS})\.\d+)(?:\.|$)")
 
 
 def materialize_unit(path: str) -> str:

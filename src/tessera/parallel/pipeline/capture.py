@@ -25,9 +25,10 @@ import torch
 from torch import fx, nn
 from torch.export import ExportedProgram
 
+from tessera.models.materialize import BLOCK_LISTS
 from tessera.parallel.pipeline.cost import VIEW_OPS, NodeCost, op_name, node_cost, value_bytes
 
-_BLOCK_INDEX = re.compile(r"(?:^|\.)(?:h|layers|blocks)\.(\d+)\.")
+_BLOCK_INDEX = re.compile(rf"(?:^|\.)(?:{BLOCK_LISTS})\.(\d+)\.")
 
 
 class CaptureError(RuntimeError):
