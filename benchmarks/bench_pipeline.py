@@ -46,10 +46,17 @@ with the machine's load average (os.getloadavg) beside timings.
   tensor parallelism over the time with it (``tp_overlap=subpipe``); > 1 means the overlap
   of one half's all-reduces with the other half's compute pays off.
 
+- dp_overlap_vs_after_drain_step_ratio: dp=2 x pp=2 (4 processes) step time with the dp
+  average done after the pipeline drains (tessera before overlap.py, and what a user of
+  torch's schedules does after ``step()``) over the time with buckets launched during the
+  last backward; > 1 means the overlap pays. Beside it the time each step spends in the final
+  gradient sync (slowest rank), which the overlap shrinks even where the step does not.
+
 Timed sides alternate round by round in the same processes, and the best round of each counts
 (the least disturbed by other load on a shared machine).
 
-    python benchmarks/bench_pipeline.py [--quick] [--only balance|timing|subpipe|materialize]
+    python benchmarks/bench_pipeline.py [--quick]
+        [--only balance|timing|subpipe|dp_overlap|materialize]
 """
 
 from __future__ import annotations
@@ -380,6 +387,64 @@ def subpipe_figures(quick: bool) -> None:
          loadavg_before=before, loadavg_after=load(), cpu_cores=os.cpu_count())
 
 
+DP_OVERLAP = dict(dp=2, pp=2, m=4, mbs=2, n_layers=8)
+
+
+def _dp_overlap_worker(rank, world, rounds):
+    c = DP_OVERLAP
+    text = f"dp={c['dp']},pp={c['pp']},mbs={c['mbs']},gbs={c['dp'] * c['mbs'] * c['m']}"
+    batches = _batches(c["m"], c["mbs"])
+    sides = {name: _tessera(text, c["n_layers"])
+             for name in ("overlap", "overlap_4MiB_buckets", "after_drain")}
+    sides["after_drain"][0].pipeline.grad_sync.overlap = False
+    sides["overlap_4MiB_buckets"][0].pipeline.grad_sync.bucket_bytes = (2**20, 4 * 2**20)
+    in_sync = {name: [] for name in sides}
+    for name, (plan, _) in sides.items():  # time what the step spends in the final sync
+        sync = plan.pipeline.grad_sync
+        sync.sync = _clocked(sync.sync, in_sync[name])
+    for _, engine in sides.values():  # warm-up: capture; the first step counts gradients
+        engine.forward_backward(batches), engine.forward_backward(batches)
+    best = {name: float("inf") for name in sides}
+    for _ in range(rounds):  # alternate, best round of each
+        for name, (_, engine) in sides.items():
+            best[name] = min(best[name], _timed(lambda e=engine: e.forward_backward(batches)))
+    plan = sides["overlap"][0]
+    grad_bytes = sum(_local(p).numel() * _local(p).element_size()
+                     for p in plan.module.parameters())
+    return {"best": best, "sync_s": {name: min(t[2:]) for name, t in in_sync.items()},
+            "buckets_in_backward": {name: p.pipeline.grad_sync.buckets_launched_in_backward
+                                    for name, (p, _) in sides.items()},
+            "grad_MiB": grad_bytes / 2**20}
+
+
+def _clocked(fn, times: list[float]):
+    def run(*args, **kwargs):
+        start = time.perf_counter()
+        fn(*args, **kwargs)
+        times.append(time.perf_counter() - start)
+    return run
+
+
+def dp_overlap_figures(quick: bool) -> None:
+    c, before = DP_OVERLAP, load()
+    out = run_distributed(_dp_overlap_worker, world_size=c["dp"] * c["pp"],
+                          args=(2 if quick else 6,), timeout=900)
+    best = out[0]["best"]
+    sync = {name: max(r["sync_s"][name] for r in out) for name in best}
+    common = dict(**c, seq=SEQ, model=f"small_{c['n_layers']}_layers", loadavg_before=before,
+                  loadavg_after=load(), cpu_cores=os.cpu_count(),
+                  grad_MiB_per_rank=[round(r["grad_MiB"], 2) for r in out])
+    for side, suffix in (("overlap", ""), ("overlap_4MiB_buckets", "_4MiB_buckets")):
+        emit(f"dp_overlap{suffix}_vs_after_drain_step_ratio",
+             best["after_drain"] / best[side], "ratio",
+             {"after_drain_step_s": round(best["after_drain"], 4),
+              f"{side}_step_s": round(best[side], 4),
+              "sync_after_drain_s_max_rank": round(sync["after_drain"], 4),
+              f"sync_{side}_s_max_rank": round(sync[side], 4),
+              "buckets_launched_in_backward": [r["buckets_in_backward"][side] for r in out]},
+             target="> 1.0", **common)
+
+
 MATERIALIZE = dict(preset="gpt2-medium", ranks=4,
                    layouts={"": "pp=4,mbs=1,gbs=4,schedule=1f1b", "_tp4": "tp=4,mbs=1,gbs=1",
                             "_tp2_pp2": "tp=2,pp=2,mbs=1,gbs=2,schedule=1f1b"},
@@ -460,12 +525,14 @@ def _materialize_layout(suffix: str, strategy: str) -> None:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true", help="fewer rounds (under 3 minutes)")
-    parser.add_argument("--only", choices=("balance", "timing", "subpipe", "materialize"),
+    parser.add_argument("--only", choices=("balance", "timing", "subpipe", "dp_overlap",
+                                           "materialize"),
                         help="run one group of figures")
     args = parser.parse_args()
     torch.set_num_threads(1)
     groups = {"balance": balance_figures, "timing": lambda: timing_figures(args.quick),
               "subpipe": lambda: subpipe_figures(args.quick),
+              "dp_overlap": lambda: dp_overlap_figures(args.quick),
               "materialize": materialize_figures}
     for name, run in groups.items():
         if args.only in (None, name):

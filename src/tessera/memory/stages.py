@@ -129,8 +129,9 @@ class ChunkStageSync:
         norm_owned = {id(p) for p in base.norm_owned}
         self.skip_in_norm = {id(p) for p in base.params if id(p) not in norm_owned}
 
-    def accumulate(self):
-        """No reduce-scatter while the schedule runs: it happens in :meth:`sync`."""
+    def accumulate(self, key=None):
+        """No reduce-scatter while the schedule runs: it happens in :meth:`sync` (``key``,
+        the step's shape, is for the plain sync's overlap)."""
         return self.runtime.manager.no_sync()
 
     @torch.no_grad()

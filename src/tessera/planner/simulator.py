@@ -361,6 +361,16 @@ def _schedule(stages: list[_Stage], recs: list[float], m: int, v: int, share: fl
     return sum(parts.values()), parts
 
 
+def _held_back(model: ModelConfig, s: Strategy, stage_params: list, stage) -> float:
+    """Parameters of ``stage`` the pipeline averages over dp only after the drain
+    (pipeline/module.py): a weight tied across stages, and a sliced head's home weight."""
+    if s.pp == 1:
+        return 0.0
+    if model.tie_embeddings:  # the token table (not learned positions), or its head copy
+        return min(stage.embed_params, model.vocab_size * model.d_model) + stage.head_params
+    return stage.head_params if any(st.head_rows for st in stage_params) else 0.0
+
+
 def _data_parallel(model: ModelConfig, cl: Cluster, s: Strategy, groups, stages: list[_Stage],
                    opt: SimOptions) -> dict[str, float]:
     """Exposed gradient sync, optimizer and offload seconds of the critical stage."""
@@ -376,20 +386,27 @@ def _data_parallel(model: ModelConfig, cl: Cluster, s: Strategy, groups, stages:
     bw = cl.device.memory_bandwidth * cl.device.memory_efficiency
     sync = 0.0
     if group.size > 1:
-        if s.memory == "ddp" and s.tp > 1:
+        if s.memory == "ddp" and s.tp > 1 and s.pp == 1:
             # Tensor-parallel shards are averaged one parameter at a time, each all-reduce
             # blocking in its gradient hook (DDP cannot bucket DTensors): no overlap.
             tensors = _tensors_per_layer(model) * max(1, model.n_layers // s.pp) + 4
             sync = (comm.collective_time(cl, "all_reduce", p * g_b, group)
                     + (tensors - 1) * comm.call_time(cl, group))
         elif s.memory == "ddp":
-            # torch DDP: a first bucket of 1 MiB, then 25 MiB buckets, one all-reduce each.
-            rest = max(0.0, p * g_b - DDP_FIRST_BUCKET_BYTES)
+            # torch DDP, or under pp the pipeline's own buckets (pipeline/overlap.py), shards
+            # included: a first bucket of 1 MiB, then 25 MiB buckets, one all-reduce each,
+            # overlapping the last backward. Weights the pipeline holds back (tied across
+            # stages, a sliced head's home) are averaged after the drain, exposed.
+            held = _held_back(model, s, stage_params, stage_params[worst]) / s.tp
+            free = max(0.0, p - held) * g_b
+            rest = max(0.0, free - DDP_FIRST_BUCKET_BYTES)
             buckets = 1 + math.ceil(rest / DDP_BUCKET_BYTES)
-            ar = (comm.collective_time(cl, "all_reduce", p * g_b, group)
+            ar = (comm.collective_time(cl, "all_reduce", free, group)
                   + (buckets - 1) * comm.call_time(cl, group))
-            last = comm.collective_time(cl, "all_reduce", min(p * g_b, DDP_BUCKET_BYTES), group)
+            last = comm.collective_time(cl, "all_reduce", min(free, DDP_BUCKET_BYTES), group)
             sync = max(last, ar - ovl * st.bwd) + 2 * p * g_b / bw  # bucket copies
+            if held:
+                sync += comm.collective_time(cl, "all_reduce", held * g_b, group)
         elif s.memory in ("zero1", "zero2"):
             rs = comm.collective_time(cl, "reduce_scatter", p * g_b, group)
             ag = comm.collective_time(cl, "all_gather", p * w_b, group)

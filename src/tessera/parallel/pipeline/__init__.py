@@ -157,6 +157,7 @@ def apply_pipeline(plan: Parallelized, strategy: Strategy, mesh: Mesh,
         rows = _row_holding(model, shares, mesh, pp_rank,
                             deferred.device if on_meta else _device_of(model))
         program.row_bindings = rows.bindings
+        grad_sync.hold_back(rows.weights.values())  # holders' row gradients arrive after
     pipe = Pipeline(program, strategy.schedule, mesh.group("pp"), stage_rank, local, ratios,
                     grad_sync, part, module, loss_fn, inputs, rows)
     plan.module, plan.pipeline = module, pipe

@@ -62,7 +62,9 @@ class PipelineEngine:
         built = self.pipe.program.get(tuple(batches[0]["input_ids"].shape), training=True)
         actions = self.pipe.actions(n)
         self._refresh_rows()
-        with self.pipe.grad_sync.accumulate():  # chunk memory: no dp reduce mid-pipeline
+        key = (n, tuple(batches[0]["input_ids"].shape))
+        # dp buckets launch inside as gradients become final (chunk memory: none mid-pipeline)
+        with self.pipe.grad_sync.accumulate(key):
             total = self._run(built, batches, actions, train=True)
         if self.pipe.rows is not None:  # before the tied and dp rules read the home's grad
             self.pipe.rows.reduce_grads()

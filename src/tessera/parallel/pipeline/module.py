@@ -9,8 +9,9 @@ Gradient rules after a step:
 - tied weights (a GPT-2 embedding reused by the LM head) live on the first and last stage;
   their gradients are summed over the pp group (ranks without the weight add zeros), which is
   what one device accumulates into the shared tensor;
-- data parallelism averages every gradient over the dp group (after the pipeline has drained,
-  so nothing overlaps the backward; see docs/pipeline.md);
+- data parallelism averages every gradient over the dp group: in buckets launched during each
+  stage's last backward as their gradients become final (``overlap.py``), except tied weights
+  and weights whose rows other stages hold, which wait for their pp sums after the drain;
 - the global gradient norm sums each weight once, on the lowest stage holding it.
 
 Under tensor parallelism the parameters are DTensors: every rule works on the local shards
@@ -27,6 +28,8 @@ import torch.distributed as dist
 from torch import nn
 from torch.distributed.tensor import DTensor
 
+from tessera.parallel.pipeline.overlap import (BUCKET_BYTES, FIRST_BUCKET_BYTES,
+                                               OverlappedAverage)
 from tessera.parallel.tensor.loss import replica_count
 
 
@@ -92,27 +95,61 @@ class GradSync:
         self.params, self.norm_owned = params, norm_owned
         self.pp_group, self.dp_group, self.tp_group = pp_group, dp_group, tp_group
         self.tied, self.tied_local, self.device = tied, tied_local, device
+        self.held_back = {id(p) for p in tied_local.values()}  # averaged after their pp sum
+        self._average: OverlappedAverage | None = None
+        self.overlap = True  # False: average only after the pipeline drains (measurement)
+        self.bucket_bytes = (FIRST_BUCKET_BYTES, BUCKET_BYTES)  # set before the first step
 
-    def accumulate(self):
-        """Context for the schedule's micro-batches: nothing to hold back here (gradients
-        accumulate in ``.grad`` and :meth:`sync` reduces them once the pipeline drains)."""
-        return contextlib.nullcontext()
+    def hold_back(self, params) -> None:
+        """Average ``params`` only after the drain (their gradients change after it: rows)."""
+        if self._average is not None:
+            raise RuntimeError("hold_back() must come before the first step")
+        self.held_back |= {id(p) for p in params}
+
+    @contextlib.contextmanager
+    def accumulate(self, key=None):
+        """Context for one step's schedule, ``key`` naming its micro-batch count and shape:
+        the dp buckets launch inside it as their gradients become final."""
+        average = self._overlapped()
+        if average is not None and key is not None:
+            average.enabled = self.overlap
+            average.arm(key)
+        yield
 
     def sync(self) -> None:
-        """Sum tied gradients over pp, then average all gradients over dp."""
+        """Sum tied gradients over pp, then average all gradients over dp (finishing the
+        buckets the last backward launched)."""
+        average = self._overlapped()
+        if average is not None:
+            average.finish()
         for key, shape in self.tied:
             param = self.tied_local.get(key)
             grad = (_grad_or_zeros(param) if param is not None
                     else torch.zeros(shape, device=self.device))
             dist.all_reduce(grad, group=self.pp_group)
-        if dist.get_world_size(self.dp_group) > 1 and self.params:
-            grads = [_grad_or_zeros(p) for p in self.params]
+        rest = [p for p in self.params if id(p) in self.held_back]
+        if dist.get_world_size(self.dp_group) > 1 and rest:
+            grads = [_grad_or_zeros(p) for p in rest]
             flat = torch.cat([g.reshape(-1) for g in grads])  # one message, not one per tensor
             dist.all_reduce(flat, op=dist.ReduceOp.AVG, group=self.dp_group)
             offset = 0
             for g in grads:
                 g.copy_(flat[offset:offset + g.numel()].view_as(g))
                 offset += g.numel()
+
+    @property
+    def buckets_launched_in_backward(self) -> int:
+        """How many dp buckets the last step launched before the pipeline drained."""
+        return 0 if self._average is None else self._average.launched_in_backward
+
+    def _overlapped(self) -> OverlappedAverage | None:
+        """The bucketed average of the weights not held back (built at first use, so that
+        chunk memory, which replaces this sync, never hooks them)."""
+        if self._average is None and dist.get_world_size(self.dp_group) > 1:
+            free = [p for p in self.params if id(p) not in self.held_back]
+            if free:
+                self._average = OverlappedAverage(free, self.dp_group, self.bucket_bytes)
+        return self._average
 
     def clip(self, max_norm: float) -> torch.Tensor:
         """Clip all stages' gradients to a global 2-norm; returns the norm before clipping.
