@@ -47,6 +47,7 @@ from tessera.models import Transformer
 from tessera.models.config import preset
 from tessera.parallel.plan import Parallelized, default_forward_loss
 from tessera.parallel.sequence import SequenceParallel, apply_sequence_parallel
+from tessera.parallel.sequence.cost import attention_comm_bytes
 from tessera.strategy import Strategy
 from tessera.testing import run_distributed
 
@@ -250,18 +251,9 @@ def _times(rank, name, L, repeats, meshes):
 
 def comm_formula(mode: str, B: int, t: int, nh: int, nkv: int, hs: int, n: int, e: int = 4
                  ) -> int:
-    """Bytes one rank sends per attention layer, forward + backward (docs/sequence_parallel.md).
-
-    t = L/n local tokens; e = bytes per element; metadata is 2 int64 per token; gradients that
-    travel around the ring are fp32 (4 bytes).
-    """
-    kv, q, meta = B * t * nkv * hs * e, B * t * nh * hs * e, B * t * 16
-    if mode == "ring":  # fwd: (n-1) hops of k,v,meta; bwd: again + n hops of dk,dv
-        return 2 * (n - 1) * (2 * kv + meta) + n * 2 * B * t * nkv * hs * 4
-    if mode == "rsa":  # fwd: k+meta, then v; bwd: v then k, each with its travelling grad
-        return (n - 1) * (kv + meta) + (n - 1) * kv + 2 * ((n - 1) * kv + n * B * t * nkv * hs * 4)
-    kv_sent = B * t * max(nkv, n) * hs * e  # kv heads repeated up to n when fewer
-    return 2 * (2 * q + 2 * kv_sent) * (n - 1) // n + (n - 1) * meta  # a2a q,k,v,out x2; meta
+    """Bytes one rank sends per attention layer, forward + backward (docs/sequence_parallel.md;
+    the library's formula, which the pipeline partition also prices)."""
+    return round(sum(attention_comm_bytes(mode, B, t, nh, nkv, hs, n, e)))
 
 
 def _fit_max(points: dict[int, float], budget: float) -> float:

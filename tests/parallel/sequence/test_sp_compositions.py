@@ -141,6 +141,7 @@ def _train(out: Path, model: str, strategy: str, data: dict):
     pipeline = trainer.plan.pipeline
     return {"losses": result.losses, "grad_norms": norms, "features": trainer.plan.features,
             "graph_ops": _attention_ops(pipeline, config),
+            "attention_cost": _attention_cost(pipeline),
             "head_slices": pipeline.program.graph.head_slices if pipeline else 1}
 
 
@@ -152,6 +153,22 @@ def _attention_ops(pipeline, config) -> set[str]:
     local = (config.strategy.micro_batch_size, config.data.seq_len // sp)
     graph = pipeline.program.get(local, training=True).graph.program.graph
     return {str(n.target) for n in graph.nodes if "tessera.sp_" in str(n.target)}
+
+
+def _attention_cost(pipeline) -> dict | None:
+    """The partition's price of the first sequence-parallel attention node, with its shapes."""
+    if pipeline is None:
+        return None
+    from tessera.parallel.pipeline.cost import node_cost
+
+    graph = pipeline.program.graph
+    node = next(graph.nodes[n].node for n in graph.compute
+                if "tessera.sp_" in str(graph.nodes[n].node.target))
+    cost = node_cost(node)
+    q, k = node.args[0].meta["val"], node.args[1].meta["val"]
+    return {"shape": tuple(q.shape), "nkv": k.shape[1], "e": q.element_size(),
+            "fwd_flops": cost.fwd_flops, "bwd_flops": cost.bwd_flops,
+            "fwd_comm": cost.fwd_comm_bytes, "bwd_comm": cost.bwd_comm_bytes}
 
 
 def _runs(rank, world_size, root, runs):
@@ -203,6 +220,26 @@ def _check_run(run: dict, name: str) -> None:
     if ",pp=2" in strategy:  # the attention survived capture as one custom op
         op = "sp_ring_attention" if "ring" in name else "sp_attention"
         assert run["graph_ops"] == {f"tessera.{op}.default"}
+        _check_attention_price(run["attention_cost"], "ring" if "ring" in name
+                               else "rsa" if "rsa" in name else "ulysses")
+
+
+def _check_attention_price(cost: dict, mode: str, n: int = 2) -> None:
+    """The partition prices the opaque attention node (sequence/cost.py) as attention:
+    t local queries against n t keys, and the mode's bytes (written out here for sp=2)."""
+    B, nh, t, hs = cost["shape"]
+    flops = 4 * B * nh * t * (n * t) * hs
+    assert cost["fwd_flops"] == flops
+    kv, meta = B * t * cost["nkv"] * hs * cost["e"], B * t * 16
+    if mode == "ring":  # one hop of k, v and the metadata; backward adds 2 hops of dk, dv
+        assert cost["bwd_flops"] == 2.5 * flops
+        assert cost["fwd_comm"] == 2 * kv + meta
+        assert cost["bwd_comm"] == 2 * kv + meta + 2 * 2 * B * t * cost["nkv"] * hs * 4
+    else:  # the forward again inside the backward
+        assert cost["bwd_flops"] == 3.5 * flops
+        assert cost["bwd_comm"] > cost["fwd_comm"] > 0
+        if mode == "rsa":  # a hop of k with the metadata, then one of v
+            assert cost["fwd_comm"] == 2 * kv + meta
 
 
 @pytest.mark.slow

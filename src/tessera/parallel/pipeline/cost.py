@@ -34,6 +34,9 @@ VIEW_OPS = frozenset({
 TP_COMM_FWD = frozenset({"tp_reduce", "tp_reduce_start"})
 TP_COMM_BWD = frozenset({"tp_copy"})
 ALL_REDUCE_TRAFFIC = 2.0
+# Sequence-parallel attention as one custom op each (sequence/staged.py): priced by
+# sequence/cost.py, its ring or all-to-all bytes counted like a tensor-parallel collective's.
+SP_ATTENTION_OPS = frozenset({"sp_ring_attention", "sp_attention"})
 
 
 @dataclass(frozen=True)
@@ -54,7 +57,7 @@ class NodeCost:
     bwd_flops: float = 0.0
     out_bytes: int = 0  # bytes of the value the node produces
     saved_bytes: int = 0  # activation bytes kept for backward (0 for views)
-    fwd_comm_bytes: float = 0.0  # bytes a tensor-parallel collective moves in forward
+    fwd_comm_bytes: float = 0.0  # bytes a tp collective or sp attention moves in forward
     bwd_comm_bytes: float = 0.0  # ... and in backward
 
     def fwd_time(self, rates: DeviceRates) -> float:
@@ -120,6 +123,11 @@ def node_cost(node: fx.Node) -> NodeCost:
         traffic = ALL_REDUCE_TRAFFIC * out
         return NodeCost(out_bytes=out, fwd_comm_bytes=traffic if op in TP_COMM_FWD else 0.0,
                         bwd_comm_bytes=traffic if op in TP_COMM_BWD else 0.0)
+    if op in SP_ATTENTION_OPS:  # sequence-parallel attention (sequence/staged.py)
+        from tessera.parallel.sequence.cost import staged_attention_cost
+        from tessera.parallel.sequence.staged import group_named
+
+        return staged_attention_cost(node, group_named(node.args[4]).size())
     flops = matmul_flops(node)
     if op == "summa_linear":  # 2D tensor parallelism: SUMMA broadcasts and reduces blocks
         from tessera.parallel.tensor.ops2d import summa_linear_comm_bytes

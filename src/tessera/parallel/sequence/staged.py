@@ -32,7 +32,8 @@ from tessera.parallel.sequence.ulysses import ulysses_attention
 from tessera.parallel.tensor.loss import IGNORE_INDEX
 
 
-def _group(name: str) -> dist.ProcessGroup:
+def group_named(name: str) -> dist.ProcessGroup:
+    """The process group an op argument names (ops cannot take a group object)."""
     return dist.distributed_c10d._resolve_process_group(name)
 
 
@@ -50,7 +51,7 @@ def ring_attention_op(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, meta: t
                       group_name: str, causal: bool, scale: float, layout: str
                       ) -> tuple[torch.Tensor, torch.Tensor]:
     """Ring attention as one op: out (B, nh, T/sp, hs) and lse (B, nh, T/sp) fp32."""
-    return ring_forward(q, k, v, meta, _group(group_name), causal, scale, layout)
+    return ring_forward(q, k, v, meta, group_named(group_name), causal, scale, layout)
 
 
 @ring_attention_op.register_fake
@@ -66,7 +67,7 @@ def _ring_setup(ctx, inputs, output):
 def _ring_backward(ctx, dout, _dlse):  # lse is a by-product: nothing differentiates it
     q, k, v, meta, out, lse = ctx.saved_tensors
     group_name, causal, scale, layout = ctx.args
-    dq, dk, dv = ring_backward(q, k, v, meta, out, lse, dout.contiguous(), _group(group_name),
+    dq, dk, dv = ring_backward(q, k, v, meta, out, lse, dout.contiguous(), group_named(group_name),
                                causal, scale, layout)
     return dq, dk, dv, None, None, None, None, None
 
@@ -77,7 +78,7 @@ ring_attention_op.register_autograd(_ring_backward, setup_context=_ring_setup)
 # ------------------------------------------------------------------------------ rsa, ulysses
 def _attend(q, k, v, meta, group_name: str, mode: str, causal: bool, scale: float,
             layout: str) -> torch.Tensor:
-    group = _group(group_name)
+    group = group_named(group_name)
     if mode == "rsa":
         return rsa_attention(q, k, v, meta, group, causal, scale)
     return ulysses_attention(q, k, v, meta, group, causal, scale)
