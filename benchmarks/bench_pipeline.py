@@ -20,6 +20,15 @@ with the machine's load average (os.getloadavg) beside timings.
   autograd saves on each rank (max over ranks, SavedPeak) and the schedule-order estimate.
   scp_keep_all_vs_1f1b_recompute_tokens_ratio: scp keeping the last S-1-s micro-batches of
   each stage whole, beyond 1F1B's memory, for comparison.
+- scp_at_budget_vs_1f1b_recompute_tokens_ratio, scp_at_budget_vs_1f1b_at_budget_tokens_ratio:
+  "the same memory" read as the same device budget rather than the same measured peak. The
+  budget (``train.stage_memory_budget``, weights and AdamW states included) lies halfway
+  between the partitioner's estimates of 1F1B's fullest stage with full recomputation and
+  without any, so 1F1B fits it only by recomputing. scp under that budget (each stage
+  recomputing the least that fits, keeping micro-batches and skipping the last stage's
+  recomputation where the budget allows) over 1F1B with full recomputation (the issue's
+  baseline), and over 1F1B under the same budget with stage-aware recomputation (the
+  stronger baseline). Measured activation peaks beside them.
 - tessera_vs_torch_1f1b_tokens_ratio: tessera's 1F1B over torch.distributed.pipelining's
   Schedule1F1B on the very same stage modules, each followed by the same all-reduce of the
   tied embedding's gradient over the two stages holding it (without it torch's step trains
@@ -170,15 +179,26 @@ def _batches(m: int, mbs: int) -> list[dict[str, torch.Tensor]]:
              "labels": torch.randint(0, 256, (mbs, SEQ), generator=g)} for _ in range(m)]
 
 
-def _tessera(strategy_text: str, n_layers: int):
+def _tessera(strategy_text: str, n_layers: int, budget: int | None = None):
     from tessera.mesh import Mesh
     from tessera.parallel import parallelize
     from tessera.parallel.pipeline import PipelineEngine
     from tessera.strategy import Strategy
 
     strategy = Strategy.parse(strategy_text)
-    plan = parallelize(_model(n_layers), strategy, Mesh(strategy, "cpu"))
+    plan = parallelize(_model(n_layers), strategy, Mesh(strategy, "cpu"), stage_budget=budget)
     return plan, PipelineEngine(plan, strategy, torch.device("cpu"))
+
+
+def recompute_budget(pp: int, m: int, n_layers: int, mbs: int) -> dict[str, float]:
+    """A stage memory budget under which 1F1B fits only by recomputing: halfway between
+    the partitioner's estimate of its fullest stage with full recomputation and without any
+    (weights and AdamW states included)."""
+    with torch.device("meta"):
+        graph = capture(_model(n_layers), mbs, SEQ)
+    low = max(partition(graph, pp, m, "1f1b", recompute=(1.0,)).stage_memory)
+    high = max(partition(graph, pp, m, "1f1b", recompute=(0.0,)).stage_memory)
+    return {"budget": (low + high) / 2, "full_recompute": low, "no_recompute": high}
 
 
 def _timed(fn) -> float:
@@ -234,11 +254,15 @@ def _saved_peak(built, batches) -> int:
     return probe.peak
 
 
-def _timing_worker(rank, world, n_layers, m, mbs, rounds):
+def _timing_worker(rank, world, n_layers, m, mbs, rounds, budget):
     torch.manual_seed(0)
     batches = _batches(m, mbs)
     out = {}
+    base = f"pp={world},mbs={mbs},gbs={mbs * m}"
     plans = {
+        # the same stage memory budget, each stage recomputing the least that fits it
+        "1f1b_budget": _tessera(f"{base},schedule=1f1b", n_layers, budget),
+        "scp_budget": _tessera(f"{base},schedule=scp", n_layers, budget),
         "gpipe": _tessera(f"pp={world},mbs={mbs},gbs={mbs * m},schedule=gpipe", n_layers),
         "1f1b": _tessera(f"pp={world},mbs={mbs},gbs={mbs * m},schedule=1f1b", n_layers),
         "1f1b_recompute": _tessera(
@@ -249,7 +273,14 @@ def _timing_worker(rank, world, n_layers, m, mbs, rounds):
             f"pp={world},mbs={mbs},gbs={mbs * m},schedule=scp,recompute=full", n_layers), m),
     }
     out["saved_peak"] = {name: _saved_peak(plans[name], batches)
-                         for name in ("1f1b_recompute", "scp_recompute", "scp_keep_all")}
+                         for name in ("1f1b_recompute", "scp_recompute", "scp_keep_all",
+                                      "1f1b_budget", "scp_budget")}
+    out["budget_choice"] = {name: {"recompute": list(plans[name][0].pipeline.ratios),
+                                   "keep": list(plans[name][0].pipeline.partition.keep),
+                                   "estimated_MiB": [round(b / 2**20, 2) for b in
+                                                     plans[name][0].pipeline.partition
+                                                     .stage_memory]}
+                            for name in ("1f1b_budget", "scp_budget")}
     sched, stage = _torch_schedule(plans["1f1b"][0], m, mbs)
     full = torch.cat([b["input_ids"] for b in batches])
     labels = torch.cat([b["labels"] for b in batches])
@@ -322,8 +353,10 @@ def timing_figures(quick: bool) -> None:
     pp, m, mbs, n_layers = 2, 8, 2, 8
     rounds = 2 if quick else 6
     before = load()
+    budget = recompute_budget(pp, m, n_layers, mbs)
     results = run_distributed(_timing_worker, world_size=pp,
-                              args=(n_layers, m, mbs, rounds), timeout=900)
+                              args=(n_layers, m, mbs, rounds, int(budget["budget"])),
+                              timeout=900)
     best = results[0]["best"]
     saved = {name: max(r["saved_peak"][name] for r in results) / 2**20
              for name in results[0]["saved_peak"]}
@@ -350,6 +383,23 @@ def timing_figures(quick: bool) -> None:
               "estimated_peak_activation_MiB_1f1b": round(estimate["1f1b_recompute"] / 2**20, 2),
               f"estimated_peak_activation_MiB_{name}": round(estimate[name] / 2**20, 2)},
              **extra, **common)
+    budget_MiB = {k: round(v / 2**20, 2) for k, v in budget.items()}
+    choice = results[0]["budget_choice"]
+    for name, against, figure in (
+            ("1f1b_recompute", "1F1B with full recomputation",
+             "scp_at_budget_vs_1f1b_recompute_tokens_ratio"),
+            ("1f1b_budget", "1F1B recomputing the least that fits the same budget",
+             "scp_at_budget_vs_1f1b_at_budget_tokens_ratio")):
+        emit(figure, best[name] / best["scp_budget"], "ratio",
+             {"baseline": against,
+              "baseline_tokens_per_s": round(tokens / best[name], 1),
+              "scp_at_budget_tokens_per_s": round(tokens / best["scp_budget"], 1),
+              "stage_budget_MiB": budget_MiB,
+              "measured_saved_peak_MiB": {k: round(saved[k], 2) for k in
+                                          (name, "scp_budget")},
+              "per_stage_choice": {k: choice[k] for k in choice
+                                   if k in (name, "scp_budget")}},
+             **common)
     emit("tessera_vs_torch_1f1b_tokens_ratio", best["torch_1f1b"] / best["1f1b"], "ratio",
          {"torch_Schedule1F1B_tokens_per_s": round(tokens / best["torch_1f1b"], 1),
           "tessera_1f1b_tokens_per_s": round(tokens / best["1f1b"], 1)},

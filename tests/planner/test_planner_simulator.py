@@ -123,33 +123,29 @@ def test_sub_pipelined_tensor_parallelism_is_priced_as_hidden_forward_all_reduce
     assert sum(e_sub.breakdown.values()) == pytest.approx(e_sub.step_time, rel=1e-9)
 
 
-def test_pipeline_dp_average_overlaps_the_last_backward_except_held_back_weights():
+def test_pipeline_dp_average_overlaps_the_last_backward_except_a_row_home():
     # Under pp the runtime buckets the stage's gradients (tensor-parallel shards included)
-    # and launches them during the last backward (pipeline/overlap.py); weights tied across
-    # stages wait for their pp sum after the drain.
+    # and launches them during the last backward (pipeline/overlap.py).
+    from tessera.planner import comm
+    from tessera.planner.memory import pipeline_stage_params
+    from tessera.planner.simulator import _held_back
+
     model = preset("gpt2")
     cluster = parse_cluster("a100-80gb:8x4")
     pp_tp = Strategy.parse("dp=4,tp=2,pp=2,mbs=1,gbs=64,precision=bf16")
     overlapped = estimate(model, cluster, pp_tp).breakdown["dp_comm"]
     exposed = estimate(model, cluster, pp_tp, SimOptions(dp_overlap=False)).breakdown["dp_comm"]
     assert overlapped < exposed
-    # The tied embedding (about a third of GPT-2's weights) is held back on both stages
-    # holding it, and its average cannot hide under the backward.
-    from dataclasses import replace
-
-    from tessera.planner import comm
-    from tessera.planner.memory import pipeline_stage_params
-    from tessera.planner.simulator import _held_back
-
+    stages = pipeline_stage_params(model, pp_tp)  # tp: no rows, nothing held back
+    assert [_held_back(model, pp_tp, stages, st) for st in stages] == [0, 0]
+    # Without tp a sliced head's rows are held by other stages: the home (stage 0, where
+    # GPT-2's tied table lives) averages the table only after the drain, exposed.
+    rows = Strategy.parse("dp=4,pp=4,mbs=1,gbs=64,precision=bf16")
+    row_stages = pipeline_stage_params(model, rows)
+    assert any(st.head_rows for st in row_stages)
     table = model.vocab_size * model.d_model
-    stages = pipeline_stage_params(model, pp_tp)
-    assert [_held_back(model, pp_tp, stages, st) for st in stages] == [table, table]
-    untied = replace(model, tie_embeddings=False)
-    untied_stages = pipeline_stage_params(untied, pp_tp)
-    assert [_held_back(untied, pp_tp, untied_stages, st) for st in untied_stages] == [0, 0]
-    one = pp_tp.replace(pp=1, dp=8)
-    assert _held_back(model, one, pipeline_stage_params(model, one), stages[0]) == 0
-    # bf16 gradients (2 bytes) of the table's tp=2 half
-    held_average = comm.collective_time(cluster, "all_reduce", table / 2 * 2,
-                                        comm.mesh_groups(2, 1, 4, 2)["dp_sp"])
-    assert overlapped >= held_average
+    held = [_held_back(model, rows, row_stages, st) for st in row_stages]
+    assert held == [table, 0, 0, 0]
+    dp_group = comm.mesh_groups(1, 1, 4, 4)["dp_sp"]
+    assert (estimate(model, cluster, rows).breakdown["dp_comm"]
+            >= comm.collective_time(cluster, "all_reduce", table * 2, dp_group))

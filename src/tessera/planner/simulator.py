@@ -31,9 +31,9 @@ from tessera.planner import comm
 from tessera.planner.cluster import Cluster
 from tessera.planner.compute import (LayerTime, bytes_per_element, embedding_time, head_time,
                                      layer_time, optimizer_time)
-from tessera.planner.memory import (INTERLEAVE_CHUNKS, MemoryBreakdown, device_memory,
-                                    local_params, pipeline_stage_params, recomputed_layers,
-                                    scp_kept, state_bytes)
+from tessera.planner.memory import (INTERLEAVE_CHUNKS, MemoryBreakdown, StageParams,
+                                    device_memory, local_params, pipeline_stage_params,
+                                    recomputed_layers, scp_kept, state_bytes)
 from tessera.strategy import Strategy, StrategyError
 
 DDP_BUCKET_BYTES = 25 * 2**20
@@ -361,14 +361,14 @@ def _schedule(stages: list[_Stage], recs: list[float], m: int, v: int, share: fl
     return sum(parts.values()), parts
 
 
-def _held_back(model: ModelConfig, s: Strategy, stage_params: list, stage) -> float:
+def _held_back(model: ModelConfig, s: Strategy, stage_params: list[StageParams],
+               stage: StageParams) -> float:
     """Parameters of ``stage`` the pipeline averages over dp only after the drain
-    (pipeline/module.py): a weight tied across stages, and a sliced head's home weight."""
-    if s.pp == 1:
+    (pipeline/module.py): a sliced head's home weight, whose rows' gradients arrive then."""
+    if s.pp == 1 or not any(st.head_rows for st in stage_params):
         return 0.0
-    if model.tie_embeddings:  # the token table (not learned positions), or its head copy
-        return min(stage.embed_params, model.vocab_size * model.d_model) + stage.head_params
-    return stage.head_params if any(st.head_rows for st in stage_params) else 0.0
+    return stage.head_params if not model.tie_embeddings else min(
+        stage.embed_params, model.vocab_size * model.d_model)  # tied: the home is stage 0
 
 
 def _data_parallel(model: ModelConfig, cl: Cluster, s: Strategy, groups, stages: list[_Stage],
@@ -395,8 +395,8 @@ def _data_parallel(model: ModelConfig, cl: Cluster, s: Strategy, groups, stages:
         elif s.memory == "ddp":
             # torch DDP, or under pp the pipeline's own buckets (pipeline/overlap.py), shards
             # included: a first bucket of 1 MiB, then 25 MiB buckets, one all-reduce each,
-            # overlapping the last backward. Weights the pipeline holds back (tied across
-            # stages, a sliced head's home) are averaged after the drain, exposed.
+            # overlapping the last backward. A sliced head's home weight is averaged after
+            # the drain (its rows' gradients arrive then), exposed.
             held = _held_back(model, s, stage_params, stage_params[worst]) / s.tp
             free = max(0.0, p - held) * g_b
             rest = max(0.0, free - DDP_FIRST_BUCKET_BYTES)

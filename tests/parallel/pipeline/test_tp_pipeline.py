@@ -4,13 +4,18 @@ One launch of 8 ranks runs every check: the reference model (1f1b, and 1f1b sub-
 Hugging Face GPT-2 (scp with recomputation, fused q|k|v, tied embedding across stages) and
 Llama (gpipe), then the checkpoint round trip.
 
-Tolerance, fp32: 1e-5 absolute on losses (about 5.5) and on gradients (gathered whole), over 3
-AdamW steps. Tensor parallelism sums partial products over 2 ranks in another order than one
-device's matmul, so differences are rounding (~1e-8 on the first step's gradients, a few 1e-7
-later as weights drift apart; measured <= 2.3e-6). Weights after 3 steps: 1e-4, because Adam
+Each dp rank trains on its own micro-batches, one device on all of them (tp_pp_checks.parity),
+so the data-parallel average over DTensor shards is exercised.
+
+Tolerance, fp32: 1e-5 absolute on losses (about 5.5); on the first step's gradients (gathered
+whole) 1e-6, on later steps' 3e-5. Tensor parallelism sums partial products over 2 ranks in
+another order than one device's matmul, and the dp average adds two ranks' means where one
+device takes one mean, so the first step's gradients differ by rounding (measured 1.4e-8).
+Later gradients are taken at weights AdamW has already moved apart (below): measured up to
+1.9e-5 on Llama (1.4e-5 on its first stage at step 3, the rest its gradient norm). Weights after 3 steps: 1e-4, because Adam
 divides each gradient by its own running magnitude, so a 1e-9 rounding difference on a
 gradient of 1e-6 becomes a 1e-3 relative difference of that weight's step (lr 1e-2: 1e-5 per
-step; measured <= 3.7e-5 on Llama). A lost backward all-reduce (what torch.export's inlining of
+step; measured <= 4.3e-5 on Llama). A lost backward all-reduce (what torch.export's inlining of
 autograd Functions would cause) or a gradient counted twice is off by 1e-3 or more on
 gradients and by about lr = 1e-2 on weights. The checkpoint test compares losses at 1e-5.
 """
@@ -24,6 +29,8 @@ from tessera.testing import run_distributed
 import tp_pp_checks
 
 TOL = 1e-5
+FIRST_GRAD_TOL = 1e-6
+GRAD_TOL = 3e-5
 PARAM_TOL = 1e-4
 CASES = {  # name: (model, strategy); dp=2 x tp=2 x pp=2, 2 micro-batches per dp rank
     "ref_1f1b": ("ref", "dp=2,tp=2,pp=2,mbs=2,gbs=8,schedule=1f1b"),
@@ -53,7 +60,8 @@ def test_dp2_tp2_pp2_equals_one_device(eight, name):
         got = out[name]
         assert got["features"] == ["tensor_parallel_1d", "pipeline"], got["features"]
         assert got["loss"] < TOL, (name, rank, got)
-        assert got["grad"] < TOL, (name, rank, got)
+        assert got["grad_first_step"] < FIRST_GRAD_TOL, (name, rank, got)
+        assert got["grad"] < GRAD_TOL, (name, rank, got)
         assert got["param"] < PARAM_TOL, (name, rank, got)
         # Saved in the single-device layout (GPT-2's fused q|k|v unpermuted): same weights.
         assert got["saved"] < PARAM_TOL, (name, rank, got)

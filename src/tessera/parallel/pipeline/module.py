@@ -10,8 +10,9 @@ Gradient rules after a step:
   their gradients are summed over the pp group (ranks without the weight add zeros), which is
   what one device accumulates into the shared tensor;
 - data parallelism averages every gradient over the dp group: in buckets launched during each
-  stage's last backward as their gradients become final (``overlap.py``), except tied weights
-  and weights whose rows other stages hold, which wait for their pp sums after the drain;
+  stage's last backward as their gradients become final (``overlap.py``), except weights
+  whose rows other stages hold (their rows' gradients arrive after the drain) and frozen ones;
+  the tied weights' pp sum follows the average (both are linear: the order does not matter);
 - the global gradient norm sums each weight once, on the lowest stage holding it.
 
 Under tensor parallelism the parameters are DTensors: every rule works on the local shards
@@ -95,10 +96,22 @@ class GradSync:
         self.params, self.norm_owned = params, norm_owned
         self.pp_group, self.dp_group, self.tp_group = pp_group, dp_group, tp_group
         self.tied, self.tied_local, self.device = tied, tied_local, device
-        self.held_back = {id(p) for p in tied_local.values()}  # averaged after their pp sum
+        # Averaged only after the drain: rows' homes (hold_back) and frozen weights (no hook).
+        self.held_back = {id(p) for p in params if not p.requires_grad}
         self._average: OverlappedAverage | None = None
         self.overlap = True  # False: average only after the pipeline drains (measurement)
-        self.bucket_bytes = (FIRST_BUCKET_BYTES, BUCKET_BYTES)  # set before the first step
+        self._bucket_bytes = (FIRST_BUCKET_BYTES, BUCKET_BYTES)
+
+    @property
+    def bucket_bytes(self) -> tuple[int, int]:
+        """(first, later) dp bucket sizes in bytes; settable before the first step only."""
+        return self._bucket_bytes
+
+    @bucket_bytes.setter
+    def bucket_bytes(self, sizes: tuple[int, int]) -> None:
+        if self._average is not None:
+            raise RuntimeError("bucket_bytes must be set before the first step")
+        self._bucket_bytes = sizes
 
     def hold_back(self, params) -> None:
         """Average ``params`` only after the drain (their gradients change after it: rows)."""
@@ -111,22 +124,22 @@ class GradSync:
         """Context for one step's schedule, ``key`` naming its micro-batch count and shape:
         the dp buckets launch inside it as their gradients become final."""
         average = self._overlapped()
-        if average is not None and key is not None:
-            average.enabled = self.overlap
-            average.arm(key)
-        yield
+        if average is None or key is None:
+            yield
+            return
+        average.arm(key, self.overlap)
+        try:
+            yield
+        except BaseException:
+            average.disarm()
+            raise
 
     def sync(self) -> None:
-        """Sum tied gradients over pp, then average all gradients over dp (finishing the
-        buckets the last backward launched)."""
+        """Average gradients over dp (finishing the buckets the last backward launched),
+        then sum tied ones over pp: both are linear, so the order does not matter."""
         average = self._overlapped()
         if average is not None:
             average.finish()
-        for key, shape in self.tied:
-            param = self.tied_local.get(key)
-            grad = (_grad_or_zeros(param) if param is not None
-                    else torch.zeros(shape, device=self.device))
-            dist.all_reduce(grad, group=self.pp_group)
         rest = [p for p in self.params if id(p) in self.held_back]
         if dist.get_world_size(self.dp_group) > 1 and rest:
             grads = [_grad_or_zeros(p) for p in rest]
@@ -136,6 +149,11 @@ class GradSync:
             for g in grads:
                 g.copy_(flat[offset:offset + g.numel()].view_as(g))
                 offset += g.numel()
+        for key, shape in self.tied:
+            param = self.tied_local.get(key)
+            grad = (_grad_or_zeros(param) if param is not None
+                    else torch.zeros(shape, device=self.device))
+            dist.all_reduce(grad, group=self.pp_group)
 
     @property
     def buckets_launched_in_backward(self) -> int:

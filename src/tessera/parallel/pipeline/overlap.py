@@ -27,6 +27,7 @@ from torch.distributed.tensor import DTensor
 
 FIRST_BUCKET_BYTES = 2**20  # small, so the first all-reduce starts early (as in DDP)
 BUCKET_BYTES = 25 * 2**20
+MAX_KEYS = 16  # step shapes whose gradient counts are remembered
 
 
 @dataclass
@@ -42,61 +43,60 @@ class OverlappedAverage:
     """Averages ``params``' gradients over ``group``, overlapping the last backward.
 
     Args:
-        params: the parameters to average (local shards for DTensors), in model order.
+        params: the parameters to average (local shards for DTensors), in model order; all
+            must require gradients.
         group: the data-parallel process group (size > 1).
         bucket_bytes: (first bucket, later buckets) sizes in bytes.
 
     Use: :meth:`arm` before a step's schedule runs, :meth:`finish` after it drains (it
-    launches what is left, waits for every bucket and writes the averages back).
-    Without :meth:`arm`, :meth:`finish` averages everything then.
+    launches what is left, waits for every bucket and writes the averages back), or
+    :meth:`disarm` when the step failed. Without :meth:`arm`, :meth:`finish` averages
+    everything then.
     """
 
     def __init__(self, params: list[nn.Parameter], group,
                  bucket_bytes: tuple[int, int] = (FIRST_BUCKET_BYTES, BUCKET_BYTES)) -> None:
-        self.params, self.group, self.bucket_bytes = list(params), group, bucket_bytes
-        self.launched_in_backward = 0  # buckets the last step launched before the drain
-        self.enabled = True  # False: average after the pipeline drains (for measurement)
-        self.buckets: list[_Bucket] = []
-        self.bucket_of: dict[int, int] = {}
+        self.params, self.group = list(params), group
+        self.buckets = _lay_out(self.params, bucket_bytes)
+        self.bucket_of = {id(p): i for i, b in enumerate(self.buckets) for p in b.params}
         self.counts: dict[object, dict[int, int]] = {}  # key -> id -> accumulations
-        self._handles: list = []
+        self.launched_in_backward = 0  # buckets the last step launched before the drain
+        self._handles = [p.register_post_accumulate_grad_hook(self._on_grad)
+                         for p in self.params]
         self._key = None
-        self._target: dict[int, int] | None = None
+        self._target: dict[int, int] | None = None  # None: count, launch nothing early
         self._seen: dict[int, int] = {}
         self._launched = 0
 
-    def arm(self, key) -> None:
-        """Start a step whose schedule is identified by ``key`` (hashable)."""
-        if not self.buckets:
-            self._lay_out()
+    def arm(self, key, overlap: bool = True) -> None:
+        """Start a step whose schedule is identified by ``key`` (hashable); ``overlap=False``
+        only counts (the average then waits for :meth:`finish`)."""
         self._key, self._seen, self._launched = key, {}, 0
-        self.launched_in_backward = 0
-        self._target = self.counts.get(key) if self.enabled else None
+        self._target = self.counts.get(key) if overlap else None
         for bucket in self.buckets:
-            bucket.flat, bucket.work, bucket.ready = None, None, 0
+            bucket.ready = 0
             bucket.expected = (0 if self._target is None
                                else sum(id(p) in self._target for p in bucket.params))
+
+    def disarm(self) -> None:
+        """Forget a failed step (buckets it launched are not waited for)."""
+        for bucket in self.buckets:
+            bucket.flat = bucket.work = None
+        self._key, self._target, self._launched = None, None, 0
 
     @torch.no_grad()
     def finish(self) -> None:
         """Launch the buckets not launched yet, wait for all, write the averages back."""
-        if not self.buckets:
-            self._lay_out()
-        if self._key is not None and self._target is None:
-            self.counts[self._key] = dict(self._seen)  # the first step with this key
         if self._key is not None:
             self.launched_in_backward = self._launched
+            if self._target is None:  # the first step with this key: remember its counts
+                self._remember(self._key, dict(self._seen))
         while self._launched < len(self.buckets):
             self._launch(self._launched)
         for bucket in self.buckets:
             bucket.work.wait()
-            offset = 0
-            for param in bucket.params:
-                grad = _local_grad(param)
-                grad.copy_(bucket.flat[offset:offset + grad.numel()].view_as(grad))
-                offset += grad.numel()
-            bucket.flat = bucket.work = None
-        self._key, self._target = None, None
+            _write_back(bucket)
+        self.disarm()
 
     def close(self) -> None:
         """Remove the gradient hooks."""
@@ -105,22 +105,10 @@ class OverlappedAverage:
         self._handles = []
 
     # ---------------------------------------------------------------------------- private
-    def _lay_out(self) -> None:
-        """Buckets in reverse parameter order; a new one where dtype or device changes."""
-        (limit, later), size, current = self.bucket_bytes, 0, []
-        for param in reversed(self.params):
-            local = _local(param)
-            nbytes = local.numel() * local.element_size()
-            if current and (size + nbytes > limit or _kind(current[-1]) != _kind(param)):
-                self.buckets.append(_Bucket(current))
-                limit, size, current = later, 0, []
-            current.append(param)
-            size += nbytes
-        if current:
-            self.buckets.append(_Bucket(current))
-        self.bucket_of = {id(p): i for i, b in enumerate(self.buckets) for p in b.params}
-        self._handles = [p.register_post_accumulate_grad_hook(self._on_grad)
-                         for p in self.params]
+    def _remember(self, key, counts: dict[int, int]) -> None:
+        if len(self.counts) >= MAX_KEYS:  # variable shapes: keep the most recent ones
+            self.counts.pop(next(iter(self.counts)))
+        self.counts[key] = counts
 
     @torch.no_grad()
     def _on_grad(self, param: nn.Parameter) -> None:
@@ -140,10 +128,13 @@ class OverlappedAverage:
                 f"after the pipeline drains")
         if count == self._target.get(pid):
             self.buckets[index].ready += 1
-            while (self._launched < len(self.buckets)
-                   and self.buckets[self._launched].ready
-                   == self.buckets[self._launched].expected):
-                self._launch(self._launched)
+            self._launch_ready()
+
+    def _launch_ready(self) -> None:
+        """Launch, in bucket order, every bucket whose gradients are all final."""
+        while (self._launched < len(self.buckets)
+               and self.buckets[self._launched].ready == self.buckets[self._launched].expected):
+            self._launch(self._launched)
 
     def _launch(self, index: int) -> None:
         bucket = self.buckets[index]
@@ -152,6 +143,31 @@ class OverlappedAverage:
         bucket.work = dist.all_reduce(bucket.flat, op=dist.ReduceOp.AVG, group=self.group,
                                       async_op=True)
         self._launched = index + 1
+
+
+def _lay_out(params: list[nn.Parameter], bucket_bytes: tuple[int, int]) -> list[_Bucket]:
+    """Buckets in reverse parameter order; a new one where dtype or device changes."""
+    buckets: list[_Bucket] = []
+    (limit, later), size, current = bucket_bytes, 0, []
+    for param in reversed(params):
+        local = _local(param)
+        nbytes = local.numel() * local.element_size()
+        if current and (size + nbytes > limit or _kind(current[-1]) != _kind(param)):
+            buckets.append(_Bucket(current))
+            limit, size, current = later, 0, []
+        current.append(param)
+        size += nbytes
+    if current:
+        buckets.append(_Bucket(current))
+    return buckets
+
+
+def _write_back(bucket: _Bucket) -> None:
+    offset = 0
+    for param in bucket.params:
+        grad = _local_grad(param)
+        grad.copy_(bucket.flat[offset:offset + grad.numel()].view_as(grad))
+        offset += grad.numel()
 
 
 def _local(tensor: torch.Tensor) -> torch.Tensor:
