@@ -27,10 +27,10 @@ import contextlib
 import torch
 import torch.distributed as dist
 from torch import nn
-from torch.distributed.tensor import DTensor
 
 from tessera.parallel.pipeline.overlap import (BUCKET_BYTES, FIRST_BUCKET_BYTES,
-                                               OverlappedAverage)
+                                               OverlappedAverage, average_now, grad_or_zeros,
+                                               local_shard)
 from tessera.parallel.tensor.loss import replica_count
 
 
@@ -142,16 +142,10 @@ class GradSync:
             average.finish()
         rest = [p for p in self.params if id(p) in self.held_back]
         if dist.get_world_size(self.dp_group) > 1 and rest:
-            grads = [_grad_or_zeros(p) for p in rest]
-            flat = torch.cat([g.reshape(-1) for g in grads])  # one message, not one per tensor
-            dist.all_reduce(flat, op=dist.ReduceOp.AVG, group=self.dp_group)
-            offset = 0
-            for g in grads:
-                g.copy_(flat[offset:offset + g.numel()].view_as(g))
-                offset += g.numel()
+            average_now(rest, self.dp_group)
         for key, shape in self.tied:
             param = self.tied_local.get(key)
-            grad = (_grad_or_zeros(param) if param is not None
+            grad = (grad_or_zeros(param) if param is not None
                     else torch.zeros(shape, device=self.device))
             dist.all_reduce(grad, group=self.pp_group)
 
@@ -189,14 +183,3 @@ class GradSync:
             if p.grad is not None:
                 local_shard(p.grad).detach().mul_(coef.to(p.grad.dtype))
         return norm
-
-
-def local_shard(tensor: torch.Tensor) -> torch.Tensor:
-    """This rank's piece of a DTensor (a view: writes land in it); plain tensors as they are."""
-    return tensor.to_local() if isinstance(tensor, DTensor) else tensor
-
-
-def _grad_or_zeros(param: nn.Parameter) -> torch.Tensor:
-    if param.grad is None:
-        param.grad = torch.zeros_like(param)
-    return local_shard(param.grad)

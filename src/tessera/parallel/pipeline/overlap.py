@@ -138,7 +138,7 @@ class OverlappedAverage:
 
     def _launch(self, index: int) -> None:
         bucket = self.buckets[index]
-        grads = [_local_grad(p) for p in bucket.params]
+        grads = [grad_or_zeros(p) for p in bucket.params]
         bucket.flat = torch.cat([g.reshape(-1) for g in grads])  # one message per bucket
         bucket.work = dist.all_reduce(bucket.flat, op=dist.ReduceOp.AVG, group=self.group,
                                       async_op=True)
@@ -150,7 +150,7 @@ def _lay_out(params: list[nn.Parameter], bucket_bytes: tuple[int, int]) -> list[
     buckets: list[_Bucket] = []
     (limit, later), size, current = bucket_bytes, 0, []
     for param in reversed(params):
-        local = _local(param)
+        local = local_shard(param)
         nbytes = local.numel() * local.element_size()
         if current and (size + nbytes > limit or _kind(current[-1]) != _kind(param)):
             buckets.append(_Bucket(current))
@@ -162,25 +162,35 @@ def _lay_out(params: list[nn.Parameter], bucket_bytes: tuple[int, int]) -> list[
     return buckets
 
 
+def average_now(params: list[nn.Parameter], group) -> None:
+    """Average ``params``' gradients over ``group`` in one blocking message (what waits for
+    the drain)."""
+    bucket = _Bucket(list(params))
+    bucket.flat = torch.cat([grad_or_zeros(p).reshape(-1) for p in bucket.params])
+    dist.all_reduce(bucket.flat, op=dist.ReduceOp.AVG, group=group)
+    _write_back(bucket)
+
+
 def _write_back(bucket: _Bucket) -> None:
     offset = 0
     for param in bucket.params:
-        grad = _local_grad(param)
+        grad = grad_or_zeros(param)
         grad.copy_(bucket.flat[offset:offset + grad.numel()].view_as(grad))
         offset += grad.numel()
 
 
-def _local(tensor: torch.Tensor) -> torch.Tensor:
+def local_shard(tensor: torch.Tensor) -> torch.Tensor:
+    """This rank's piece of a DTensor (a view: writes land in it); plain tensors as they are."""
     return tensor.to_local() if isinstance(tensor, DTensor) else tensor
 
 
-def _local_grad(param: nn.Parameter) -> torch.Tensor:
+def grad_or_zeros(param: nn.Parameter) -> torch.Tensor:
     """This rank's gradient piece (zeros where the step gave none); writes land in .grad."""
     if param.grad is None:
         param.grad = torch.zeros_like(param)
-    return _local(param.grad)
+    return local_shard(param.grad)
 
 
 def _kind(param: nn.Parameter) -> tuple[torch.dtype, torch.device]:
-    local = _local(param)
+    local = local_shard(param)
     return local.dtype, local.device
