@@ -96,8 +96,7 @@ class GradSync:
         self.params, self.norm_owned = params, norm_owned
         self.pp_group, self.dp_group, self.tp_group = pp_group, dp_group, tp_group
         self.tied, self.tied_local, self.device = tied, tied_local, device
-        # Averaged only after the drain: rows' homes (hold_back) and frozen weights (no hook).
-        self.held_back = {id(p) for p in params if not p.requires_grad}
+        self.held_back: set[int] = set()  # rows' homes: averaged only after the drain
         self._average: OverlappedAverage | None = None
         self.overlap = True  # False: average only after the pipeline drains (measurement)
         self._bucket_bytes = (FIRST_BUCKET_BYTES, BUCKET_BYTES)
@@ -140,7 +139,7 @@ class GradSync:
         average = self._overlapped()
         if average is not None:
             average.finish()
-        rest = [p for p in self.params if id(p) in self.held_back]
+        rest = self.averaged_after_drain
         if dist.get_world_size(self.dp_group) > 1 and rest:
             average_now(rest, self.dp_group)
         for key, shape in self.tied:
@@ -154,11 +153,19 @@ class GradSync:
         """How many dp buckets the last step launched before the pipeline drained."""
         return 0 if self._average is None else self._average.launched_in_backward
 
+    @property
+    def averaged_after_drain(self) -> list[nn.Parameter]:
+        """Weights outside the buckets: rows' homes, weights frozen at the first step, and
+        all of them before it."""
+        inside = set() if self._average is None else {id(p) for p in self._average.params}
+        return [p for p in self.params if id(p) not in inside]
+
     def _overlapped(self) -> OverlappedAverage | None:
-        """The bucketed average of the weights not held back (built at first use, so that
-        chunk memory, which replaces this sync, never hooks them)."""
+        """The bucketed average of the trainable weights not held back (built at the first
+        step, so that chunk memory, which replaces this sync, never hooks them; a frozen
+        weight cannot take a gradient hook)."""
         if self._average is None and dist.get_world_size(self.dp_group) > 1:
-            free = [p for p in self.params if id(p) not in self.held_back]
+            free = [p for p in self.params if id(p) not in self.held_back and p.requires_grad]
             if free:
                 self._average = OverlappedAverage(free, self.dp_group, self.bucket_bytes)
         return self._average
