@@ -9,9 +9,10 @@ Gradient rules after a step:
 - tied weights (a GPT-2 embedding reused by the LM head) live on the first and last stage;
   their gradients are summed over the pp group (ranks without the weight add zeros), which is
   what one device accumulates into the shared tensor;
-- data parallelism averages every gradient over the dp group: in buckets launched during each
-  stage's last backward as their gradients become final (``overlap.py``), except weights
-  whose rows other stages hold (their rows' gradients arrive after the drain) and frozen ones;
+- data parallelism averages every trainable weight's gradient over the dp group: in buckets
+  launched during each stage's last backward as their gradients become final
+  (``overlap.py``), except weights whose rows other stages hold (their rows' gradients arrive
+  after the drain); frozen weights keep no gradient;
   the tied weights' pp sum follows the average (both are linear: the order does not matter);
 - the global gradient norm sums each weight once, on the lowest stage holding it.
 
@@ -155,10 +156,11 @@ class GradSync:
 
     @property
     def averaged_after_drain(self) -> list[nn.Parameter]:
-        """Weights outside the buckets: rows' homes, weights frozen at the first step, and
-        all of them before it."""
+        """Trainable weights outside the buckets: rows' homes, and all of them before the
+        first step. Frozen weights are not averaged: their gradient stays None, so the
+        optimizer leaves them alone."""
         inside = set() if self._average is None else {id(p) for p in self._average.params}
-        return [p for p in self.params if id(p) not in inside]
+        return [p for p in self.params if id(p) not in inside and p.requires_grad]
 
     def _overlapped(self) -> OverlappedAverage | None:
         """The bucketed average of the trainable weights not held back (built at the first
