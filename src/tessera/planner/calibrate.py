@@ -105,8 +105,7 @@ def time_attention_block(batch: int, heads: int, rows: int, keys: int, head_size
     attention on one block, every key visible: forward is ``blocks.block_forward`` and the
     online-softmax merge into the running output (as a ring step does), backward is
     ``block_backward`` and the accumulation of the query gradient."""
-    from tessera.parallel.sequence.blocks import (block_backward, block_forward, merge_into,
-                                                  row_delta)
+    from tessera.parallel.sequence.blocks import block_backward, block_forward, merge_into
 
     torch.manual_seed(0)
     q = torch.randn(batch, heads, rows, head_size)
@@ -117,15 +116,14 @@ def time_attention_block(batch: int, heads: int, rows: int, keys: int, head_size
     scale = head_size ** -0.5
     out, lse = block_forward(q, k, v, meta_q, meta_k, False, scale)
     dout = torch.randn_like(out)
-    delta = row_delta(dout, out)
     acc_out, acc_lse, dq = out.clone(), lse.clone(), torch.zeros_like(q)
 
     def forward():
         merge_into(acc_out, acc_lse, *block_forward(q, k, v, meta_q, meta_k, False, scale))
 
     def backward():
-        dq_block, _, _ = block_backward(q, k, v, meta_q, meta_k, False, scale, dout, lse,
-                                        delta)
+        dq_block, _, _ = block_backward(q, k, v, meta_q, meta_k, False, scale, dout, out,
+                                        lse)
         dq.add_(dq_block)
 
     return _best_of(forward), _best_of(backward)

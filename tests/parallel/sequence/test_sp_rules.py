@@ -71,7 +71,7 @@ def test_strategy_rules_for_sequence_parallelism():
 def test_block_numerics_stay_fp32_under_bf16_autocast():
     # precision=bf16 runs the attention hook inside torch.autocast; without fp32_numerics the
     # block matmuls were cast to bf16 and failed on their fp32 out= buffers.
-    from tessera.parallel.sequence.blocks import block_backward, block_forward, row_delta
+    from tessera.parallel.sequence.blocks import block_backward, block_forward
 
     torch.manual_seed(0)
     q = torch.randn(2, 4, 8, 16).bfloat16()  # (B, nh, T, hs)
@@ -79,11 +79,10 @@ def test_block_numerics_stay_fp32_under_bf16_autocast():
     meta = torch.stack((torch.arange(8), torch.zeros(8, dtype=torch.long)), -1).expand(2, 8, 2)
     dout = torch.randn(2, 4, 8, 16).bfloat16()
     out, lse = block_forward(q, k, v, meta, meta, True, 0.25)
-    grads = block_backward(q, k, v, meta, meta, True, 0.25, dout, lse, row_delta(dout, out))
+    grads = block_backward(q, k, v, meta, meta, True, 0.25, dout, out, lse)
     with torch.autocast("cpu", dtype=torch.bfloat16):
         out_ac, lse_ac = block_forward(q, k, v, meta, meta, True, 0.25)
-        grads_ac = block_backward(q, k, v, meta, meta, True, 0.25, dout, lse,
-                                  row_delta(dout, out))
+        grads_ac = block_backward(q, k, v, meta, meta, True, 0.25, dout, out, lse)
     assert out_ac.dtype == torch.float32 and all(g.dtype == torch.float32 for g in grads_ac)
     assert torch.equal(out_ac, out) and torch.equal(lse_ac, lse)  # the same fp32 arithmetic
     assert all(torch.equal(a, b) for a, b in zip(grads_ac, grads))

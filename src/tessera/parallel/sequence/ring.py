@@ -20,8 +20,7 @@ import torch
 import torch.distributed as dist
 
 from tessera.parallel.sequence import comm
-from tessera.parallel.sequence.blocks import (block_backward, block_forward, merge_into,
-                                              row_delta)
+from tessera.parallel.sequence.blocks import block_backward, block_forward, merge_into
 from tessera.parallel.sequence.layout import check_layout, ring_step_slices
 
 
@@ -50,7 +49,6 @@ def ring_backward(q, k, v, meta, out, lse, dout, group, causal: bool, scale: flo
                   layout: str) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Backward ring pass from the forward's out and lse: dq, dk, dv in the inputs' dtypes."""
     rank, T = dist.get_rank(group), q.shape[2]
-    delta = row_delta(dout, out)  # (B, nh, T/sp)
     dq = torch.zeros_like(q, dtype=torch.float32)
 
     def step(_, src, held):
@@ -62,7 +60,7 @@ def ring_backward(q, k, v, meta, out, lse, dout, group, causal: bool, scale: flo
             qs, ks = sl
             dq_b, dk[:, :, ks], dv[:, :, ks] = block_backward(
                 q[:, :, qs], k_blk[:, :, ks], v_blk[:, :, ks], meta[:, qs], meta_blk[:, ks],
-                causal, scale, dout[:, :, qs], lse[:, :, qs], delta[:, :, qs])
+                causal, scale, dout[:, :, qs], out[:, :, qs], lse[:, :, qs])
             dq[:, :, qs] += dq_b
         return [dk, dv]
 

@@ -17,7 +17,7 @@ import torch
 import torch.distributed as dist
 
 from tessera.parallel.sequence import comm
-from tessera.parallel.sequence.blocks import block_backward, block_forward, row_delta
+from tessera.parallel.sequence.blocks import block_backward, block_forward
 from tessera.parallel.sequence.layout import SequenceParallelError
 
 
@@ -79,8 +79,8 @@ class LocalAttention(torch.autograd.Function):
     @staticmethod
     def backward(ctx, dout):
         q, k, v, meta, out, lse = ctx.saved_tensors
-        dq, dk, dv = block_backward(q, k, v, meta, meta, ctx.causal, ctx.scale, dout, lse,
-                                    row_delta(dout, out))
+        dq, dk, dv = block_backward(q, k, v, meta, meta, ctx.causal, ctx.scale, dout, out,
+                                    lse)
         return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype), None, None, None
 
 
