@@ -8,7 +8,8 @@ import pytest
 from tessera.models.config import ModelConfig
 from tessera.planner import estimate, parse_cluster
 from tessera.planner.cluster import CollectiveFit
-from tessera.planner.compute import elementwise_time, layer_elements, sp_attention_time
+from tessera.planner.compute import (elementwise_time, fused_causal_share, layer_elements,
+                                     sp_attention_time, sp_causal_fraction)
 from tessera.planner.simulator import SimOptions
 from tessera.strategy import Strategy
 
@@ -92,18 +93,32 @@ def test_step_sync_only_when_workers_share_cores():
         assert sum(est.breakdown.values()) == pytest.approx(est.step_time, rel=1e-9)
 
 
-def test_sequence_parallel_attention_is_the_runtimes_explicit_kernel():
+def test_sequence_parallel_attention_is_the_runtimes_block_kernel():
     overheads = {"attn_fwd_call": 1e-4, "attn_fwd_elem": 2e-9, "attn_fwd_elem_hs": 1e-11,
                  "attn_bwd_call": 2e-4, "attn_bwd_elem": 3e-9, "attn_bwd_elem_hs": 2e-11}
     cluster = _cpu_cluster(1.0, overheads)
     ring = sp_attention_time(cluster, MODEL, 2, 128, 1, "1d", 4, "ring")
-    # 2 x 4 heads x 32 rows x 128 keys, 5/8 of it computed by the causal zigzag ring, in
-    # 4 calls (one per ring step); head size 32.
+    # 2 x 4 heads x 32 rows x 128 keys, 5/8 of it computed by the causal zigzag ring (half
+    # blocks off the diagonal; a 32-token diagonal block is one tile of the fused CPU kernel,
+    # computed whole), in 4 calls (one per ring step); head size 32.
     elements = 2 * 4 * 32 * 128 * 5 / 8
     assert ring.forward == pytest.approx(4 * 1e-4 + elements * (2e-9 + 32 * 1e-11))
     assert ring.backward == pytest.approx(4 * 2e-4 + elements * (3e-9 + 32 * 2e-11))
     ulysses = sp_attention_time(cluster, MODEL, 2, 128, 1, "1d", 4, "ulysses")
     assert ulysses.forward == pytest.approx(1e-4 + elements * 8 / 5 * (2e-9 + 32 * 1e-11))
+    rsa = sp_attention_time(cluster, MODEL, 2, 128, 1, "1d", 4, "rsa")  # full rows, 2 sp calls
+    assert rsa.forward == pytest.approx(8 * 1e-4 + elements * 8 / 5 * (2e-9 + 32 * 1e-11))
+
+
+def test_fused_cpu_kernel_skips_future_tiles_of_long_causal_blocks():
+    # An 8192-token sequence on sp=4: the ring's 2048-token diagonal block computes
+    # (2048 + 512) / 4096 of its scores on CPU, in full with the explicit (GPU) kernel.
+    assert sp_causal_fraction("cpu", 8192, 4, "ring") == pytest.approx((0.625 + 1.5) / 4)
+    assert sp_causal_fraction("h100-80gb", 8192, 4, "ring") == pytest.approx(5 / 8)
+    assert sp_causal_fraction("cpu", 8192, 4, "ulysses") == pytest.approx(8704 / 16384)
+    assert sp_causal_fraction("h100-80gb", 8192, 4, "ulysses") == 1.0
+    assert sp_causal_fraction("cpu", 8192, 4, "rsa") == 1.0
+    assert fused_causal_share(512) == 1.0  # one key tile: nothing to skip
 
 
 def test_tp_sums_each_block_input_gradient_once():

@@ -12,7 +12,7 @@ holds ``s_loc = seq / sp`` positions, with tensor parallelism of degree ``t``:
   ``ModelConfig.flops_per_token`` counts them (PaLM appendix B, no causal saving); a causal fused
   kernel does half of that work, at ``attention_efficiency`` of peak; backward is 2.5x forward
   (flash attention recomputes the scores). With sequence parallelism the runtime runs its
-  own explicit block attention instead, priced per score element (:func:`sp_attention_time`).
+  own block attention instead, priced per score element (:func:`sp_attention_time`).
 - Element-wise kernels (norms, residual adds, activation, rope): about ``n * (14 h + c f)``
   elements forward (c = 2 for gelu, 5 for swiglu's silu-and-multiply). A profiled device
   prices them at its measured seconds per element of real transformer layers (forward and
@@ -107,15 +107,42 @@ def layer_elements(model: ModelConfig, n: float, tp: int) -> float:
     return n * (14 * model.d_model + c_f * model.d_ff) / tp
 
 
+# Keys per tile of PyTorch's fused CPU flash kernel: with a causal mask it skips the tiles
+# wholly in the future, so an aligned causal block of T tokens computes about (T + 512) / 2T of
+# its scores (measured with torch 2.13: 1.0 at T <= 512, 0.70-0.74 at 1024, 0.55-0.70 at
+# 2048, 0.56-0.57 at 4096, 0.50-0.58 at 8192, forward and backward).
+FUSED_CPU_KEY_TILE = 512
+
+
+def fused_causal_share(tokens: float) -> float:
+    """Share of an aligned causal block's scores the fused CPU kernel computes."""
+    return min(1.0, (tokens + FUSED_CPU_KEY_TILE) / (2 * tokens))
+
+
+def sp_causal_fraction(device_name: str, seq: int, sp: int, sp_mode: str) -> float:
+    """Share of a causal layer's score elements the sequence-parallel runtime computes.
+
+    The zigzag ring computes half blocks off the diagonal and its (seq/sp)-token diagonal
+    block; Ulysses one causal block of the whole sequence. The explicit kernel (GPU) computes
+    those causal blocks in full, masked; the fused CPU kernel (sequence/fused.py) skips their
+    future tiles (:func:`fused_causal_share`). RSA builds full score rows everywhere."""
+    fused = device_name == "cpu"
+    if sp_mode == "ring":
+        diagonal = fused_causal_share(seq / sp) if fused else 1.0
+        return (diagonal + (sp - 1) / 2) / sp  # explicit: (sp + 1) / (2 sp)
+    if sp_mode == "ulysses" and fused:
+        return fused_causal_share(seq)
+    return 1.0
+
+
 def sp_attention_time(cluster: Cluster, model: ModelConfig, b: int, seq: int, tp: int,
                       tp_mode: str, sp: int, sp_mode: str) -> LayerTime:
-    """Seconds of the sequence-parallel runtime's explicit attention (fp32 block attention in
-    pieces of query rows: scores, mask, log-sum-exp, exp, then the value matmul; backward
-    recomputes the probabilities) on one rank for one layer, at a lone worker's rate.
+    """Seconds of the sequence-parallel runtime's block attention (fp32; backward recomputes
+    the probabilities) on one rank for one layer, at a lone worker's rate.
 
     Score elements per rank: ``b * heads * (seq / sp) * seq`` (Ulysses: heads / sp ranks of
-    whole sequences, the same count), times ``(sp + 1) / (2 sp)`` for the causal zigzag ring,
-    which computes half blocks off the diagonal; Ulysses and RSA compute masked rows in full.
+    whole sequences, the same count), times the causal fraction the runtime computes
+    (:func:`sp_causal_fraction`).
     Calls per layer: one block per ring step (sp), two ring passes for RSA (2 sp), one for
     Ulysses. A profiled device prices each call at its measured ``c + E (a + b head_size)``;
     otherwise four (eight backward) FLOPs per score and head dimension at the matmul rate,
@@ -124,8 +151,7 @@ def sp_attention_time(cluster: Cluster, model: ModelConfig, b: int, seq: int, tp
     device = cluster.device
     heads = model.n_heads / (math.isqrt(tp) if tp_mode == "2d" else tp)
     hs = model.head_dim
-    fraction = (sp + 1) / (2 * sp) if sp_mode == "ring" else 1.0
-    elements = b * heads * seq / sp * seq * fraction
+    elements = b * heads * seq / sp * seq * sp_causal_fraction(device.name, seq, sp, sp_mode)
     calls = {"ring": sp, "rsa": 2 * sp}.get(sp_mode, 1)
     fixed = device.overheads
     if "attn_fwd_elem" in fixed:
