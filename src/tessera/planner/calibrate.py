@@ -101,10 +101,11 @@ BLOCK_SHAPES = [(1, 2, 16, 32, 32), (2, 4, 32, 32, 32), (1, 4, 64, 256, 32),
 
 def time_attention_block(batch: int, heads: int, rows: int, keys: int, head_size: int
                          ) -> tuple[float, float]:
-    """(forward, backward) seconds of one step of the sequence-parallel runtime's explicit
-    attention on one block, every key visible: forward is ``blocks.block_forward`` and the
-    online-softmax merge into the running output (as a ring step does), backward is
-    ``block_backward`` and the accumulation of the query gradient."""
+    """(forward, backward) seconds of one step of the sequence-parallel runtime's block
+    attention (on CPU the fused kernel, sequence/fused.py) on one block, every key visible:
+    forward is ``blocks.block_forward`` and the online-softmax merge into the running output
+    (as a ring step does), backward is ``block_backward`` and the accumulation of the query
+    gradient."""
     from tessera.parallel.sequence.blocks import block_backward, block_forward, merge_into
 
     torch.manual_seed(0)
@@ -130,8 +131,8 @@ def time_attention_block(batch: int, heads: int, rows: int, keys: int, head_size
 
 
 def calibrate_block_attention() -> dict[str, float]:
-    """Seconds of explicit (sequence-parallel) attention as ``c + E (a + b head_size)`` for a
-    call on E score elements: ``attn_fwd_call`` (c, kernel launches and the merge),
+    """Seconds of the sequence-parallel runtime's block attention as ``c + E (a + b hs)`` for
+    a call on E score elements: ``attn_fwd_call`` (c, kernel launches and the merge),
     ``attn_fwd_elem`` (a, the element-wise passes over the scores: scale, mask,
     log-sum-exp, exp) and ``attn_fwd_elem_hs`` (b, the two matmuls per score); likewise
     ``attn_bwd_*``. Least squares over :data:`BLOCK_SHAPES`, kept non-negative."""

@@ -21,7 +21,7 @@ What is measured, each with one thread per worker (as training workers run, OMP_
   transformer (per layer, per model, per optimizer step), where FLOPs are negligible, and
   what the memory=chunk runtime adds per layer (a one-worker Trainer, chunk against ddp);
 - the element-wise seconds per element of real reference transformer layers, and the seconds
-  per score element of the sequence-parallel runtime's explicit block attention
+  per score element of the sequence-parallel runtime's block attention
   (calibrate.py).
 
 The measurements that need several workers at once live in ``profile_comm.py``.

@@ -122,3 +122,72 @@ def test_block_functions_take_the_fused_path_on_cpu(monkeypatch):
     q, k, v = torch.randn(2, 4, 24, 8), torch.randn(2, 4, 24, 8), torch.randn(2, 4, 24, 8)
     blocks.block_forward(q.bfloat16(), k.bfloat16(), v.bfloat16(), meta_q, meta_k, causal, 0.3)
     assert calls == ["f"]
+
+
+def _compare(q, k, v, meta_q, meta_k, causal, dout, out, lse):
+    """Fused against explicit given a final (out, lse): gradients within TOL, no NaN."""
+    grads_f = fused.block_backward(q, k, v, meta_q, meta_k, causal, 0.3, dout, out, lse)
+    grads_e = blocks.explicit_backward(q, k, v, meta_q, meta_k, causal, 0.3, dout, out, lse)
+    for g_f, g_e in zip(grads_f, grads_e):
+        assert not g_f.isnan().any() and (g_f - g_e).abs().max() <= TOL
+
+
+@pytest.mark.parametrize("causal", [False, True])
+def test_several_key_tiles_with_a_wholly_masked_first_tile(causal):
+    # 1100 keys are three tiles of the kernel's 512; a document starting at token 600 leaves
+    # its rows' first tile wholly masked (torch < 2.5 returned NaN there, pytorch#127055).
+    # Causal: the mask path also trims each piece's keys to those not in its future.
+    torch.manual_seed(2)
+    T = 1100
+    seg = torch.zeros(2, T, dtype=torch.long)
+    seg[:, 600:] = 1
+    seg[1, -50:] = -1  # and padding in one row
+    meta = _meta(torch.arange(T).expand(2, T), seg)
+    q, k, v = torch.randn(2, 4, T, 16), torch.randn(2, 2, T, 16), torch.randn(2, 2, T, 16)
+    out_f, lse_f = fused.block_forward(q, k, v, meta, meta, causal, 0.3)
+    out_e, lse_e = blocks.explicit_forward(q, k, v, meta, meta, causal, 0.3)
+    assert not out_f.isnan().any() and (out_f - out_e).abs().max() <= TOL
+    assert torch.equal(torch.isinf(lse_f), torch.isinf(lse_e))
+    _compare(q, k, v, meta, meta, causal, torch.randn_like(q), out_e, lse_e)
+
+
+def test_backward_from_the_merged_output_of_two_blocks():
+    # A ring step's backward gets the *final* out and LSE, merged over blocks, not the block's
+    # own: here a block of earlier keys (all visible) and the queries' own block (causal).
+    torch.manual_seed(3)
+    B, T = 2, 40
+    earlier = _meta(torch.arange(T).expand(B, T), torch.zeros(B, T, dtype=torch.long))
+    own = _meta(torch.arange(T, 2 * T).expand(B, T), torch.zeros(B, T, dtype=torch.long))
+    q = torch.randn(B, 4, T, 8)
+    kv = [(torch.randn(B, 2, T, 8), torch.randn(B, 2, T, 8)) for _ in range(2)]
+    metas = [earlier, own]
+    out = torch.zeros(B, 4, T, 8)
+    lse = torch.full((B, 4, T), float("-inf"))
+    for (k, v), meta_k in zip(kv, metas):
+        blocks.merge_into(out, lse, *blocks.explicit_forward(q, k, v, own, meta_k, True, 0.3))
+    dout = torch.randn_like(q)
+    for (k, v), meta_k in zip(kv, metas):
+        _compare(q, k, v, own, meta_k, True, dout, out, lse)
+
+
+def test_rows_with_different_single_segments_need_no_mask():
+    # Each batch row one document of its own id: the block is wholly visible (ALL).
+    torch.manual_seed(4)
+    seg = torch.tensor([[0] * 16, [3] * 16])
+    meta = _meta(torch.arange(16).expand(2, 16), seg)
+    assert fused.structure(meta, meta, False) == fused.ALL
+    assert fused.structure(meta, meta, True) == fused.CAUSAL
+    q, k, v = torch.randn(2, 2, 16, 8), torch.randn(2, 2, 16, 8), torch.randn(2, 2, 16, 8)
+    out_f, _ = fused.block_forward(q, k, v, meta, meta, True, 0.3)
+    out_e, _ = blocks.explicit_forward(q, k, v, meta, meta, True, 0.3)
+    assert (out_f - out_e).abs().max() <= TOL
+
+
+def test_torch_before_2_5_takes_the_explicit_path(monkeypatch):
+    q = torch.randn(1, 2, 8, 4)
+    assert fused.available(q)
+    monkeypatch.setattr(torch, "__version__", "2.4.1+cpu")
+    assert not fused.available(q)
+    monkeypatch.setattr(fused, "block_forward", lambda *a: pytest.fail("fused path taken"))
+    meta = _meta(torch.arange(8).expand(1, 8), torch.zeros(1, 8, dtype=torch.long))
+    blocks.block_forward(q, q, q, meta, meta, True, 0.5)

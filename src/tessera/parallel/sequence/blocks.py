@@ -11,7 +11,7 @@ one file and are computed in fp32 whatever the input dtype, also under a caller'
 - :func:`block_backward` gives dq, dk, dv of a block from the final output and its LSE.
 
 On CPU both run PyTorch's fused flash kernel (fused.py: 4-10x faster than explicit matmuls on
-this machine's blocks); on other devices, and as the reference the fused path is tested
+this machine's blocks; torch 2.5 or later); on other devices, and as the reference the fused path is tested
 against, :func:`explicit_forward` / :func:`explicit_backward` compute the block with plain
 matmuls in pieces of query rows.
 
@@ -122,9 +122,9 @@ def block_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, meta_q: tor
     Returns:
         out (B, nh, Tq, hs) fp32 and lse (B, nh, Tq) fp32 (-inf on rows with no visible key).
     """
-    if q.device.type == "cpu":
-        from tessera.parallel.sequence import fused  # imports this module: bound at call
+    from tessera.parallel.sequence import fused  # imports this module: bound at call
 
+    if fused.available(q):
         return fused.block_forward(q, k, v, meta_q, meta_k, causal, scale)
     return explicit_forward(q, k, v, meta_q, meta_k, causal, scale)
 
@@ -186,9 +186,9 @@ def block_backward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, meta_q: to
     Returns:
         dq (B, nh, Tq, hs), dk and dv (B, nkv, Tk, hs), all fp32.
     """
-    if q.device.type == "cpu":
-        from tessera.parallel.sequence import fused
+    from tessera.parallel.sequence import fused
 
+    if fused.available(q):
         return fused.block_backward(q, k, v, meta_q, meta_k, causal, scale, dout, out, lse)
     return explicit_backward(q, k, v, meta_q, meta_k, causal, scale, dout, out, lse)
 

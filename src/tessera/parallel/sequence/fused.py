@@ -13,7 +13,9 @@ ring step but the first under zigzag) or the same tokens on both sides in ascend
 kernel's own causal mask: a ring's first step, Ulysses' whole sequence). Otherwise (padding,
 packed documents) the mask is built for a piece of query rows at a time, its elements no more
 than the block's queries' (blocks.piece_rows with the mask's missing head dimension counted),
-like the fallback path's score pieces.
+like the fallback path's score pieces. Under a causal mask with keys in ascending order (every
+layout here) a piece only takes the keys up to its last query's index: the rest are in its
+future, so the tiles the kernel's own causal mask would skip are not computed either.
 
 Rows with no visible key: the kernel returns a zero row with a finite LSE; the LSE is set to
 -inf here, as blocks.py defines. In backward a row's final LSE is -inf only when it sees no key
@@ -21,6 +23,10 @@ in any block, so every score of it is masked; it is passed as 0 (exp(-inf - 0) =
 
 Key/value heads are repeated for their query groups (the kernel has no grouped-query mode), and
 their gradients summed back over each group.
+
+Versions: before torch 2.5 the kernel returned NaN for a row whose first key tile was wholly
+masked although later keys were visible (pytorch#127055, fixed by pytorch#130014); blocks.py
+takes this path only from 2.5 on (:func:`available`).
 """
 
 from __future__ import annotations
@@ -33,6 +39,13 @@ _FORWARD = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu.default
 _BACKWARD = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward.default
 
 ALL, CAUSAL, MASK = "all", "causal", "mask"
+_FIXED_IN = (2, 5)  # the first release with the fully-masked-tile fix (see the module doc)
+
+
+def available(q: torch.Tensor) -> bool:
+    """Whether ``q``'s blocks take the fused kernel: CPU tensors, torch 2.5 or later."""
+    version = tuple(int(part) for part in torch.__version__.split(".")[:2])
+    return q.device.type == "cpu" and version >= _FIXED_IN
 
 
 def structure(meta_q: torch.Tensor, meta_k: torch.Tensor, causal: bool) -> str:
@@ -70,22 +83,36 @@ def _sum_groups(grad: torch.Tensor, n_kv: int) -> torch.Tensor:
     return grad if nh == n_kv else grad.view(B, n_kv, nh // n_kv, T, hs).sum(2)
 
 
+def _visible_prefix(meta_q, meta_k, causal: bool):
+    """A function of query rows giving how many leading keys they may see: all keys, or under
+    a causal mask with ascending key indices the keys up to the rows' last index."""
+    Tk = meta_k.shape[1]
+    idx_q, idx_k = meta_q[..., 0], meta_k[..., 0]  # (B, Tq), (B, Tk)
+    if not causal or not bool((idx_k[:, 1:] >= idx_k[:, :-1]).all()):
+        return lambda rows: Tk
+    # (B,) last visible key per batch row; the prefix is the longest over the batch
+    return lambda rows: int((idx_k <= idx_q[:, rows].amax(-1, keepdim=True)).sum(-1).max())
+
+
 def _mask_pieces(meta_q, meta_k, causal: bool, n_heads: int, head_size: int):
-    """(rows, additive mask or None, visible rows or None) per piece of query rows; a piece
-    with no visible key at all yields mask None and visible all-False."""
+    """(rows, keys, additive mask or None, visible rows or None) per piece of query rows;
+    ``keys`` is the prefix of keys that may be visible to them. A piece with no visible key
+    at all yields mask None and visible all-False."""
     Tq, Tk = meta_q.shape[1], meta_k.shape[1]
     step = blocks.piece_rows(n_heads * Tq, Tk, head_size)  # the mask has no head dimension
+    prefix = _visible_prefix(meta_q, meta_k, causal)
     for start in range(0, Tq, step):
         rows = slice(start, min(start + step, Tq))
-        allowed = blocks.block_mask(meta_q[:, rows], meta_k, causal)[:, 0]  # (B, 1, r, Tk)
+        keys = slice(0, prefix(rows))
+        allowed = blocks.block_mask(meta_q[:, rows], meta_k[:, keys], causal)[:, 0]  # (B,1,r,k)
         visible = allowed.any(-1)  # (B, 1, r)
-        if bool(allowed.all()):
-            yield rows, None, None
-        elif not bool(visible.any()):
-            yield rows, None, visible
+        if keys.stop > 0 and bool(allowed.all()):
+            yield rows, keys, None, None
+        elif keys.stop == 0 or not bool(visible.any()):
+            yield rows, keys, None, visible
         else:
             mask = torch.zeros(allowed.shape, dtype=torch.float32, device=allowed.device)
-            yield rows, mask.masked_fill_(~allowed, blocks.NEG_INF), visible
+            yield rows, keys, mask.masked_fill_(~allowed, blocks.NEG_INF), visible
 
 
 def block_forward(q, k, v, meta_q, meta_k, causal: bool, scale: float):
@@ -99,10 +126,11 @@ def block_forward(q, k, v, meta_q, meta_k, causal: bool, scale: float):
         return out, lse
     out = torch.zeros_like(qf)  # (B, nh, Tq, hs)
     lse = qf.new_full(qf.shape[:-1], blocks.NEG_INF)  # (B, nh, Tq)
-    for rows, mask, visible in _mask_pieces(meta_q, meta_k, causal, nh, q.shape[-1]):
+    for rows, keys, mask, visible in _mask_pieces(meta_q, meta_k, causal, nh, q.shape[-1]):
         if visible is not None and mask is None:
             continue  # no key visible to any of these rows: out 0, lse -inf
-        o, l = _FORWARD(qf[:, :, rows], kf, vf, 0.0, False, attn_mask=mask, scale=scale)
+        o, l = _FORWARD(qf[:, :, rows], kf[:, :, keys], vf[:, :, keys], 0.0, False,
+                        attn_mask=mask, scale=scale)
         if visible is not None:
             o = o.masked_fill(~visible.unsqueeze(-1), 0.0)
             l = l.masked_fill(~visible, blocks.NEG_INF)
@@ -122,12 +150,13 @@ def block_backward(q, k, v, meta_q, meta_k, causal: bool, scale: float, dout, ou
         return dq, _sum_groups(dk, n_kv), _sum_groups(dv, n_kv)
     dq = torch.zeros_like(qf)
     dk, dv = torch.zeros_like(kf), torch.zeros_like(vf)  # (B, nh, Tk, hs)
-    for rows, mask, visible in _mask_pieces(meta_q, meta_k, causal, nh, q.shape[-1]):
+    for rows, keys, mask, visible in _mask_pieces(meta_q, meta_k, causal, nh, q.shape[-1]):
         if visible is not None and mask is None:
             continue  # nothing visible: no gradient flows through these rows
-        dq_r, dk_r, dv_r = _BACKWARD(dof[:, :, rows], qf[:, :, rows], kf, vf, of[:, :, rows],
-                                     lse[:, :, rows], 0.0, False, attn_mask=mask, scale=scale)
+        dq_r, dk_r, dv_r = _BACKWARD(dof[:, :, rows], qf[:, :, rows], kf[:, :, keys],
+                                     vf[:, :, keys], of[:, :, rows], lse[:, :, rows], 0.0,
+                                     False, attn_mask=mask, scale=scale)
         dq[:, :, rows] = dq_r
-        dk += dk_r
-        dv += dv_r
+        dk[:, :, keys] += dk_r
+        dv[:, :, keys] += dv_r
     return dq, _sum_groups(dk, n_kv), _sum_groups(dv, n_kv)
