@@ -10,10 +10,10 @@ one file and are computed in fp32 whatever the input dtype, also under a caller'
 - :func:`merge_into` folds a block's (out, lse) into running accumulators (online softmax);
 - :func:`block_backward` gives dq, dk, dv of a block from the final output and its LSE.
 
-On CPU both run PyTorch's fused flash kernel (fused.py: 4-10x faster than explicit matmuls on
-this machine's blocks; torch 2.5 or later); on other devices, and as the reference the fused path is tested
-against, :func:`explicit_forward` / :func:`explicit_backward` compute the block with plain
-matmuls in pieces of query rows.
+On CPU both run PyTorch's fused flash kernel (fused.py, torch 2.5 or later: 4-10x faster than
+explicit matmuls on this machine's blocks); on other devices, and as the reference the fused
+path is tested against, :func:`explicit_forward` / :func:`explicit_backward` compute the block
+with plain matmuls in pieces of query rows.
 
 Metadata: each token carries ``meta[..., 0]``, its index in the (padded) full sequence, and
 ``meta[..., 1]``, its segment: the document id for packed sequences, -1 for padding. A query

@@ -122,8 +122,7 @@ def block_forward(q, k, v, meta_q, meta_k, causal: bool, scale: float):
     kf, vf = _repeat_heads(k.float(), nh), _repeat_heads(v.float(), nh)  # (B, nh, Tk, hs)
     kind = structure(meta_q, meta_k, causal)
     if kind != MASK:
-        out, lse = _FORWARD(qf, kf, vf, 0.0, kind == CAUSAL, scale=scale)
-        return out, lse
+        return _FORWARD(qf, kf, vf, 0.0, kind == CAUSAL, scale=scale)  # (out, lse)
     out = torch.zeros_like(qf)  # (B, nh, Tq, hs)
     lse = qf.new_full(qf.shape[:-1], blocks.NEG_INF)  # (B, nh, Tq)
     for rows, keys, mask, visible in _mask_pieces(meta_q, meta_k, causal, nh, q.shape[-1]):
