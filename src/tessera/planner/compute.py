@@ -13,10 +13,12 @@ holds ``s_loc = seq / sp`` positions, with tensor parallelism of degree ``t``:
   kernel does half of that work, at ``attention_efficiency`` of peak; backward is 2.5x forward
   (flash attention recomputes the scores). With sequence parallelism the runtime runs its
   own block attention instead, priced per score element (:func:`sp_attention_time`).
-- Element-wise kernels (norms, residual adds, activation, rope): about ``n * (14 h + c f)``
-  elements forward (c = 2 for gelu, 5 for swiglu's silu-and-multiply). A profiled device
-  prices them at its measured seconds per element of real transformer layers (forward and
-  backward separately); otherwise as memory traffic at ``memory_efficiency`` of memory
+- Element-wise kernels (norms, residual adds, activation, rope): fused, about
+  ``n * (14 h + c f)`` elements forward (c = 2 for gelu, 5 for swiglu's silu-and-multiply);
+  eager (``device.fused_elementwise`` false, tessera's runtime), one pass over memory per op
+  (``elementwise.py``: 2-3x the fused traffic for Llama-style blocks in bf16). A profiled
+  device prices them at its measured seconds per element of real transformer layers (forward
+  and backward separately); otherwise as memory traffic at ``memory_efficiency`` of memory
   bandwidth, twice that backward.
 - Fixed per-layer seconds: the profiled ``overheads`` (Python and launches of a tiny reference
   layer) when the device has them, else ``kernel_overhead`` for about 16 kernels forward and 32
@@ -32,6 +34,7 @@ from dataclasses import dataclass
 
 from tessera.models.config import ModelConfig
 from tessera.planner.cluster import Cluster
+from tessera.planner.elementwise import eager_bytes_per_token
 
 KERNELS_FWD = 16
 KERNELS_BWD = 32
@@ -196,7 +199,8 @@ def elementwise_time(cluster: Cluster, model: ModelConfig, n: float, tp: int,
     A profiled device carries seconds per element (``overheads["elem_fwd_<activation>"]`` and
     ``elem_bwd_``), measured on real transformer layers by ``tessera profile``: on CPUs the
     activation (erf, sigmoid) and the norms are compute-bound, so the memory bandwidth of a
-    plain add prices them several times too cheap. Otherwise: bytes over memory bandwidth."""
+    plain add prices them several times too cheap. Otherwise: bytes over memory bandwidth,
+    the fused kernels' ``layer_elements`` or eager PyTorch's count (``elementwise.py``)."""
     device = cluster.device
     elements = layer_elements(model, n, tp)
     key = "swiglu" if model.activation == "swiglu" else "gelu"
@@ -204,8 +208,12 @@ def elementwise_time(cluster: Cluster, model: ModelConfig, n: float, tp: int,
     if per_element is not None:
         return LayerTime(elements * per_element,
                          elements * device.overheads.get(f"elem_bwd_{key}", 2 * per_element))
-    t_elem = (elements * bytes_per_element(precision)
-              / (device.memory_bandwidth * device.memory_efficiency))
+    traffic = elements * bytes_per_element(precision)
+    if not device.fused_elementwise:
+        # LayerNorm and gelu blocks run one kernel per op even eagerly, and there the op
+        # count falls below the coarse fused estimate: eager never prices cheaper than fused.
+        traffic = max(traffic, n / tp * eager_bytes_per_token(model, bytes_per_element(precision)))
+    t_elem = traffic / (device.memory_bandwidth * device.memory_efficiency)
     return LayerTime(t_elem, BWD_ELEMENTWISE_FACTOR * t_elem)
 
 

@@ -87,6 +87,11 @@ class DeviceSpec:
             None: ``overlap_efficiency``.
         reserved_bytes: memory not available to the model (runtime, allocator, comm buffers).
         flash_attention: fused attention that keeps no (s x s) scores.
+        fused_elementwise: the norms, rotary embedding, residual adds and activation run as
+            fused kernels (torch.compile, Megatron's fused kernels); False prices them as eager
+            PyTorch runs them, one kernel and one pass over memory per op (tessera's runtime,
+            ``planner/elementwise.py``). Ignored where ``overheads`` carry measured seconds
+            per element.
         optimizer_bytes_per_param: memory traffic of one Adam update per parameter; a fused
             fp32 AdamW reads p, g, m, v and writes p, m, v (28 bytes); unfused kernels and
             mixed-precision copies make it larger, so the default is 48 and profile measures it.
@@ -122,6 +127,7 @@ class DeviceSpec:
     p2p_overlap_efficiency: float | None = None
     reserved_bytes: float = 2 * GIB
     flash_attention: bool = True
+    fused_elementwise: bool = False
     optimizer_bytes_per_param: float = 48.0
     overheads: Mapping[str, float] = dataclasses.field(default_factory=dict)
 
@@ -137,6 +143,10 @@ class DeviceSpec:
         for name in ("memory_bytes", "memory_bandwidth", "host_bandwidth", "disk_bandwidth"):
             if not getattr(self, name) > 0:
                 raise HardwareError(f"device.{name} must be > 0, got {getattr(self, name)!r}")
+        for name in ("flash_attention", "fused_elementwise"):
+            if not isinstance(getattr(self, name), bool):
+                raise HardwareError(f"device.{name} must be true or false, got "
+                                    f"{getattr(self, name)!r}")
         for name in ("matmul_efficiency", "attention_efficiency", "memory_efficiency"):
             if not 0 < getattr(self, name) <= 1:
                 raise HardwareError(f"device.{name} must lie in (0, 1], got {getattr(self, name)}")

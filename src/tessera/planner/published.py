@@ -20,12 +20,19 @@ Sources:
   and no recomputation assumed.
 - TITAN: pytorch/torchtitan ``benchmarks/llama3_h100_202412_torchtitan.md``: H100 96 GB HBM2e at
   2.4 TB/s (the preset's HBM3 has 3.35) and 500 W, Llama 3.1 8B, FSDP, local batch 2, seq 8192,
-  selective activation checkpointing (priced as recompute=0.5), no compile; tokens/s/GPU
-  converted to model TFLOP/s.
+  selective activation checkpointing (priced as recompute=0.5), Tables 1 and 3: eager
+  ("FSDP") and with torch.compile; tokens/s/GPU converted to model TFLOP/s.
+
+``fused_elementwise`` says how each run's element-wise work is priced: Megatron-Core and
+Megatron-DeepSpeed (BLOOM) run fused norm, bias-activation and softmax kernels; Llama 3's
+kernels are not described and are assumed fused; torchtitan's rows say whether torch.compile
+ran (its eager Llama writes RMSNorm and rotary embeddings op by op, as ``elementwise.py``
+counts).
 """
 
 from __future__ import annotations
 
+import dataclasses
 from typing import Any
 
 _MCORE = "seq=4096,vocab=131072,style=gpt2"
@@ -40,13 +47,25 @@ _LLAMA31_8B = ("layers=32,hidden=4096,heads=32,kv_heads=8,ffn=14336,vocab=128256
 _TITAN_H100 = {"memory_bytes": 96e9, "memory_bandwidth": 2.4e12}
 
 
+def _titan(nodes: int, compiled: bool, tokens_per_s: float) -> dict[str, Any]:
+    dp = 8 * nodes
+    return dict(name=f"torchtitan-llama3.1-8b-fsdp{dp}" + ("-compile" if compiled else ""),
+                source="TITAN", model=_LLAMA31_8B,
+                cluster={"device": "h100-80gb", "devices_per_node": 8, "nodes": nodes,
+                         "device_overrides": _TITAN_H100},
+                strategy=f"dp={dp},tp=1,pp=1,mbs=2,gbs={2 * dp},recompute=0.5,memory=zero3,"
+                         "precision=bf16",
+                tokens_per_s_per_gpu=tokens_per_s, tflops_per_gpu=None,
+                fused_elementwise=compiled)
+
+
 def _mcore(name: str, heads: int, hidden: int, layers: int, tp: int, pp: int, dp: int,
            gbs: int, tflops: float) -> dict[str, Any]:
     return dict(name=f"megatron-core-{name}", source="MCORE",
                 model=f"layers={layers},hidden={hidden},heads={heads},{_MCORE}",
                 cluster=f"h100-80gb:8x{tp * pp * dp // 8}",
                 strategy=f"dp={dp},tp={tp},pp={pp},mbs=1,gbs={gbs},memory=zero1,precision=bf16",
-                tflops_per_gpu=tflops, tp_overlap=1.0)
+                tflops_per_gpu=tflops, tp_overlap=1.0, fused_elementwise=True)
 
 
 PUBLISHED: list[dict[str, Any]] = [
@@ -65,27 +84,19 @@ PUBLISHED: list[dict[str, Any]] = [
                   "device_overrides": {"inter": {"name": "Omni-Path 4x100 Gb/s per 8 GPUs",
                                                  "bandwidth": 0.9 * 6.25e9}}},
          strategy="dp=8,tp=4,pp=12,mbs=2,gbs=2048,recompute=full,memory=zero1,precision=bf16",
-         step_time_s=104.70, tflops_per_gpu=None),
+         step_time_s=104.70, tflops_per_gpu=None, fused_elementwise=True),
     dict(name="llama3-405b-8k-8192gpu", source="LLAMA3", model=_LLAMA3_405B,
          cluster="h100-80gb:8x1024",
          strategy="dp=64,tp=8,pp=16,mbs=1,gbs=2048,schedule=interleaved,memory=zero1,"
                   "precision=bf16",
-         tflops_per_gpu=430.0),
+         tflops_per_gpu=430.0, fused_elementwise=True),
     dict(name="llama3-405b-8k-16384gpu", source="LLAMA3", model=_LLAMA3_405B,
          cluster="h100-80gb:8x2048",
          strategy="dp=128,tp=8,pp=16,mbs=1,gbs=2048,schedule=interleaved,memory=zero1,"
                   "precision=bf16",
-         tflops_per_gpu=400.0),
-    dict(name="torchtitan-llama3.1-8b-fsdp8", source="TITAN", model=_LLAMA31_8B,
-         cluster={"device": "h100-80gb", "devices_per_node": 8, "nodes": 1,
-                  "device_overrides": _TITAN_H100},
-         strategy="dp=8,tp=1,pp=1,mbs=2,gbs=16,recompute=0.5,memory=zero3,precision=bf16",
-         tokens_per_s_per_gpu=5762.0, tflops_per_gpu=None),
-    dict(name="torchtitan-llama3.1-8b-fsdp128", source="TITAN", model=_LLAMA31_8B,
-         cluster={"device": "h100-80gb", "devices_per_node": 8, "nodes": 16,
-                  "device_overrides": _TITAN_H100},
-         strategy="dp=128,tp=1,pp=1,mbs=2,gbs=256,recompute=0.5,memory=zero3,precision=bf16",
-         tokens_per_s_per_gpu=5605.0, tflops_per_gpu=None),
+         tflops_per_gpu=400.0, fused_elementwise=True),
+    *(_titan(nodes, compiled, tps) for nodes, compiled, tps in
+      ((1, False, 5762.0), (16, False, 5605.0), (1, True, 6667.0), (16, True, 6514.0))),
 ]
 
 SOURCES = {
@@ -122,6 +133,8 @@ def validate_published() -> list[dict[str, Any]]:
         model = describe_model(row["model"])
         spec = row["cluster"]
         cluster = parse_cluster(spec) if isinstance(spec, str) else Cluster.from_mapping(spec)
+        cluster = dataclasses.replace(cluster, device=dataclasses.replace(
+            cluster.device, fused_elementwise=row["fused_elementwise"]))
         est = estimate(model, cluster, Strategy.parse(row["strategy"]),
                        # Megatron-LM (and the other published runs) split layers equally.
                        SimOptions(tp_overlap=row.get("tp_overlap", 0.0),
