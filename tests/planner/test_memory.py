@@ -3,6 +3,7 @@
 import pytest
 
 from tessera.models.config import preset
+from tessera.planner.activations import matrix_params
 from tessera.planner.memory import device_memory, local_params, stage_memory, stage_params
 from tessera.strategy import Strategy
 
@@ -40,12 +41,20 @@ def test_zero_stages_shard_what_they_promise():
 
 def test_recomputation_and_tp_reduce_activations():
     config = preset("gpt3-175b")
-    s = Strategy(dp=1, tp=8, pp=1, micro_batch_size=1, global_batch_size=1, precision="bf16")
+    s = Strategy(dp=2, tp=8, pp=1, micro_batch_size=1, global_batch_size=2, precision="bf16",
+                 memory="zero1")  # 16-bit parameters: no autocast weight copies
     none = device_memory(config, s, 2048).activations
     full = device_memory(config, s.replace(recompute="full"), 2048).activations
     assert full < none / 5
     tp1 = device_memory(config, s.replace(tp=1), 2048).activations
     assert tp1 == pytest.approx(8 * none, rel=0.05)
+    # Autocast over fp32 weights (memory=ddp) caches a 16-bit copy of every weight during the
+    # forward, recomputed or not: 2 bytes per matrix parameter stay after full recomputation.
+    ddp = s.replace(memory="ddp")
+    copies = 2 * matrix_params(config) * config.n_layers / 8
+    ddp_none = device_memory(config, ddp, 2048).activations
+    ddp_full = device_memory(config, ddp.replace(recompute="full"), 2048).activations
+    assert copies < ddp_full and ddp_full - copies < (ddp_none - copies) / 5
 
 
 def test_pipeline_in_flight_rules():

@@ -60,15 +60,15 @@ def test_with_tensor_parallelism_the_head_stays_whole_with_fewer_layers_beside_i
     assert split[1][0] < split[0][0]
 
 
-def test_tessera_pipeline_price_faster_pipelines_and_published_runs_stay_equal():
+def test_tessera_runtime_price_faster_pipelines_and_published_runs_stay_equal():
     cluster = parse_cluster("a100-80gb:8x1")
     s = Strategy.parse("dp=2,pp=4,mbs=1,gbs=64")
     balanced = estimate(GPT2, cluster, s)
-    equal = estimate(GPT2, cluster, s, SimOptions(tessera_pipeline=False))
+    equal = estimate(GPT2, cluster, s, SimOptions(tessera_runtime=False))
     assert balanced.step_time < 0.8 * equal.step_time
     flat = Strategy.parse("dp=8,mbs=1,gbs=64")  # pp=1: nothing to split
     assert estimate(GPT2, cluster, flat).step_time == estimate(
-        GPT2, cluster, flat, SimOptions(tessera_pipeline=False)).step_time
+        GPT2, cluster, flat, SimOptions(tessera_runtime=False)).step_time
 
 
 def test_head_rows_are_priced_as_messages_to_and_from_their_home():

@@ -21,7 +21,11 @@ the gathered unit is a whole stage piece (its recomputed head or its tail), not 
 ``offload=cpu`` keeps optimizer states (with the fp32 master) in host memory; ``disk`` on NVMe.
 torch DDP copies gradients into its own buckets, hence the extra G under ``ddp`` with dp > 1.
 
-Activations of one layer for one micro-batch, in elements of the training precision (counted
+Activations of one layer for one micro-batch: as tessera's runtime keeps them
+(``activations.py``: its eager blocks, and under bf16/fp16 autocast over fp32 weights, which
+keeps an fp32 residual stream, a 16-bit copy of each linear layer's input and a 16-bit copy of
+each weight per micro-batch in flight). For other runtimes (``tessera=False``: the published
+runs) in elements of the training precision, counted
 like Korthikanti et al. 2022, "Reducing activation recomputation", section 4.1, which gives
 34 s b h bytes in 16-bit for a GPT layer with f = 4h, without the s^2 attention term that a
 fused attention kernel does not keep): norm inputs 2 n h, the QKV input n h, Q, K and V
@@ -42,6 +46,7 @@ import math
 from dataclasses import dataclass
 
 from tessera.models.config import ModelConfig
+from tessera.planner.activations import layer_bytes_per_token, layout, matrix_params
 from tessera.planner.compute import bytes_per_element
 from tessera.planner.split import Split, equal_split, stage_split
 from tessera.strategy import Strategy
@@ -148,21 +153,42 @@ def layer_activation_elements(model: ModelConfig, n: int) -> float:
     return elements
 
 
-def layer_activation(model: ModelConfig, s: Strategy, seq: int, flash: bool
-                     ) -> tuple[float, float]:
-    """(full, checkpointed) activation bytes of one layer for one micro-batch on one device."""
+def layer_activation(model: ModelConfig, s: Strategy, seq: int, flash: bool,
+                     tessera: bool = True) -> tuple[float, float]:
+    """(full, checkpointed) activation bytes of one layer for one micro-batch on one device:
+    as tessera's runtime keeps them (``activations.py``), or with ``tessera`` False as a model
+    held in the training precision with fused kernels keeps them (Korthikanti et al.)."""
     el = bytes_per_element(s.precision)
     n = s.micro_batch_size * seq / s.sp
-    full = layer_activation_elements(model, n) * el
+    if tessera:
+        lay = layout(s.precision, s.memory)
+        full = n * layer_bytes_per_token(model, lay)
+        ckpt = n * model.d_model * lay.residual_bytes
+    else:
+        full = layer_activation_elements(model, n) * el
+        if model.dropout > 0:
+            full += 2 * n * model.d_model  # 1-byte masks after attention and MLP
+        ckpt = n * model.d_model * el
     if not flash:
         full += 2.5 * s.micro_batch_size * model.n_heads * (seq / s.sp) * seq * el
-    if model.dropout > 0:
-        full += 2 * n * model.d_model  # 1-byte masks after attention and MLP
     # 2d splits every activation over the grid (Optimus); 1d is priced with Megatron-style
     # sequence parallelism in the norm/dropout regions, which splits the rest by t as well.
-    full /= s.tp
-    ckpt = n * model.d_model * el / s.tp  # a layer's input is sequence-sharded too
-    return full, ckpt
+    # A layer's input is sequence-sharded too.
+    return full / s.tp, ckpt / s.tp
+
+
+def weight_copies(model: ModelConfig, s: Strategy, layers: int, in_flight: float,
+                  recomputed: int, whole: float, tessera: bool = True) -> float:
+    """Bytes of the 16-bit weight copies autocast makes over fp32 parameters: every linear
+    layer keeps its copy for its backward, per micro-batch in flight, and autocast's cache
+    holds the copies of the recomputed layers too until the micro-batch's forward ends."""
+    per_param = layout(s.precision, s.memory).weight_copy_bytes if tessera else 0
+    if not per_param:
+        return 0.0
+    per_layer = per_param * matrix_params(model) / s.tp
+    dropping = in_flight - whole
+    held = whole * layers + dropping * (layers - recomputed) + (recomputed if dropping > 0 else 0)
+    return held * per_layer
 
 
 def recomputed_layers(ratio: float, layers: int) -> int:
@@ -171,17 +197,19 @@ def recomputed_layers(ratio: float, layers: int) -> int:
 
 
 def activation_bytes(model: ModelConfig, s: Strategy, seq: int, layers: int, in_flight: float,
-                     ratio: float, flash: bool, whole: int = 0) -> float:
+                     ratio: float, flash: bool, whole: int = 0, tessera: bool = True) -> float:
     """Activation bytes of one stage: ``in_flight`` micro-batches of ``layers`` layers, of
     which ``whole`` (scp) keep every layer's activations; while a recomputing one runs its
-    backward, one recomputed layer is rematerialised at a time."""
-    full, ckpt = layer_activation(model, s, seq, flash)
+    backward, one recomputed layer is rematerialised at a time. ``tessera``: as tessera's
+    runtime keeps them (with autocast's weight copies), else a fused 16-bit model."""
+    full, ckpt = layer_activation(model, s, seq, flash, tessera)
     recomputed = recomputed_layers(ratio, layers)
     whole = min(whole, in_flight)
     dropping = in_flight - whole
     kept = recomputed * ckpt + (layers - recomputed) * full
     working = full if recomputed and dropping > 0 else 0.0
-    return dropping * kept + whole * layers * full + working
+    copies = weight_copies(model, s, layers, in_flight, recomputed, whole, tessera)
+    return dropping * kept + whole * layers * full + working + copies
 
 
 def in_flight(s: Strategy, stage: int, micro_batches: int) -> float:
@@ -222,8 +250,9 @@ def stage_memory(model: ModelConfig, s: Strategy, seq: int, reserved: float = 0.
         seq: training sequence length.
         reserved: bytes the runtime keeps for itself (device preset).
         flash: whether attention keeps no (s x s) scores.
-        tessera: stages as tessera's partitioner deals them; False: Megatron-LM's equal
-            split (split.py).
+        tessera: tessera's runtime: stages as its partitioner deals them (split.py) and
+            activations as its blocks keep them (activations.py); False: Megatron-LM's equal
+            split and fused 16-bit layers.
         kept: :func:`scp_kept`'s answer when the caller has it (computed here otherwise).
     """
     w_b, g_b, o_b = state_bytes(s.precision)
@@ -250,7 +279,7 @@ def stage_memory(model: ModelConfig, s: Strategy, seq: int, reserved: float = 0.
         held = in_flight(s, i, m)
         # scp: micro-batches kept whole, within 1F1B's peak (scp_kept)
         acts = activation_bytes(model, s, seq, stage.layers, held, ratio, flash,
-                                kept[i] if kept else 0)
+                                kept[i] if kept else 0, tessera)
         acts += stage.head_share * logits_bytes(model, s, seq)  # its slices' logits
         buffers = reserved + _buffers(model, s, seq, p, stage, w_b, g_b, ratio)
         out.append(MemoryBreakdown(weights, grads, optim, acts, buffers, host))
@@ -274,16 +303,18 @@ def scp_kept(model: ModelConfig, s: Strategy, seq: int, reserved: float = 0.0,
     for i, stage in enumerate(stages):
         ratio = s.stage_recompute(i)
         rest.append(base[i].total - activation_bytes(
-            model, s, seq, stage.layers, in_flight(one_f_one_b, i, m), ratio, flash))
+            model, s, seq, stage.layers, in_flight(one_f_one_b, i, m), ratio, flash,
+            tessera=tessera))
         scp_plain.append(rest[i] + activation_bytes(model, s, seq, stage.layers,
-                                                    in_flight(s, i, m), ratio, flash))
+                                                    in_flight(s, i, m), ratio, flash,
+                                                    tessera=tessera))
     budget = max(max(b.total for b in base), max(scp_plain))
     out = []
     for i, stage in enumerate(stages):
         ratio, held = s.stage_recompute(i), in_flight(s, i, m)
         keep = (m if i == s.pp - 1 else min(s.pp - 1 - i, m)) if ratio > 0 else 0
         while keep > 0 and rest[i] + activation_bytes(
-                model, s, seq, stage.layers, held, ratio, flash, keep) > budget:
+                model, s, seq, stage.layers, held, ratio, flash, keep, tessera) > budget:
             keep = min(keep, held) - 1
         out.append(keep)
     return out

@@ -138,7 +138,7 @@ def validate_published() -> list[dict[str, Any]]:
         est = estimate(model, cluster, Strategy.parse(row["strategy"]),
                        # Megatron-LM (and the other published runs) split layers equally.
                        SimOptions(tp_overlap=row.get("tp_overlap", 0.0),
-                                  tessera_pipeline=False))
+                                  tessera_runtime=False))
         measured = measured_tflops(row, model)
         out.append(dict(name=row["name"], source=row["source"], strategy=row["strategy"],
                         gpus=est.strategy.world_size, measured=measured,

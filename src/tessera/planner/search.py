@@ -255,7 +255,7 @@ class _Search:
         dev = self.cluster.device
         mem = device_memory(self.model, s, self.model.max_seq_len, dev.reserved_bytes,
                             dev.flash_attention,
-                            (self.options or SimOptions()).tessera_pipeline).total
+                            (self.options or SimOptions()).tessera_runtime).total
         if mem > dev.memory_bytes:
             self.pruned["memory"] += 1
             short = mem - dev.memory_bytes

@@ -49,14 +49,16 @@ class SimOptions:
         tp_overlap: fraction of tensor-parallel communication that sub-pipelined tensor
             parallelism (Merak) or async TP hides under compute; 0 = none.
         dp_overlap: overlap gradient synchronisation with the last backward (DDP buckets).
-        tessera_pipeline: pipeline stages as tessera's partitioner deals them (fewer layers
-            beside a heavy head, a heavy head sliced over the last stages); False: the equal
-            split with the head on the last stage, as Megatron-LM runs (split.py).
+        tessera_runtime: price tessera's runtime: pipeline stages as its partitioner deals
+            them (fewer layers beside a heavy head, a heavy head sliced over the last
+            stages) and activations as its eager blocks keep them under autocast
+            (activations.py); False: the equal split with the head on the last stage and
+            fused 16-bit layers, as Megatron-LM runs (split.py, Korthikanti's count).
     """
 
     tp_overlap: float = 0.0
     dp_overlap: bool = True
-    tessera_pipeline: bool = True
+    tessera_runtime: bool = True
 
 
 @dataclass(frozen=True)
@@ -118,7 +120,7 @@ def estimate(model: ModelConfig, cluster: Cluster, strategy: Strategy,
     m = s.grad_accum_steps
     stages = _stage_costs(model, cl, s, groups, opt, cache)
     kept = scp_kept(model, s, seq, cl.device.reserved_bytes, cl.device.flash_attention,
-                    opt.tessera_pipeline) if s.schedule == "scp" else []
+                    opt.tessera_runtime) if s.schedule == "scp" else []
     pipe, parts = _pipeline(s, stages, m, cl, model, groups, kept)
     dp_parts = _data_parallel(model, cl, s, groups, stages, opt)
     step = pipe + sum(dp_parts.values())
@@ -129,7 +131,7 @@ def estimate(model: ModelConfig, cluster: Cluster, strategy: Strategy,
     model_flops = model.flops_per_token(seq) * tokens
     peak = cl.device.peak(s.precision)
     memory = device_memory(model, s, seq, cl.device.reserved_bytes, cl.device.flash_attention,
-                           opt.tessera_pipeline, kept)
+                           opt.tessera_runtime, kept)
     return Estimate(strategy=s, step_time=step, tokens_per_s=tokens / step,
                     tflops_per_device=model_flops / step / s.world_size / 1e12,
                     mfu=model_flops / step / s.world_size / peak, memory=memory,
@@ -204,7 +206,7 @@ def _stage_costs(model: ModelConfig, cl: Cluster, s: Strategy, groups, opt: SimO
 
 
 def _stage_params(model: ModelConfig, s: Strategy, opt: SimOptions) -> list:
-    return pipeline_stage_params(model, s, opt.tessera_pipeline)
+    return pipeline_stage_params(model, s, opt.tessera_runtime)
 
 
 def _cached_layer_time(model: ModelConfig, cl: Cluster, s: Strategy,

@@ -1,0 +1,86 @@
+"""What one transformer layer keeps for its backward in tessera's runtime, in bytes.
+
+tessera trains eager PyTorch blocks (``models/transformer.py``; Hugging Face's Llama and GPT-2
+are written the same way) and runs bf16/fp16 under ``torch.autocast`` over fp32 parameters,
+except memory=chunk, whose chunks hold the parameters in the training precision (the ZeRO
+settings, priced but not run by tessera, are priced like it, as DeepSpeed holds 16-bit
+parameters). Three layouts follow, with ``e`` the bytes of a matmul's output and ``r`` those
+of the residual stream:
+
+- fp32: e = r = 4.
+- bf16/fp16 under autocast over fp32 parameters: e = 2, r = 4 (the embedding and the residual
+  adds stay fp32). Every linear layer casts its input to 16 bits and keeps that copy, so the
+  three attention projections keep three copies of the normed input and the MLP one or two;
+  each keeps its 16-bit weight copy too, ``2`` bytes per weight-matrix element (biases are
+  not kept: their gradient needs no input), and autocast's cache holds every copy until the
+  micro-batch's forward ends, recomputed layers' included.
+- bf16/fp16 with parameters held in 16 bits (memory=chunk, zero1/2/3): e = r = 2.
+
+Per token of one layer (h hidden, kv the key/value width, f the MLP width):
+
+- a norm: LayerNorm keeps its input (``r h``) and two fp32 statistics; RMSNorm, computed in
+  fp32 (``x.float()``, ``* rsqrt``, ``.type_as(x) * weight``), keeps ``x`` in fp32 and the
+  normed value in the residual's precision: ``(4 + r) h`` and one statistic.
+- the linear layers' inputs: ``e h`` once per norm when they share it, once per layer when
+  autocast casts it for each.
+- attention (fused, no scores): q, k, v ``e (h + 2 kv)``, its output ``e h`` (which is the
+  output projection's input) and the fp32 log-sum-exp per head.
+- MLP: gelu keeps its input and output (``2 e f``); swiglu keeps gate and up and their product
+  (``3 e f``, ``SiluMul`` recomputes the silu).
+
+Measured against the tensors autograd saves for a real block (tests/planner/test_activations.py),
+these counts agree within 1%. A checkpointed layer keeps only its input, ``r h``.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from tessera.models.config import ModelConfig
+
+FP32_BYTES = 4
+LOW_PRECISIONS = ("bf16", "fp16")
+
+
+@dataclass(frozen=True)
+class Layout:
+    """How tessera's runtime holds one layer's tensors for a precision and memory setting."""
+
+    matmul_bytes: int  # e: a linear layer's output
+    residual_bytes: int  # r: the residual stream, norm inputs
+    cast_per_linear: bool  # autocast over fp32 weights: each linear keeps its own input copy
+    weight_copy_bytes: int  # per parameter, the 16-bit weight copy each linear keeps
+
+
+def layout(precision: str, memory: str) -> Layout:
+    """The runtime's layout for ``precision`` under the ``memory`` setting."""
+    if precision not in LOW_PRECISIONS:
+        return Layout(FP32_BYTES, FP32_BYTES, False, 0)
+    if memory != "ddp":  # chunk, and the ZeRO settings priced as DeepSpeed runs them
+        return Layout(2, 2, False, 0)
+    return Layout(2, FP32_BYTES, True, 2)
+
+
+def layer_bytes_per_token(model: ModelConfig, lay: Layout) -> float:
+    """Bytes one layer keeps for backward per token (no parallel split, fused attention)."""
+    e, r = lay.matmul_bytes, lay.residual_bytes
+    h, f = model.d_model, model.d_ff
+    kv = model.n_kv_heads * model.head_dim
+    if model.norm == "rmsnorm":
+        norm = (FP32_BYTES + r) * h + FP32_BYTES
+    else:
+        norm = r * h + 2 * FP32_BYTES
+    mlp_linears = 2 if model.activation == "swiglu" else 1
+    linear_inputs = (3 + mlp_linears) * e * h if lay.cast_per_linear else 2 * e * h
+    attention = e * (h + 2 * kv) + e * h + FP32_BYTES * model.n_heads
+    mlp = (3 if model.activation == "swiglu" else 2) * e * f
+    masks = 2 * h if model.dropout > 0 else 0  # 1-byte dropout masks after attention and MLP
+    return 2 * norm + linear_inputs + attention + mlp + masks
+
+
+def matrix_params(model: ModelConfig) -> int:
+    """Elements of one layer's weight matrices (what autocast copies to 16 bits)."""
+    h, f = model.d_model, model.d_ff
+    kv = model.n_kv_heads * model.head_dim
+    mlp_in = 2 if model.activation == "swiglu" else 1
+    return h * (h + 2 * kv) + h * h + (mlp_in + 1) * h * f
