@@ -86,3 +86,27 @@ def test_weight_copies_follow_the_micro_batches_in_flight():
     assert weight_copies(LLAMA, s, 4, 3, 4, 0) == pytest.approx(one)
     assert weight_copies(LLAMA, s.replace(precision="fp32"), 4, 3, 0, 0) == 0
     assert weight_copies(LLAMA, s.replace(memory="chunk"), 4, 3, 0, 0) == 0
+
+
+def test_autocast_weight_casts_are_priced_per_forward():
+    from tessera.planner import estimate, parse_cluster
+    from tessera.planner.compute import weight_cast_time
+    from tessera.planner.simulator import SimOptions, lower_bound
+
+    cluster = parse_cluster("h100-80gb:8x1")
+    llama = dataclasses.replace(LLAMA, n_layers=4, max_seq_len=64)
+    s = Strategy.parse("dp=1,mbs=1,gbs=4,precision=bf16")  # 4 micro-batches, autocast
+    ours = estimate(llama, cluster, s)
+    other = estimate(llama, cluster, s, SimOptions(tessera_runtime=False))
+    cast = weight_cast_time(cluster, llama, 1, "bf16", "ddp")
+    bw = cluster.device.memory_bandwidth * cluster.device.memory_efficiency
+    assert cast == pytest.approx(6 * matrix_params(llama) / bw)  # read fp32, write 16-bit
+    assert ours.step_time - other.step_time == pytest.approx(4 * 4 * cast, rel=1e-6)
+    # A recomputed layer enters autocast again: its casts come back with the recomputation.
+    full = s.replace(recompute="full")
+    rec = estimate(llama, cluster, full).breakdown["recompute"]
+    rec_other = estimate(llama, cluster, full, SimOptions(tessera_runtime=False))
+    assert rec - rec_other.breakdown["recompute"] == pytest.approx(4 * 4 * cast, rel=1e-6)
+    # 16-bit parameters make no copies, so the search's bound leaves the casts out.
+    assert weight_cast_time(cluster, llama, 1, "bf16", "chunk") == 0
+    assert lower_bound(llama, cluster, s) <= estimate(llama, cluster, s).step_time - 16 * cast

@@ -33,6 +33,7 @@ import math
 from dataclasses import dataclass
 
 from tessera.models.config import ModelConfig
+from tessera.planner.activations import FP32_BYTES, layout, matrix_params
 from tessera.planner.cluster import Cluster
 from tessera.planner.elementwise import eager_bytes_per_token
 
@@ -215,6 +216,22 @@ def elementwise_time(cluster: Cluster, model: ModelConfig, n: float, tp: int,
         traffic = max(traffic, n / tp * eager_bytes_per_token(model, bytes_per_element(precision)))
     t_elem = traffic / (device.memory_bandwidth * device.memory_efficiency)
     return LayerTime(t_elem, BWD_ELEMENTWISE_FACTOR * t_elem)
+
+
+def weight_cast_time(cluster: Cluster, model: ModelConfig, tp: int, precision: str,
+                     memory: str) -> float:
+    """Seconds autocast spends casting one layer's weight matrices to 16 bits, per forward.
+
+    tessera's runtime enters autocast for every micro-batch's forward, and a recomputed layer
+    enters it again, so each reads the fp32 weights and writes their 16-bit copy (6 bytes per
+    element) at memory bandwidth, at a lone worker's rate divided by the compute share like a
+    layer. 0 where the parameters are held in the training precision (``activations.layout``).
+    """
+    if not layout(precision, memory).weight_copy_bytes:
+        return 0.0
+    device = cluster.device
+    traffic = (FP32_BYTES + 2) * matrix_params(model) / tp
+    return traffic / (device.memory_bandwidth * device.memory_efficiency) / cluster.compute_share()
 
 
 def layer_time(cluster: Cluster, model: ModelConfig, b: int, seq: int, tp: int, tp_mode: str,

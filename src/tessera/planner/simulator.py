@@ -30,7 +30,7 @@ from tessera.models.config import ModelConfig
 from tessera.planner import comm
 from tessera.planner.cluster import Cluster
 from tessera.planner.compute import (LayerTime, bytes_per_element, embedding_time, head_time,
-                                     layer_time, optimizer_time)
+                                     layer_time, optimizer_time, weight_cast_time)
 from tessera.planner.memory import (INTERLEAVE_CHUNKS, MemoryBreakdown, StageParams,
                                     device_memory, local_params, pipeline_stage_params,
                                     recomputed_layers, scp_kept, state_bytes)
@@ -159,20 +159,25 @@ def lower_bound(model: ModelConfig, cluster: Cluster, strategy: Strategy,
     s = strategy.replace(recompute=(0.0,), memory="ddp", offload=())
     cl = placed(cluster, s.world_size)
     groups = comm.mesh_groups(s.tp, s.sp, s.dp, s.pp)
-    stages = _stage_costs(model, cl, s, groups, options or SimOptions(), cache)
+    # No weight casts: memory settings that hold 16-bit parameters make none.
+    stages = _stage_costs(model, cl, s, groups, options or SimOptions(), cache, casts=False)
     return _pipeline(s, stages, s.grad_accum_steps, cl, model, groups)[0]
 
 
 def _stage_costs(model: ModelConfig, cl: Cluster, s: Strategy, groups, opt: SimOptions,
-                 cache: dict | None = None) -> list[_Stage]:
+                 cache: dict | None = None, casts: bool = True) -> list[_Stage]:
     seq, b = model.max_seq_len, s.micro_batch_size
     lt = _cached_layer_time(model, cl, s, cache)
+    # autocast's 16-bit weight copies, made again for every forward (and recomputation)
+    cast = 0.0
+    if casts and opt.tessera_runtime:
+        cast = weight_cast_time(cl, model, s.tp, s.precision, s.memory)
     tp_f, tp_b = _tp_comm(model, cl, s, groups)
     sp_f, sp_b = _sp_comm(model, cl, s, groups, lt)
     out = []
     for i, sp_params in enumerate(_stage_params(model, s, opt)):
         layers = sp_params.layers
-        fwd, bwd = layers * lt.forward, layers * lt.backward
+        fwd, bwd = layers * (lt.forward + cast), layers * lt.backward
         extra_tp = 0.0
         if i == 0:
             e = embedding_time(cl, model, b, seq, s.tp, s.sp, s.precision)
@@ -189,7 +194,7 @@ def _stage_costs(model: ModelConfig, cl: Cluster, s: Strategy, groups, opt: SimO
         n_rec = recomputed_layers(s.stage_recompute(i), layers)
         # The forward again, plus the checkpoint's own hooks (profiled, at a lone worker's
         # rate like the layer's other fixed costs).
-        rec = n_rec * (lt.forward + cl.device.overheads.get("recompute_layer", 0.0)
+        rec = n_rec * (lt.forward + cast + cl.device.overheads.get("recompute_layer", 0.0)
                        / cl.compute_share())
         tp = layers * (tp_f + tp_b) + n_rec * tp_f + extra_tp
         sp = layers * (sp_f + sp_b) + n_rec * sp_f
