@@ -11,9 +11,10 @@ of the residual stream:
 - bf16/fp16 under autocast over fp32 parameters: e = 2, r = 4 (the embedding and the residual
   adds stay fp32). Every linear layer casts its input to 16 bits and keeps that copy, so the
   three attention projections keep three copies of the normed input and the MLP one or two;
-  each keeps its 16-bit weight copy too, ``2`` bytes per weight-matrix element (biases are
-  not kept: their gradient needs no input), and autocast's cache holds every copy until the
-  micro-batch's forward ends, recomputed layers' included.
+  without tensor parallelism each also keeps its 16-bit weight copy, ``2`` bytes per
+  weight-matrix element (biases are not kept: their gradient needs no input), and autocast's
+  cache holds every copy until the micro-batch's forward ends, recomputed layers' included
+  (a tensor-parallel shard is not a leaf, so autocast caches none of it).
 - bf16/fp16 with parameters held in 16 bits (memory=chunk, zero1/2/3): e = r = 2.
 
 Per token of one layer (h hidden, kv the key/value width, f the MLP width):
@@ -28,8 +29,11 @@ Per token of one layer (h hidden, kv the key/value width, f the MLP width):
 - MLP: gelu keeps its input and output (``2 e f``); swiglu keeps gate and up and their product
   (``3 e f``, ``SiluMul`` recomputes the silu).
 
-Measured against the tensors autograd saves for a real block (tests/planner/test_activations.py),
-these counts agree within 1%. A checkpointed layer keeps only its input, ``r h``.
+Under 1d tensor parallelism see :func:`layer_bytes_per_token`. Against the tensors autograd
+saves for a real block, alone and under 2-rank 1d tp (tests/planner/test_activations.py), these
+counts are exact but for LayerNorm's statistics under 16-bit parameters (0.2%); dropout on CPU
+is not matched (SDPA's math kernel keeps the scores). A checkpointed layer keeps only its
+input, ``r h``.
 """
 
 from __future__ import annotations
@@ -61,8 +65,16 @@ def layout(precision: str, memory: str) -> Layout:
     return Layout(2, FP32_BYTES, True, 2)
 
 
-def layer_bytes_per_token(model: ModelConfig, lay: Layout) -> float:
-    """Bytes one layer keeps for backward per token (no parallel split, fused attention)."""
+def layer_bytes_per_token(model: ModelConfig, lay: Layout, tp: int = 1,
+                          tp_mode: str = "1d") -> float:
+    """Bytes one layer keeps for backward per token on one device (fused attention).
+
+    Under 1d tensor parallelism (tessera's column/row-parallel ops, no sequence parallelism
+    around the norms) the norms and the linear layers' input stay whole on every rank, and the
+    column-parallel op keeps that input once, as it comes (in the residual's precision, not a
+    16-bit copy per linear); attention's heads and the MLP's width are split t ways. 2d
+    (Optimus) partitions every activation over the grid: all of it divided by t.
+    """
     e, r = lay.matmul_bytes, lay.residual_bytes
     h, f = model.d_model, model.d_ff
     kv = model.n_kv_heads * model.head_dim
@@ -71,11 +83,26 @@ def layer_bytes_per_token(model: ModelConfig, lay: Layout) -> float:
     else:
         norm = r * h + 2 * FP32_BYTES
     mlp_linears = 2 if model.activation == "swiglu" else 1
-    linear_inputs = (3 + mlp_linears) * e * h if lay.cast_per_linear else 2 * e * h
+    if tp > 1 and tp_mode == "1d":
+        linear_inputs = 2 * r * h
+    elif lay.cast_per_linear:
+        linear_inputs = (3 + mlp_linears) * e * h
+    else:
+        linear_inputs = 2 * e * h
     attention = e * (h + 2 * kv) + e * h + FP32_BYTES * model.n_heads
     mlp = (3 if model.activation == "swiglu" else 2) * e * f
     masks = 2 * h if model.dropout > 0 else 0  # 1-byte dropout masks after attention and MLP
-    return 2 * norm + linear_inputs + attention + mlp + masks
+    whole = 2 * norm + linear_inputs + masks
+    if tp > 1 and tp_mode == "1d":
+        return whole + (attention + mlp) / tp
+    return (whole + attention + mlp) / tp
+
+
+def keeps_weight_copies(lay: Layout, tp: int) -> bool:
+    """Whether the layer's linears keep 16-bit weight copies: nn.Linear under autocast does
+    (and autocast's cache holds them, the weights being leaves); under tensor parallelism a
+    rank's shard is not a leaf, so nothing is cached, and the ops keep their fp32 shard."""
+    return lay.weight_copy_bytes > 0 and tp == 1
 
 
 def matrix_params(model: ModelConfig) -> int:

@@ -16,7 +16,7 @@ holds ``s_loc = seq / sp`` positions, with tensor parallelism of degree ``t``:
 - Element-wise kernels (norms, residual adds, activation, rope): fused, about
   ``n * (14 h + c f)`` elements forward (c = 2 for gelu, 5 for swiglu's silu-and-multiply);
   eager (``device.fused_elementwise`` false, tessera's runtime), one pass over memory per op
-  (``elementwise.py``: 2-3x the fused traffic for Llama-style blocks in bf16). A profiled
+  (``elementwise.py``: about 3x the fused traffic for Llama-style blocks in bf16). A profiled
   device prices them at its measured seconds per element of real transformer layers (forward
   and backward separately); otherwise as memory traffic at ``memory_efficiency`` of memory
   bandwidth, twice that backward.
@@ -194,7 +194,7 @@ def layer_core_time(cluster: Cluster, model: ModelConfig, b: int, seq: int, tp: 
 
 
 def elementwise_time(cluster: Cluster, model: ModelConfig, n: float, tp: int,
-                     precision: str) -> LayerTime:
+                     precision: str, memory: str = "ddp") -> LayerTime:
     """Element-wise seconds of one layer at a lone worker's rate.
 
     A profiled device carries seconds per element (``overheads["elem_fwd_<activation>"]`` and
@@ -211,16 +211,17 @@ def elementwise_time(cluster: Cluster, model: ModelConfig, n: float, tp: int,
                          elements * device.overheads.get(f"elem_bwd_{key}", 2 * per_element))
     traffic = elements * bytes_per_element(precision)
     if not device.fused_elementwise:
-        # LayerNorm and gelu blocks run one kernel per op even eagerly, and there the op
-        # count falls below the coarse fused estimate: eager never prices cheaper than fused.
-        traffic = max(traffic, n / tp * eager_bytes_per_token(model, bytes_per_element(precision)))
+        # LayerNorm and gelu blocks in fp32 run one kernel per op even eagerly, and there the
+        # op count falls below the coarse fused estimate: eager never prices below fused.
+        traffic = max(traffic, n / tp * eager_bytes_per_token(model, layout(precision, memory)))
     t_elem = traffic / (device.memory_bandwidth * device.memory_efficiency)
     return LayerTime(t_elem, BWD_ELEMENTWISE_FACTOR * t_elem)
 
 
 def weight_cast_time(cluster: Cluster, model: ModelConfig, tp: int, precision: str,
                      memory: str) -> float:
-    """Seconds autocast spends casting one layer's weight matrices to 16 bits, per forward.
+    """Seconds autocast spends casting one layer's weight matrices to 16 bits, per forward
+    (and as much per backward, casting their 16-bit gradients back to fp32).
 
     tessera's runtime enters autocast for every micro-batch's forward, and a recomputed layer
     enters it again, so each reads the fp32 weights and writes their 16-bit copy (6 bytes per
@@ -235,12 +236,13 @@ def weight_cast_time(cluster: Cluster, model: ModelConfig, tp: int, precision: s
 
 
 def layer_time(cluster: Cluster, model: ModelConfig, b: int, seq: int, tp: int, tp_mode: str,
-               sp: int, precision: str, sp_mode: str = "ring") -> LayerTime:
+               sp: int, precision: str, sp_mode: str = "ring", memory: str = "ddp"
+               ) -> LayerTime:
     """Forward and backward seconds of one transformer layer for one micro-batch."""
     device = cluster.device
     share = cluster.compute_share()
     core = layer_core_time(cluster, model, b, seq, tp, tp_mode, sp, precision, sp_mode)
-    elem = elementwise_time(cluster, model, b * seq // sp, tp, precision)
+    elem = elementwise_time(cluster, model, b * seq // sp, tp, precision, memory)
     fixed = device.overheads
     fwd = core.forward + elem.forward + fixed.get("layer_fwd", KERNELS_FWD * device.kernel_overhead)
     bwd = core.backward + elem.backward + fixed.get("layer_bwd",

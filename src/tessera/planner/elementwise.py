@@ -3,46 +3,51 @@
 Eager PyTorch runs every element-wise op as its own kernel that reads its inputs from device
 memory and writes its output back; torch.compile and Megatron-style fused kernels do the same
 work in far fewer passes. The counts below are bytes per token of one layer's forward, for the
-blocks as tessera's reference model writes them (``models/transformer.py``), which are also how
-Hugging Face's Llama and GPT-2 and torchtitan's Llama write them:
+blocks as tessera's reference model writes them (``models/transformer.py``; Hugging Face's
+Llama and GPT-2 and torchtitan's Llama are written the same way), in the runtime's layout
+(``activations.Layout``: ``e`` the bytes of a matmul output, ``r`` those of the residual
+stream, ``cast = e + 4`` for a copy between 16 bits and fp32, 0 where both are fp32):
 
-- rmsnorm: ``x.float()``, ``pow(2)``, ``mean(-1)`` (reads), ``x * rsqrt(...)``,
-  ``.type_as(x)``, ``* weight``: ``2 cast + 20 + 2e`` bytes per hidden element, where ``e``
-  is the activation's bytes and ``cast = e + 4`` a copy to or from fp32 (0 in fp32). LayerNorm
-  is one native kernel: ``2e``.
+- rmsnorm, computed in fp32: ``x.float()``, ``pow(2)``, ``mean(-1)`` (reads), ``* rsqrt``,
+  ``.type_as(x)``, ``* weight``: ``2 cast(r) + 20 + 2r`` per hidden element. LayerNorm is one
+  native kernel: ``2r``.
+- autocast over fp32 weights casts each linear layer's input to 16 bits: ``r + e`` per hidden
+  element, for the three attention projections and the MLP's one or two input projections.
 - rotary embedding of q and k (``h + kv`` elements): the halves cast to fp32, four half-width
-  products and two sums, a concatenation and the cast back: ``2 cast + 36``.
-- the attention output's (heads, tokens) -> (tokens, hidden) copy: ``2e`` per hidden element;
-  two residual adds: ``3e`` each.
+  products and two sums, a concatenation and the cast back: ``2 cast(e) + 36``.
+- two residual adds (residual plus branch output): ``2r + e`` each.
 - swiglu: ``silu(gate)`` then ``* up``: ``5e`` per MLP element; gelu (one kernel): ``2e``.
-- dropout, when the model has it, after attention and MLP: ``2e + 1`` each (the mask is bytes).
+- dropout, when the model has it, on each branch output: ``2e + 1`` (a 1-byte mask).
 
-Matmuls (bias included, ``addmm``) and the fused attention kernel are priced elsewhere. The
-backward is priced at twice the forward, as for fused kernels.
+Matmuls (bias included, ``addmm``) and the fused attention kernel are priced elsewhere; the
+attention's output is already laid out (tokens, heads, head dim), so the output projection
+reads it without a copy. The backward is priced at twice the forward, as for fused kernels.
+tests/planner/test_elementwise.py counts the bytes every op of a real block moves.
 """
 
 from __future__ import annotations
 
 from tessera.models.config import ModelConfig
+from tessera.planner.activations import FP32_BYTES, Layout
 
-FP32_BYTES = 4
+
+def _cast(element_bytes: int) -> int:
+    """Bytes a copy between ``element_bytes`` and fp32 moves per element (0 if already fp32)."""
+    return 0 if element_bytes == FP32_BYTES else element_bytes + FP32_BYTES
 
 
-def eager_bytes_per_token(model: ModelConfig, element_bytes: int) -> float:
-    """Forward element-wise bytes of one layer per token on one device (no tensor parallelism).
-
-    Args:
-        model: the transformer.
-        element_bytes: bytes of one activation element (2 under bf16/fp16, 4 in fp32).
-    """
-    e = element_bytes
-    cast = 0 if e == FP32_BYTES else e + FP32_BYTES
+def eager_bytes_per_token(model: ModelConfig, lay: Layout) -> float:
+    """Forward element-wise bytes of one layer per token on one device (no tensor
+    parallelism), in the runtime layout ``lay`` (``activations.layout``)."""
+    e, r = lay.matmul_bytes, lay.residual_bytes
     h, f = model.d_model, model.d_ff
     kv = model.n_kv_heads * model.head_dim
-    norm = (2 * cast + 20 + 2 * e) if model.norm == "rmsnorm" else 2 * e
-    per_hidden = 2 * norm + 2 * e + 2 * 3 * e  # two norms, output copy, two residual adds
+    norm = (2 * _cast(r) + 20 + 2 * r) if model.norm == "rmsnorm" else 2 * r
+    mlp_linears = 2 if model.activation == "swiglu" else 1
+    casts = (3 + mlp_linears) * (r + e) if lay.cast_per_linear else 0
+    per_hidden = 2 * norm + casts + 2 * (2 * r + e)  # two norms, input casts, residual adds
     if model.dropout > 0:
         per_hidden += 2 * (2 * e + 1)
-    rope = (2 * cast + 36) * (h + kv) if model.position == "rope" else 0.0
+    rope = (2 * _cast(e) + 36) * (h + kv) if model.position == "rope" else 0.0
     per_ffn = 5 * e if model.activation == "swiglu" else 2 * e
     return per_hidden * h + rope + per_ffn * f

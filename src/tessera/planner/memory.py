@@ -46,7 +46,8 @@ import math
 from dataclasses import dataclass
 
 from tessera.models.config import ModelConfig
-from tessera.planner.activations import layer_bytes_per_token, layout, matrix_params
+from tessera.planner.activations import (keeps_weight_copies, layer_bytes_per_token, layout,
+                                          matrix_params)
 from tessera.planner.compute import bytes_per_element
 from tessera.planner.split import Split, equal_split, stage_split
 from tessera.strategy import Strategy
@@ -160,21 +161,21 @@ def layer_activation(model: ModelConfig, s: Strategy, seq: int, flash: bool,
     held in the training precision with fused kernels keeps them (Korthikanti et al.)."""
     el = bytes_per_element(s.precision)
     n = s.micro_batch_size * seq / s.sp
+    scores = 0.0 if flash else 2.5 * s.micro_batch_size * model.n_heads * (seq / s.sp) * seq * el
     if tessera:
+        # tessera's 1d tp keeps the norms and the layer's input whole on every rank
         lay = layout(s.precision, s.memory)
-        full = n * layer_bytes_per_token(model, lay)
-        ckpt = n * model.d_model * lay.residual_bytes
-    else:
-        full = layer_activation_elements(model, n) * el
-        if model.dropout > 0:
-            full += 2 * n * model.d_model  # 1-byte masks after attention and MLP
-        ckpt = n * model.d_model * el
-    if not flash:
-        full += 2.5 * s.micro_batch_size * model.n_heads * (seq / s.sp) * seq * el
-    # 2d splits every activation over the grid (Optimus); 1d is priced with Megatron-style
-    # sequence parallelism in the norm/dropout regions, which splits the rest by t as well.
-    # A layer's input is sequence-sharded too.
-    return full / s.tp, ckpt / s.tp
+        whole_input = s.tp_mode == "1d"
+        full = n * layer_bytes_per_token(model, lay, s.tp, s.tp_mode) + scores / s.tp
+        ckpt = n * model.d_model * lay.residual_bytes / (1 if whole_input else s.tp)
+        return full, ckpt
+    full = layer_activation_elements(model, n) * el + scores
+    if model.dropout > 0:
+        full += 2 * n * model.d_model  # 1-byte masks after attention and MLP
+    # Megatron: 2d splits every activation over the grid (Optimus); 1d with Megatron's
+    # sequence parallelism in the norm/dropout regions splits the rest by t as well, and a
+    # layer's input is sequence-sharded too.
+    return full / s.tp, n * model.d_model * el / s.tp
 
 
 def weight_copies(model: ModelConfig, s: Strategy, layers: int, in_flight: float,
@@ -182,10 +183,10 @@ def weight_copies(model: ModelConfig, s: Strategy, layers: int, in_flight: float
     """Bytes of the 16-bit weight copies autocast makes over fp32 parameters: every linear
     layer keeps its copy for its backward, per micro-batch in flight, and autocast's cache
     holds the copies of the recomputed layers too until the micro-batch's forward ends."""
-    per_param = layout(s.precision, s.memory).weight_copy_bytes if tessera else 0
-    if not per_param:
+    lay = layout(s.precision, s.memory)
+    if not tessera or not keeps_weight_copies(lay, s.tp):
         return 0.0
-    per_layer = per_param * matrix_params(model) / s.tp
+    per_layer = lay.weight_copy_bytes * matrix_params(model)
     dropping = in_flight - whole
     held = whole * layers + dropping * (layers - recomputed) + (recomputed if dropping > 0 else 0)
     return held * per_layer
@@ -281,6 +282,10 @@ def stage_memory(model: ModelConfig, s: Strategy, seq: int, reserved: float = 0.
         acts = activation_bytes(model, s, seq, stage.layers, held, ratio, flash,
                                 kept[i] if kept else 0, tessera)
         acts += stage.head_share * logits_bytes(model, s, seq)  # its slices' logits
+        if stage.head_share and tessera and keeps_weight_copies(layout(s.precision, s.memory),
+                                                                  s.tp):
+            # the head's 16-bit weight copy, per micro-batch in flight
+            acts += held * 2 * model.vocab_size * model.d_model
         buffers = reserved + _buffers(model, s, seq, p, stage, w_b, g_b, ratio)
         out.append(MemoryBreakdown(weights, grads, optim, acts, buffers, host))
     return out

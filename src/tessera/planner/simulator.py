@@ -156,28 +156,28 @@ def lower_bound(model: ModelConfig, cluster: Cluster, strategy: Strategy,
                 options: SimOptions | None = None, cache: dict | None = None) -> float:
     """Step time of ``strategy``'s layout without recomputation, gradient synchronisation,
     optimizer or offload: no recomputation or memory setting can make the step faster."""
-    s = strategy.replace(recompute=(0.0,), memory="ddp", offload=())
+    # memory=chunk: 16-bit parameters under bf16/fp16 make no weight casts and the least
+    # element-wise traffic (no autocast copies); in fp32 every memory setting prices alike.
+    s = strategy.replace(recompute=(0.0,), memory="chunk", offload=())
     cl = placed(cluster, s.world_size)
     groups = comm.mesh_groups(s.tp, s.sp, s.dp, s.pp)
-    # No weight casts: memory settings that hold 16-bit parameters make none.
-    stages = _stage_costs(model, cl, s, groups, options or SimOptions(), cache, casts=False)
+    stages = _stage_costs(model, cl, s, groups, options or SimOptions(), cache)
     return _pipeline(s, stages, s.grad_accum_steps, cl, model, groups)[0]
 
 
 def _stage_costs(model: ModelConfig, cl: Cluster, s: Strategy, groups, opt: SimOptions,
-                 cache: dict | None = None, casts: bool = True) -> list[_Stage]:
+                 cache: dict | None = None) -> list[_Stage]:
     seq, b = model.max_seq_len, s.micro_batch_size
     lt = _cached_layer_time(model, cl, s, cache)
-    # autocast's 16-bit weight copies, made again for every forward (and recomputation)
-    cast = 0.0
-    if casts and opt.tessera_runtime:
-        cast = weight_cast_time(cl, model, s.tp, s.precision, s.memory)
+    # autocast's 16-bit weight copies, made again for every forward (and recomputation); the
+    # backward casts each weight's 16-bit gradient back to fp32, the same traffic
+    cast = weight_cast_time(cl, model, s.tp, s.precision, s.memory) if opt.tessera_runtime else 0.0
     tp_f, tp_b = _tp_comm(model, cl, s, groups)
     sp_f, sp_b = _sp_comm(model, cl, s, groups, lt)
     out = []
     for i, sp_params in enumerate(_stage_params(model, s, opt)):
         layers = sp_params.layers
-        fwd, bwd = layers * (lt.forward + cast), layers * lt.backward
+        fwd, bwd = layers * (lt.forward + cast), layers * (lt.backward + cast)
         extra_tp = 0.0
         if i == 0:
             e = embedding_time(cl, model, b, seq, s.tp, s.sp, s.precision)
@@ -221,11 +221,11 @@ def _cached_layer_time(model: ModelConfig, cl: Cluster, s: Strategy,
     halves = 2 if s.tp_overlap == "subpipe" else 1
     b = s.micro_batch_size // halves
     key = (id(cl.device), cl.devices_per_node, cl.nodes, b, s.tp, s.tp_mode, s.sp, s.sp_mode,
-           s.precision)
+           s.precision, s.memory)
     lt = cache.get(key) if cache is not None else None
     if lt is None:
         lt = layer_time(cl, model, b, model.max_seq_len, s.tp, s.tp_mode, s.sp, s.precision,
-                        s.sp_mode)
+                        s.sp_mode, s.memory)
         if cache is not None:
             cache[key] = lt
     return LayerTime(lt.forward * halves, lt.backward * halves)
