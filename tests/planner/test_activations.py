@@ -4,6 +4,7 @@ import dataclasses
 
 import pytest
 import torch
+from torch.utils._python_dispatch import TorchDispatchMode
 
 from tessera.models.config import ModelConfig
 from tessera.models.transformer import Block, rope_tables
@@ -88,6 +89,38 @@ def test_weight_copies_follow_the_micro_batches_in_flight():
     assert weight_copies(LLAMA, s.replace(memory="chunk"), 4, 3, 0, 0) == 0
 
 
+class _WeightCasts(TorchDispatchMode):
+    """Bytes read and written by casts (``_to_copy``) of weight-matrix-shaped tensors."""
+
+    def __init__(self, shapes: set[tuple]):
+        super().__init__()
+        self.shapes, self.bytes = shapes, 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        if func._schema.name.endswith("::_to_copy") and tuple(args[0].shape) in self.shapes:
+            self.bytes += args[0].nbytes + out.nbytes
+        return out
+
+
+@pytest.mark.parametrize("config", [GPT2, LLAMA], ids=["gpt2", "llama"])
+def test_autocast_casts_every_weight_once_per_forward_and_back_in_backward(config):
+    from tessera.models import Transformer
+
+    model = Transformer(dataclasses.replace(config, n_layers=2))
+    shapes = {tuple(p.shape)[::k] for p in model.parameters() if p.dim() == 2 for k in (1, -1)}
+    ids = torch.randint(0, config.vocab_size, TOKENS)
+    with _WeightCasts(shapes) as casts:
+        with torch.autocast("cpu", torch.bfloat16):
+            logits = model(ids)
+        forward = casts.bytes
+        logits.float().sum().backward()
+    # every layer's matrices and the LM head: fp32 read, 16-bit written (6 bytes)
+    expected = 6 * (2 * matrix_params(config) + config.vocab_size * config.d_model)
+    assert forward == expected
+    assert casts.bytes - forward == expected  # each 16-bit weight gradient cast back to fp32
+
+
 def test_autocast_weight_casts_are_priced_per_forward():
     from tessera.planner import estimate, parse_cluster
     from tessera.planner.compute import weight_cast_time
@@ -98,18 +131,20 @@ def test_autocast_weight_casts_are_priced_per_forward():
     s = Strategy.parse("dp=1,mbs=1,gbs=4,precision=bf16")  # 4 micro-batches, autocast
     ours = estimate(llama, cluster, s)
     other = estimate(llama, cluster, s, SimOptions(tessera_runtime=False))
-    cast = weight_cast_time(cluster, llama, 1, "bf16", "ddp")
+    cast = weight_cast_time(cluster, matrix_params(llama), "bf16", "ddp")
+    head = weight_cast_time(cluster, llama.vocab_size * llama.d_model, "bf16", "ddp")
     bw = cluster.device.memory_bandwidth * cluster.device.memory_efficiency
     assert cast == pytest.approx(6 * matrix_params(llama) / bw)  # read fp32, write 16-bit
-    # 4 micro-batches x 4 layers, a cast in forward and one back in backward
-    assert ours.step_time - other.step_time == pytest.approx(2 * 4 * 4 * cast, rel=1e-6)
+    # 4 micro-batches x (4 layers and the head), a cast in forward and one back in backward
+    assert ours.step_time - other.step_time == pytest.approx(4 * 2 * (4 * cast + head),
+                                                             rel=1e-6)
     # A recomputed layer enters autocast again: its casts come back with the recomputation.
     full = s.replace(recompute="full")
     rec = estimate(llama, cluster, full).breakdown["recompute"]
     rec_other = estimate(llama, cluster, full, SimOptions(tessera_runtime=False))
     assert rec - rec_other.breakdown["recompute"] == pytest.approx(4 * 4 * cast, rel=1e-6)
     # 16-bit parameters make no copies, so the search's bound leaves the casts out.
-    assert weight_cast_time(cluster, llama, 1, "bf16", "chunk") == 0
+    assert weight_cast_time(cluster, matrix_params(llama), "bf16", "chunk") == 0
     assert lower_bound(llama, cluster, s) <= estimate(llama, cluster, s).step_time - 32 * cast
 
 
@@ -123,9 +158,9 @@ def _tp_block_saved(rank: int, world: int) -> dict[str, int]:
 
     out = {}
     for name, config in (("gpt2", GPT2), ("llama", LLAMA)):
-        for autocast in (False, True):
+        for run, (dtype, autocast, _) in RUNS.items():
             torch.manual_seed(0)
-            model = Transformer(dataclasses.replace(config, n_layers=2))
+            model = Transformer(dataclasses.replace(config, n_layers=2)).to(dtype)
             strategy = Strategy(tp=world, micro_batch_size=TOKENS[0],
                                 global_batch_size=TOKENS[0])
             plan = Parallelized(module=model, model=model, loss_group=None)
@@ -150,7 +185,7 @@ def _tp_block_saved(rank: int, world: int) -> dict[str, int]:
             with torch.autocast("cpu", torch.bfloat16, enabled=autocast):
                 with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
                     plan.forward_loss(plan.module, {"input_ids": ids, "labels": ids})
-            out[f"{name}-{'autocast' if autocast else 'fp32'}"] = sum(seen.values())
+            out[f"{name}-{run}"] = sum(seen.values())
     return out
 
 
@@ -160,8 +195,9 @@ def test_1d_tensor_parallel_count_matches_saved_tensors():
     saved = run_distributed(_tp_block_saved, 2)
     tokens = TOKENS[0] * TOKENS[1]
     for name, config in (("gpt2", GPT2), ("llama", LLAMA)):
-        for run, precision in (("fp32", "fp32"), ("autocast", "bf16")):
-            lay = layout(precision, "ddp")
+        for run, (_, _, (precision, memory)) in RUNS.items():
+            lay = layout(precision, memory)
             expected = tokens * layer_bytes_per_token(config, lay, tp=2, tp_mode="1d")
             for rank in saved:  # the input and the norms whole, the rest halved
                 assert rank[f"{name}-{run}"] == pytest.approx(expected, rel=REL_TOL), (name, run)
+

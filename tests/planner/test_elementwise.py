@@ -70,8 +70,8 @@ def test_eager_count_matches_the_bytes_each_op_moves(config, run):
     dtype, autocast, precision, memory = RUNS[run]
     counted = eager_bytes_per_token(config, layout(precision, memory))
     # Left out of the count: the norms' per-token statistics (a few 4-byte reads and writes
-    # per token: 0.2% of these small layers, less at real widths).
-    assert counted == pytest.approx(_measured(config, dtype, autocast), rel=0.01)
+    # per token: 0.16-0.20% of these small layers, less at real widths).
+    assert counted == pytest.approx(_measured(config, dtype, autocast), rel=0.003)
 
 
 def _gpu(fused: bool):
@@ -85,16 +85,20 @@ def test_eager_prices_llama_blocks_above_fused_kernels_and_never_below():
     bw = _gpu(False).device.memory_bandwidth * _gpu(False).device.memory_efficiency
     eager = elementwise_time(_gpu(False), LLAMA, n, tp, "bf16", "chunk")
     fused = elementwise_time(_gpu(True), LLAMA, n, tp, "bf16", "chunk")
-    counted = eager_bytes_per_token(LLAMA, layout("bf16", "chunk"))
-    assert eager.forward == pytest.approx(n / tp * counted / bw)
+    lay = layout("bf16", "chunk")
+    counted = eager_bytes_per_token(LLAMA, lay, tp, "1d")
+    assert eager.forward == pytest.approx(n * counted / bw)
+    # 1d tp runs the norms, casts and residual adds whole on every rank; 2d splits all of it
+    assert eager_bytes_per_token(LLAMA, lay) / tp < counted < eager_bytes_per_token(LLAMA, lay)
+    assert eager_bytes_per_token(LLAMA, lay, tp, "2d") == eager_bytes_per_token(LLAMA, lay) / tp
     assert fused.forward == pytest.approx(layer_elements(LLAMA, n, tp) * 2 / bw)
     assert eager.forward > 1.5 * fused.forward
     assert eager.backward == pytest.approx(2 * eager.forward)
     # autocast's input casts and fp32 residual stream cost more than 16-bit parameters
     assert elementwise_time(_gpu(False), LLAMA, n, tp, "bf16", "ddp").forward > eager.forward
     # fp32 GPT-2 blocks: the op count lies below the coarse fused estimate; eager keeps it.
-    assert elementwise_time(_gpu(False), GPT2, n, tp, "fp32") == elementwise_time(
-        _gpu(True), GPT2, n, tp, "fp32")
+    assert elementwise_time(_gpu(False), GPT2, n, 1, "fp32") == elementwise_time(
+        _gpu(True), GPT2, n, 1, "fp32")
 
 
 def test_profiled_seconds_per_element_ignore_the_flag():

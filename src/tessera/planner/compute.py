@@ -33,7 +33,7 @@ import math
 from dataclasses import dataclass
 
 from tessera.models.config import ModelConfig
-from tessera.planner.activations import FP32_BYTES, layout, matrix_params
+from tessera.planner.activations import FP32_BYTES, layout
 from tessera.planner.cluster import Cluster
 from tessera.planner.elementwise import eager_bytes_per_token
 
@@ -194,7 +194,7 @@ def layer_core_time(cluster: Cluster, model: ModelConfig, b: int, seq: int, tp: 
 
 
 def elementwise_time(cluster: Cluster, model: ModelConfig, n: float, tp: int,
-                     precision: str, memory: str = "ddp") -> LayerTime:
+                     precision: str, memory: str = "ddp", tp_mode: str = "1d") -> LayerTime:
     """Element-wise seconds of one layer at a lone worker's rate.
 
     A profiled device carries seconds per element (``overheads["elem_fwd_<activation>"]`` and
@@ -211,27 +211,28 @@ def elementwise_time(cluster: Cluster, model: ModelConfig, n: float, tp: int,
                          elements * device.overheads.get(f"elem_bwd_{key}", 2 * per_element))
     traffic = elements * bytes_per_element(precision)
     if not device.fused_elementwise:
-        # LayerNorm and gelu blocks in fp32 run one kernel per op even eagerly, and there the
-        # op count falls below the coarse fused estimate: eager never prices below fused.
-        traffic = max(traffic, n / tp * eager_bytes_per_token(model, layout(precision, memory)))
+        # LayerNorm and gelu blocks without autocast run one kernel per op even eagerly, and
+        # there the op count falls below the coarse fused estimate: eager never prices below.
+        eager = eager_bytes_per_token(model, layout(precision, memory), tp, tp_mode)
+        traffic = max(traffic, n * eager)
     t_elem = traffic / (device.memory_bandwidth * device.memory_efficiency)
     return LayerTime(t_elem, BWD_ELEMENTWISE_FACTOR * t_elem)
 
 
-def weight_cast_time(cluster: Cluster, model: ModelConfig, tp: int, precision: str,
-                     memory: str) -> float:
-    """Seconds autocast spends casting one layer's weight matrices to 16 bits, per forward
-    (and as much per backward, casting their 16-bit gradients back to fp32).
+def weight_cast_time(cluster: Cluster, elements: float, precision: str, memory: str) -> float:
+    """Seconds autocast spends casting ``elements`` fp32 weight elements to 16 bits.
 
     tessera's runtime enters autocast for every micro-batch's forward, and a recomputed layer
     enters it again, so each reads the fp32 weights and writes their 16-bit copy (6 bytes per
     element) at memory bandwidth, at a lone worker's rate divided by the compute share like a
-    layer. 0 where the parameters are held in the training precision (``activations.layout``).
+    layer; the backward casts the 16-bit gradients back to fp32, as much again (the caller
+    counts it). 0 where the parameters are held in the training precision
+    (``activations.layout``).
     """
     if not layout(precision, memory).weight_copy_bytes:
         return 0.0
     device = cluster.device
-    traffic = (FP32_BYTES + 2) * matrix_params(model) / tp
+    traffic = (FP32_BYTES + 2) * elements
     return traffic / (device.memory_bandwidth * device.memory_efficiency) / cluster.compute_share()
 
 
@@ -242,7 +243,7 @@ def layer_time(cluster: Cluster, model: ModelConfig, b: int, seq: int, tp: int, 
     device = cluster.device
     share = cluster.compute_share()
     core = layer_core_time(cluster, model, b, seq, tp, tp_mode, sp, precision, sp_mode)
-    elem = elementwise_time(cluster, model, b * seq // sp, tp, precision, memory)
+    elem = elementwise_time(cluster, model, b * seq // sp, tp, precision, memory, tp_mode)
     fixed = device.overheads
     fwd = core.forward + elem.forward + fixed.get("layer_fwd", KERNELS_FWD * device.kernel_overhead)
     bwd = core.backward + elem.backward + fixed.get("layer_bwd",

@@ -36,9 +36,12 @@ def _cast(element_bytes: int) -> int:
     return 0 if element_bytes == FP32_BYTES else element_bytes + FP32_BYTES
 
 
-def eager_bytes_per_token(model: ModelConfig, lay: Layout) -> float:
-    """Forward element-wise bytes of one layer per token on one device (no tensor
-    parallelism), in the runtime layout ``lay`` (``activations.layout``)."""
+def eager_bytes_per_token(model: ModelConfig, lay: Layout, tp: int = 1,
+                          tp_mode: str = "1d") -> float:
+    """Forward element-wise bytes of one layer per token on one device, in the runtime layout
+    ``lay`` (``activations.layout``). Under 1d tensor parallelism the norms, the input casts
+    and the residual adds run whole on every rank and the rotary embedding (of the local
+    heads) and the MLP's activation t ways; 2d (Optimus) partitions all of it."""
     e, r = lay.matmul_bytes, lay.residual_bytes
     h, f = model.d_model, model.d_ff
     kv = model.n_kv_heads * model.head_dim
@@ -50,4 +53,6 @@ def eager_bytes_per_token(model: ModelConfig, lay: Layout) -> float:
         per_hidden += 2 * (2 * e + 1)
     rope = (2 * _cast(e) + 36) * (h + kv) if model.position == "rope" else 0.0
     per_ffn = 5 * e if model.activation == "swiglu" else 2 * e
-    return per_hidden * h + rope + per_ffn * f
+    if tp > 1 and tp_mode == "1d":
+        return per_hidden * h + (rope + per_ffn * f) / tp
+    return (per_hidden * h + rope + per_ffn * f) / tp

@@ -284,8 +284,8 @@ def stage_memory(model: ModelConfig, s: Strategy, seq: int, reserved: float = 0.
         acts += stage.head_share * logits_bytes(model, s, seq)  # its slices' logits
         if stage.head_share and tessera and keeps_weight_copies(layout(s.precision, s.memory),
                                                                   s.tp):
-            # the head's 16-bit weight copy, per micro-batch in flight
-            acts += held * 2 * model.vocab_size * model.d_model
+            # the head's 16-bit weight copy (of its rows, for a slice), per micro-batch in flight
+            acts += held * 2 * stage.head_share * model.vocab_size * model.d_model
         buffers = reserved + _buffers(model, s, seq, p, stage, w_b, g_b, ratio)
         out.append(MemoryBreakdown(weights, grads, optim, acts, buffers, host))
     return out

@@ -29,6 +29,7 @@ from typing import Any
 from tessera.models.config import ModelConfig
 from tessera.planner import comm
 from tessera.planner.cluster import Cluster
+from tessera.planner.activations import layout, matrix_params
 from tessera.planner.compute import (LayerTime, bytes_per_element, embedding_time, head_time,
                                      layer_time, optimizer_time, weight_cast_time)
 from tessera.planner.memory import (INTERLEAVE_CHUNKS, MemoryBreakdown, StageParams,
@@ -170,14 +171,20 @@ def _stage_costs(model: ModelConfig, cl: Cluster, s: Strategy, groups, opt: SimO
     seq, b = model.max_seq_len, s.micro_batch_size
     lt = _cached_layer_time(model, cl, s, cache)
     # autocast's 16-bit weight copies, made again for every forward (and recomputation); the
-    # backward casts each weight's 16-bit gradient back to fp32, the same traffic
-    cast = weight_cast_time(cl, model, s.tp, s.precision, s.memory) if opt.tessera_runtime else 0.0
+    # backward casts each weight's 16-bit gradient back to fp32, the same traffic, and under
+    # tp (nothing cached) casts the weight again for the input gradient
+    cast = head_cast = 0.0
+    if opt.tessera_runtime:
+        cast = weight_cast_time(cl, matrix_params(model) / s.tp, s.precision, s.memory)
+        head_cast = weight_cast_time(cl, model.vocab_size * model.d_model / s.tp, s.precision,
+                                     s.memory)
+    bwd_casts = 1 if s.tp == 1 else 2
     tp_f, tp_b = _tp_comm(model, cl, s, groups)
     sp_f, sp_b = _sp_comm(model, cl, s, groups, lt)
     out = []
     for i, sp_params in enumerate(_stage_params(model, s, opt)):
         layers = sp_params.layers
-        fwd, bwd = layers * (lt.forward + cast), layers * (lt.backward + cast)
+        fwd, bwd = layers * (lt.forward + cast), layers * (lt.backward + bwd_casts * cast)
         extra_tp = 0.0
         if i == 0:
             e = embedding_time(cl, model, b, seq, s.tp, s.sp, s.precision)
@@ -186,7 +193,8 @@ def _stage_costs(model: ModelConfig, cl: Cluster, s: Strategy, groups, opt: SimO
         if sp_params.head_share > 0:  # the whole head, or its slices' share (split.py)
             h = head_time(cl, model, b, seq, s.tp, s.sp, s.precision)
             share = sp_params.head_share
-            fwd, bwd = fwd + share * h.forward, bwd + share * h.backward
+            fwd = fwd + share * (h.forward + head_cast)
+            bwd = bwd + share * (h.backward + bwd_casts * head_cast)
             if s.tp > 1:  # vocab-parallel cross-entropy: max, sum of exp, target logit;
                 # the vocab-split head sums its input gradient (backward)
                 extra_tp += 3 * comm.call_time(cl, groups["tp"])
@@ -221,7 +229,7 @@ def _cached_layer_time(model: ModelConfig, cl: Cluster, s: Strategy,
     halves = 2 if s.tp_overlap == "subpipe" else 1
     b = s.micro_batch_size // halves
     key = (id(cl.device), cl.devices_per_node, cl.nodes, b, s.tp, s.tp_mode, s.sp, s.sp_mode,
-           s.precision, s.memory)
+           s.precision, layout(s.precision, s.memory))
     lt = cache.get(key) if cache is not None else None
     if lt is None:
         lt = layer_time(cl, model, b, model.max_seq_len, s.tp, s.tp_mode, s.sp, s.precision,
