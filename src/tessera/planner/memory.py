@@ -22,20 +22,19 @@ the gathered unit is a whole stage piece (its recomputed head or its tail), not 
 torch DDP copies gradients into its own buckets, hence the extra G under ``ddp`` with dp > 1.
 
 Activations of one layer for one micro-batch: as tessera's runtime keeps them
-(``activations.py``: its eager blocks, and under bf16/fp16 autocast over fp32 weights, which
-keeps an fp32 residual stream, a 16-bit copy of each linear layer's input and a 16-bit copy of
-each weight per micro-batch in flight). For other runtimes (``tessera=False``: the published
-runs) in elements of the training precision, counted
-like Korthikanti et al. 2022, "Reducing activation recomputation", section 4.1, which gives
-34 s b h bytes in 16-bit for a GPT layer with f = 4h, without the s^2 attention term that a
-fused attention kernel does not keep): norm inputs 2 n h, the QKV input n h, Q, K and V
+(``activations.py``: its eager blocks; under bf16/fp16 autocast over fp32 weights an fp32
+residual stream, a 16-bit copy of each linear layer's input and, without tensor parallelism, a
+16-bit copy of each weight per micro-batch in flight; under its 1d tensor parallelism the norms
+and the layer's input whole on every rank, the rest split t ways; 2d splits all of it). For
+other runtimes (``tessera=False``: the published runs) in elements of the training precision,
+counted like Korthikanti et al. 2022, "Reducing activation recomputation", section 4.1, which
+gives 34 s b h bytes in 16-bit for a GPT layer with f = 4h, without the s^2 attention term
+that a fused attention kernel does not keep: norm inputs 2 n h, the QKV input n h, Q, K and V
 n (h + 2 kv), the attention output n h, the MLP input n h, the MLP hidden and activation
 2 n f (4 n f for swiglu's gate, up, silu and product), plus 1-byte dropout masks when dropout
-is on. Tensor parallelism divides it by t: 2d partitions every activation (Optimus), and 1d is
-priced with Megatron-style sequence parallelism in the norm and dropout regions (Korthikanti's
-34/t; without it the norm inputs and residual stay whole, 10 + 24/t). Sequence parallelism
-divides it by sp. A recomputed layer keeps only its input
-(n h), and the layer being recomputed needs its full activations once.
+is on, all divided by t (Megatron's sequence parallelism in the norm and dropout regions).
+Sequence parallelism divides either by sp. A recomputed layer keeps only its input (n h), and
+the layer being recomputed needs its full activations once.
 
 Stage i of a 1F1B pipeline holds min(pp - i, m) micro-batches in flight (GPipe: all m).
 """
@@ -180,9 +179,10 @@ def layer_activation(model: ModelConfig, s: Strategy, seq: int, flash: bool,
 
 def weight_copies(model: ModelConfig, s: Strategy, layers: int, in_flight: float,
                   recomputed: int, whole: float, tessera: bool = True) -> float:
-    """Bytes of the 16-bit weight copies autocast makes over fp32 parameters: every linear
-    layer keeps its copy for its backward, per micro-batch in flight, and autocast's cache
-    holds the copies of the recomputed layers too until the micro-batch's forward ends."""
+    """Bytes of the 16-bit weight copies autocast makes over fp32 parameters without tensor
+    parallelism: every linear layer keeps its copy for its backward, per micro-batch in flight,
+    and autocast's cache holds the copies of the recomputed layers too until the micro-batch's
+    forward ends."""
     lay = layout(s.precision, s.memory)
     if not tessera or not keeps_weight_copies(lay, s.tp):
         return 0.0

@@ -28,8 +28,8 @@ from typing import Any
 
 from tessera.models.config import ModelConfig
 from tessera.planner import comm
-from tessera.planner.cluster import Cluster
 from tessera.planner.activations import layout, matrix_params
+from tessera.planner.cluster import Cluster
 from tessera.planner.compute import (LayerTime, bytes_per_element, embedding_time, head_time,
                                      layer_time, optimizer_time, weight_cast_time)
 from tessera.planner.memory import (INTERLEAVE_CHUNKS, MemoryBreakdown, StageParams,
