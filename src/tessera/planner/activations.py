@@ -83,7 +83,8 @@ def layer_bytes_per_token(model: ModelConfig, lay: Layout, tp: int = 1,
     else:
         norm = r * h + 2 * FP32_BYTES
     mlp_linears = 2 if model.activation == "swiglu" else 1
-    if tp > 1 and tp_mode == "1d":
+    split_1d = tp > 1 and tp_mode == "1d"
+    if split_1d:
         linear_inputs = 2 * r * h
     elif lay.cast_per_linear:
         linear_inputs = (3 + mlp_linears) * e * h
@@ -93,7 +94,7 @@ def layer_bytes_per_token(model: ModelConfig, lay: Layout, tp: int = 1,
     mlp = (3 if model.activation == "swiglu" else 2) * e * f
     masks = 2 * h if model.dropout > 0 else 0  # 1-byte dropout masks after attention and MLP
     whole = 2 * norm + linear_inputs + masks
-    if tp > 1 and tp_mode == "1d":
+    if split_1d:
         return whole + (attention + mlp) / tp
     return (whole + attention + mlp) / tp
 
