@@ -43,10 +43,15 @@ def test_profile_two_workers_round_trip(tmp_path):
     trainer = again.device.overheads
     assert trainer["trainer_step"] + trainer["trainer_micro_batch"] > 0
     assert again.device.overheads["trainer_micro_batch"] >= 0
-    # Element-wise seconds per element of real layers, for both activation styles: positive,
-    # and no cheaper than streaming 4 bytes per element at the measured bandwidth would be.
+    # Element-wise seconds per element of real layers, for both activation styles: each is a
+    # least-squares fit of (measured layer - modelled matmuls and attention), every shape's
+    # residual clamped at 0, so it is positive unless the core model overshoots every layer.
+    # No bandwidth floor is asserted: the calibration layers are small (100 KB to 1 MB per
+    # tensor, cache-resident), so they may stream faster than the measured DRAM bandwidth, and
+    # a difference of two timings moves with machine noise (CI once saw 0.31x of 4 bytes per
+    # element at that bandwidth).
     for key in ("elem_fwd_gelu", "elem_bwd_gelu", "elem_fwd_swiglu", "elem_bwd_swiglu"):
-        assert again.device.overheads[key] > 0.5 * 4 / again.device.memory_bandwidth, key
+        assert 0 < again.device.overheads[key] < 1e-6, key
     # Explicit block attention: a per-call cost and a per-score-element cost are measured.
     for phase in ("fwd", "bwd"):
         overheads = again.device.overheads
