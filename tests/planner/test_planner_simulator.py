@@ -55,6 +55,24 @@ def test_recomputation_costs_time_offload_costs_time():
     assert off.step_time > z3.step_time and off.memory.total < z3.memory.total
 
 
+def test_offload_on_a_cpu_worker_moves_nothing_but_disk():
+    # A CPU worker's host memory is its own and its optimizer runs on its own cores: offload
+    # to cpu neither frees memory nor changes the step (it once priced a host Adam 10x faster
+    # than the worker's own, so the search picked offload=cpu on cpu clusters); disk frees
+    # the optimizer states and costs their traffic.
+    model, cpu = preset("tiny"), parse_cluster("cpu:4x1")
+    base = Strategy.parse("dp=4,mbs=2,gbs=8,memory=chunk")
+    chunk = estimate(model, cpu, base)
+    host = estimate(model, cpu, base.replace(offload="cpu"))
+    assert host.step_time == pytest.approx(chunk.step_time, rel=1e-12)
+    assert host.memory.total == pytest.approx(chunk.memory.total, rel=1e-12)
+    assert host.memory.host == 0 and host.breakdown["offload"] == 0
+    disk = estimate(model, cpu, base.replace(offload="cpu+disk"))
+    assert disk.memory.total == pytest.approx(chunk.memory.total - chunk.memory.optimizer)
+    assert disk.memory.host == pytest.approx(chunk.memory.optimizer)
+    assert disk.breakdown["offload"] > 0 and disk.step_time > chunk.step_time
+
+
 def test_interleaving_shrinks_the_bubble_and_scp_hides_recompute():
     one = estimate(GPT3, A100, BASE)
     inter = estimate(GPT3, A100, BASE.replace(schedule="interleaved"))

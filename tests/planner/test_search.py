@@ -9,7 +9,8 @@ from tessera.strategy import StrategyError
 SMALL = ModelConfig(vocab_size=1024, n_layers=8, d_model=512, n_heads=8, max_seq_len=512)
 
 
-@pytest.mark.parametrize("cluster, gbs", [("a100-40gb:4x2", 32), ("v100-32gb:2x4", 16)])
+@pytest.mark.parametrize("cluster, gbs", [("a100-40gb:4x2", 32), ("v100-32gb:2x4", 16),
+                                          ("cpu:4x1", 8)])
 def test_pruning_keeps_the_exhaustive_optimum(cluster, gbs):
     pruned = search(SMALL, cluster, gbs, top_k=3, max_mbs=8)
     full = search(SMALL, cluster, gbs, top_k=3, max_mbs=8, exhaustive=True)

@@ -156,6 +156,13 @@ class DeviceSpec:
                 raise HardwareError(f"device.{name} must lie in [0, 1], got {value!r}")
 
     @property
+    def is_host(self) -> bool:
+        """Whether the device is the host CPU itself (the local ``cpu`` preset and profiles):
+        its memory is host memory and its optimizer runs on the host's cores, so offloading
+        to ``cpu`` frees nothing and speeds nothing up."""
+        return self.name == "cpu"
+
+    @property
     def ring_overlap(self) -> float:
         """Fraction of a ring step's send/recv that hides under the step's compute."""
         if self.p2p_overlap_efficiency is None:

@@ -19,6 +19,7 @@ every micro-batch but the last, the whole schedule under pp), so G then counts w
 the gathered unit is a whole stage piece (its recomputed head or its tail), not one layer.
 
 ``offload=cpu`` keeps optimizer states (with the fp32 master) in host memory; ``disk`` on NVMe.
+On a CPU worker the host memory is the device's own (:func:`resident`).
 torch DDP copies gradients into its own buckets, hence the extra G under ``ddp`` with dp > 1.
 
 Activations of one layer for one micro-batch: as tessera's runtime keeps them
@@ -41,6 +42,7 @@ Stage i of a 1F1B pipeline holds min(pp - i, m) micro-batches in flight (GPipe: 
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from dataclasses import dataclass
 
@@ -138,6 +140,15 @@ class MemoryBreakdown:
         return {"weights": self.weights, "gradients": self.gradients,
                 "optimizer": self.optimizer, "activations": self.activations,
                 "buffers": self.buffers, "host": self.host, "total": self.total}
+
+
+def resident(mem: MemoryBreakdown, s: Strategy, host_is_device: bool) -> MemoryBreakdown:
+    """``mem`` as the device holds it. Where the device is the host (a CPU worker), states
+    offloaded to ``cpu`` stay in the same memory, so they count on the device; offloaded to
+    disk they leave it."""
+    if not host_is_device or not mem.host or "disk" in s.offload:
+        return mem
+    return dataclasses.replace(mem, optimizer=mem.optimizer + mem.host, host=0.0)
 
 
 def state_bytes(precision: str) -> tuple[int, int, int]:

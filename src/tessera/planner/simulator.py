@@ -34,7 +34,7 @@ from tessera.planner.compute import (LayerTime, bytes_per_element, embedding_tim
                                      layer_time, optimizer_time, weight_cast_time)
 from tessera.planner.memory import (INTERLEAVE_CHUNKS, MemoryBreakdown, StageParams,
                                     device_memory, local_params, pipeline_stage_params,
-                                    recomputed_layers, scp_kept, state_bytes)
+                                    recomputed_layers, resident, scp_kept, state_bytes)
 from tessera.strategy import Strategy, StrategyError
 
 DDP_BUCKET_BYTES = 25 * 2**20
@@ -131,8 +131,9 @@ def estimate(model: ModelConfig, cluster: Cluster, strategy: Strategy,
     tokens = s.global_batch_size * seq
     model_flops = model.flops_per_token(seq) * tokens
     peak = cl.device.peak(s.precision)
-    memory = device_memory(model, s, seq, cl.device.reserved_bytes, cl.device.flash_attention,
-                           opt.tessera_runtime, kept)
+    memory = resident(device_memory(model, s, seq, cl.device.reserved_bytes,
+                                    cl.device.flash_attention, opt.tessera_runtime, kept),
+                      s, cl.device.is_host)
     return Estimate(strategy=s, step_time=step, tokens_per_s=tokens / step,
                     tflops_per_device=model_flops / step / s.world_size / 1e12,
                     mfu=model_flops / step / s.world_size / peak, memory=memory,
@@ -444,11 +445,10 @@ def _data_parallel(model: ModelConfig, cl: Cluster, s: Strategy, groups, stages:
         sync += comm.collective_time(cl, "all_reduce", tied, pp_pair)
     shard = group.size if s.memory != "ddp" else 1
     n_tensors = 12 * max(1, model.n_layers // s.pp)
-    offload = 0.0
-    if s.offload:
-        offload = _offload_time(cl, s, p / shard, st.bwd)
+    offload = _offload_time(cl, s, p / shard, st.bwd) if s.offload else 0.0
+    if s.offload and not cl.device.is_host:
         optim = (p / shard) * cl.device.optimizer_bytes_per_param / HOST_ADAM_BANDWIDTH
-    else:
+    else:  # a CPU worker's offloaded update runs on its own cores, as profiled
         optim = optimizer_time(cl, p / shard, n_tensors)
     return {"dp_comm": sync, "optimizer": optim, "offload": offload,
             "chunk_runtime": _chunk_runtime(cl, s, model), "trainer": _trainer_runtime(cl, s),
@@ -525,10 +525,12 @@ def _offload_time(cl: Cluster, s: Strategy, p_shard: float, bwd: float) -> float
     """Host transfers of an offloaded step (ZeRO-Offload style): gradients down during the
     last backward, updated weights back up; with disk, optimizer states in and out of NVMe."""
     w_b, g_b, o_b = state_bytes(s.precision)
+    disk = 2 * p_shard * o_b / cl.device.disk_bandwidth if "disk" in s.offload else 0.0
+    if cl.device.is_host:  # a CPU worker: device and host memory are one
+        return disk
     host = cl.device.host_bandwidth
     down = max(0.0, p_shard * g_b / host - cl.device.overlap_efficiency * bwd)
     up = p_shard * w_b / host
-    disk = 2 * p_shard * o_b / cl.device.disk_bandwidth if "disk" in s.offload else 0.0
     return down + up + disk
 
 
