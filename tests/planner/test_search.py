@@ -54,6 +54,15 @@ def test_model_that_fits_nowhere_is_explained():
     assert "short by" in text and "devices" in text
 
 
+def test_no_offload_advice_where_the_host_is_the_device():
+    # Offload to cpu is advised on accelerators when held fixed; on CPU workers it frees nothing.
+    fixed = {"offload": (), "memory": "chunk"}
+    gpu = search("gpt3-175b", "a100-40gb:8x1", 8, fixed=fixed, explain=False)
+    cpu = search("gpt3-175b", "cpu:2x1", 8, fixed=fixed, explain=False)
+    assert "allow offload to cpu" in gpu.infeasible.message()
+    assert cpu.infeasible is not None and "offload" not in cpu.infeasible.message()
+
+
 @pytest.mark.parametrize("kwargs, word", [(dict(global_batch_size=0), "global_batch_size"),
                                           (dict(global_batch_size=8, devices=99), "devices"),
                                           (dict(global_batch_size=8, top_k=0), "top_k")])

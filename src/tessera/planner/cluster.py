@@ -235,7 +235,7 @@ def parse_cluster(text: str) -> Cluster:
     nodes = int(match["nodes"]) if match["nodes"] else 1
     if per < 1 or nodes < 1:
         raise ClusterError(f"cluster {text!r}: devices per node and nodes must be >= 1")
-    slots = (os.cpu_count() or 1) if device.name == "cpu" else None
+    slots = (os.cpu_count() or 1) if device.is_host else None
     return Cluster(device=device, devices_per_node=per, nodes=nodes, compute_slots=slots)
 
 

@@ -19,7 +19,7 @@ every micro-batch but the last, the whole schedule under pp), so G then counts w
 the gathered unit is a whole stage piece (its recomputed head or its tail), not one layer.
 
 ``offload=cpu`` keeps optimizer states (with the fp32 master) in host memory; ``disk`` on NVMe.
-On a CPU worker the host memory is the device's own (:func:`resident`).
+On a CPU worker the host memory is the device's own (:func:`place_optimizer`).
 torch DDP copies gradients into its own buckets, hence the extra G under ``ddp`` with dp > 1.
 
 Activations of one layer for one micro-batch: as tessera's runtime keeps them
@@ -42,7 +42,6 @@ Stage i of a 1F1B pipeline holds min(pp - i, m) micro-batches in flight (GPipe: 
 
 from __future__ import annotations
 
-import dataclasses
 import math
 from dataclasses import dataclass
 
@@ -142,13 +141,17 @@ class MemoryBreakdown:
                 "buffers": self.buffers, "host": self.host, "total": self.total}
 
 
-def resident(mem: MemoryBreakdown, s: Strategy, host_is_device: bool) -> MemoryBreakdown:
-    """``mem`` as the device holds it. Where the device is the host (a CPU worker), states
-    offloaded to ``cpu`` stay in the same memory, so they count on the device; offloaded to
-    disk they leave it."""
-    if not host_is_device or not mem.host or "disk" in s.offload:
-        return mem
-    return dataclasses.replace(mem, optimizer=mem.optimizer + mem.host, host=0.0)
+def place_optimizer(optim: float, offload: tuple[str, ...], host_is_device: bool
+                    ) -> tuple[float, float]:
+    """(device, host) bytes of ``optim`` optimizer-state bytes under ``offload``. Offloaded
+    states leave the device for host memory (disk: reported as host too). On a CPU worker
+    (``host_is_device``) host memory is the device's own: offload to cpu moves nothing, and
+    only disk takes the states out of it."""
+    if not offload:
+        return optim, 0.0
+    if host_is_device:
+        return (0.0, 0.0) if "disk" in offload else (optim, 0.0)
+    return 0.0, optim
 
 
 def state_bytes(precision: str) -> tuple[int, int, int]:
@@ -253,7 +256,8 @@ def local_params(model: ModelConfig, stage: StageParams, tp: int) -> float:
 
 def stage_memory(model: ModelConfig, s: Strategy, seq: int, reserved: float = 0.0,
                  flash: bool = True, tessera: bool = True,
-                 kept: list[int] | None = None) -> list[MemoryBreakdown]:
+                 kept: list[int] | None = None, *,
+                 host_is_device: bool = False) -> list[MemoryBreakdown]:
     """Memory of one device of each pipeline stage.
 
     Args:
@@ -266,12 +270,15 @@ def stage_memory(model: ModelConfig, s: Strategy, seq: int, reserved: float = 0.
             activations as its blocks keep them (activations.py); False: Megatron-LM's equal
             split and fused 16-bit layers.
         kept: :func:`scp_kept`'s answer when the caller has it (computed here otherwise).
+        host_is_device: the device is the host CPU (:attr:`DeviceSpec.is_host`), where
+            offloading to cpu frees nothing (:func:`place_optimizer`).
     """
     w_b, g_b, o_b = state_bytes(s.precision)
     shard_dp = s.dp * s.sp if s.memory != "ddp" else 1  # sp ranks replicate parameters too
     m = s.grad_accum_steps
     if kept is None:
-        kept = scp_kept(model, s, seq, reserved, flash, tessera) if s.schedule == "scp" else []
+        kept = (scp_kept(model, s, seq, reserved, flash, tessera, host_is_device=host_is_device)
+                if s.schedule == "scp" else [])
     out = []
     for i, stage in enumerate(pipeline_stage_params(model, s, tessera)):
         p = local_params(model, stage, s.tp)
@@ -282,11 +289,8 @@ def stage_memory(model: ModelConfig, s: Strategy, seq: int, reserved: float = 0.
             # Under no_sync (every micro-batch but the last; the whole schedule under pp) the
             # gradients of remote chunks accumulate on the device until the reduce-scatter.
             grads = p * g_b
-        optim = p * o_b / shard_dp
+        optim, host = place_optimizer(p * o_b / shard_dp, s.offload, host_is_device)
         weights, grads = weights + stage.head_rows * w_b, grads + stage.head_rows * g_b
-        host = 0.0
-        if s.offload:
-            host, optim = optim, 0.0
         ratio = s.stage_recompute(i)
         held = in_flight(s, i, m)
         # scp: micro-batches kept whole, within 1F1B's peak (scp_kept)
@@ -303,7 +307,8 @@ def stage_memory(model: ModelConfig, s: Strategy, seq: int, reserved: float = 0.
 
 
 def scp_kept(model: ModelConfig, s: Strategy, seq: int, reserved: float = 0.0,
-             flash: bool = True, tessera: bool = True) -> list[int]:
+             flash: bool = True, tessera: bool = True, *,
+             host_is_device: bool = False) -> list[int]:
     """Micro-batches each stage keeps whole (without recomputing) under scp: at most the
     last pp-1-i (on the last stage all or none), and only as many as keep the stage under
     the peak 1F1B with the same recomputation reaches on its fullest stage (the runtime's
@@ -311,7 +316,8 @@ def scp_kept(model: ModelConfig, s: Strategy, seq: int, reserved: float = 0.0,
     if s.pp == 1:
         return []
     m, one_f_one_b = s.grad_accum_steps, s.replace(schedule="1f1b")
-    base = stage_memory(model, one_f_one_b, seq, reserved, flash, tessera)
+    base = stage_memory(model, one_f_one_b, seq, reserved, flash, tessera,
+                        host_is_device=host_is_device)
     stages = pipeline_stage_params(model, s, tessera)
     # What scp holds keeping nothing whole: 1F1B's, but for its swap's extra micro-batch on
     # stage S-2. The budget is 1F1B's fullest stage, or that where higher (Partition.keep).
@@ -364,7 +370,9 @@ def _buffers(model: ModelConfig, s: Strategy, seq: int, p: float, stage: StagePa
 
 def device_memory(model: ModelConfig, s: Strategy, seq: int, reserved: float = 0.0,
                   flash: bool = True, tessera: bool = True,
-                  kept: list[int] | None = None) -> MemoryBreakdown:
+                  kept: list[int] | None = None, *,
+                  host_is_device: bool = False) -> MemoryBreakdown:
     """The most loaded device's memory (the stage that decides whether a strategy fits)."""
-    return max(stage_memory(model, s, seq, reserved, flash, tessera, kept),
+    return max(stage_memory(model, s, seq, reserved, flash, tessera, kept,
+                            host_is_device=host_is_device),
                key=lambda m: m.total)

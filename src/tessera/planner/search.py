@@ -24,7 +24,7 @@ from typing import Any, Mapping
 
 from tessera.models.config import ModelConfig
 from tessera.planner.cluster import Cluster, parse_cluster
-from tessera.planner.memory import device_memory, resident
+from tessera.planner.memory import device_memory
 from tessera.planner.model_spec import describe_model
 from tessera.planner.simulator import Estimate, SimOptions, estimate, lower_bound
 from tessera.planner.space import (DISK_OPTION, MEMORY_OPTIONS, layouts, micro_batch_sizes,
@@ -84,7 +84,7 @@ class SearchResult:
 def default_precision(cluster: Cluster) -> str:
     """bf16 on accelerators that have it, fp16 on those that only have that, fp32 on CPUs."""
     peaks = cluster.device.peak_flops
-    if cluster.device.name == "cpu":
+    if cluster.device.is_host:
         return "fp32"
     return "bf16" if "bf16" in peaks else ("fp16" if "fp16" in peaks else "fp32")
 
@@ -253,10 +253,9 @@ class _Search:
             self.pruned["not built"] += 1  # the runtime of this build would refuse it
             return False
         dev = self.cluster.device
-        mem = resident(device_memory(self.model, s, self.model.max_seq_len, dev.reserved_bytes,
-                                     dev.flash_attention,
-                                     (self.options or SimOptions()).tessera_runtime),
-                       s, dev.is_host).total
+        mem = device_memory(self.model, s, self.model.max_seq_len, dev.reserved_bytes,
+                            dev.flash_attention, (self.options or SimOptions()).tessera_runtime,
+                            host_is_device=dev.is_host).total
         if mem > dev.memory_bytes:
             self.pruned["memory"] += 1
             short = mem - dev.memory_bytes
@@ -307,6 +306,8 @@ def _explain(state: _Search, model: ModelConfig, cluster: Cluster, gbs: int, n: 
     for name, what in (("memory", "sharded memory (zero3 or chunk)"),
                        ("offload", "offload to cpu"), ("recompute", "recompute=full"),
                        ("tp", "tensor parallelism"), ("pp", "pipeline parallelism")):
+        if name == "offload" and cluster.device.is_host:
+            continue  # a CPU worker's host memory is its own: offload to cpu frees nothing
         if name in constraints:
             tips.append(f"allow {what}: it is held fixed at {constraints[name]!r} now")
     if not tips:

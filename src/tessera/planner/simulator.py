@@ -34,7 +34,7 @@ from tessera.planner.compute import (LayerTime, bytes_per_element, embedding_tim
                                      layer_time, optimizer_time, weight_cast_time)
 from tessera.planner.memory import (INTERLEAVE_CHUNKS, MemoryBreakdown, StageParams,
                                     device_memory, local_params, pipeline_stage_params,
-                                    recomputed_layers, resident, scp_kept, state_bytes)
+                                    recomputed_layers, scp_kept, state_bytes)
 from tessera.strategy import Strategy, StrategyError
 
 DDP_BUCKET_BYTES = 25 * 2**20
@@ -121,7 +121,8 @@ def estimate(model: ModelConfig, cluster: Cluster, strategy: Strategy,
     m = s.grad_accum_steps
     stages = _stage_costs(model, cl, s, groups, opt, cache)
     kept = scp_kept(model, s, seq, cl.device.reserved_bytes, cl.device.flash_attention,
-                    opt.tessera_runtime) if s.schedule == "scp" else []
+                    opt.tessera_runtime, host_is_device=cl.device.is_host
+                    ) if s.schedule == "scp" else []
     pipe, parts = _pipeline(s, stages, m, cl, model, groups, kept)
     dp_parts = _data_parallel(model, cl, s, groups, stages, opt)
     step = pipe + sum(dp_parts.values())
@@ -131,9 +132,8 @@ def estimate(model: ModelConfig, cluster: Cluster, strategy: Strategy,
     tokens = s.global_batch_size * seq
     model_flops = model.flops_per_token(seq) * tokens
     peak = cl.device.peak(s.precision)
-    memory = resident(device_memory(model, s, seq, cl.device.reserved_bytes,
-                                    cl.device.flash_attention, opt.tessera_runtime, kept),
-                      s, cl.device.is_host)
+    memory = device_memory(model, s, seq, cl.device.reserved_bytes, cl.device.flash_attention,
+                           opt.tessera_runtime, kept, host_is_device=cl.device.is_host)
     return Estimate(strategy=s, step_time=step, tokens_per_s=tokens / step,
                     tflops_per_device=model_flops / step / s.world_size / 1e12,
                     mfu=model_flops / step / s.world_size / peak, memory=memory,
