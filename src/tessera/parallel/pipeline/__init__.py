@@ -8,7 +8,8 @@ interleaved, scp as action lists), ``comm`` (tagged point-to-point messages), ``
 (this rank's share under the original names, gradient rules), ``engine`` (PipelineEngine),
 ``tp`` (stages of a 1D or 2D tensor-parallel model), ``subpipe`` (sub-pipelined tensor
 parallelism), ``head`` (an LM head sliced over the vocabulary, to spread it over stages),
-``rows`` (stages reading a weight through row slices hold only those rows).
+``rows`` (stages reading a weight through row slices hold only those rows), ``precision``
+(activation bytes under autocast, for the partition's stage memory).
 Design and figures: docs/pipeline.md.
 """
 
@@ -29,6 +30,7 @@ from tessera.parallel.pipeline.head import head_slices_for, slice_head, sliced_h
 from tessera.parallel.pipeline.module import (GradSync, StageModule, local_shard,
                                               persistent_buffers)
 from tessera.parallel.pipeline.partition import Partition, PartitionError, partition
+from tessera.parallel.pipeline.precision import under_autocast
 from tessera.parallel.pipeline.program import PipelineProgram, capture_for_partition
 from tessera.parallel.pipeline.recompute import stage_aware_ratios, strategy_text
 from tessera.parallel.pipeline.rows import RowHolding, RowShare, find_row_shares
@@ -39,7 +41,7 @@ from tessera.parallel.pipeline.tp import (carry_permutations, grid_inputs, stage
 from tessera.strategy import Strategy, StrategyError
 
 __all__ = ["CaptureError", "PartitionError", "PipelineEngine", "ScheduleError",
-           "apply_pipeline", "capture", "partition", "stage_aware_ratios"]
+           "apply_pipeline", "capture", "partition", "priced_under", "stage_aware_ratios"]
 
 
 @dataclass
@@ -132,7 +134,8 @@ def apply_pipeline(plan: Parallelized, strategy: Strategy, mesh: Mesh,
     if strategy.tp == 1:  # whole logits per token (tp's are vocabulary-sharded): sliceable
         graph = slice_head(graph, head_slices_for(graph, n_virtual))
         loss_fn = sliced_head_loss if graph.head_slices > 1 else lm_loss
-    part = _cut(graph, n_virtual, micro_batches, strategy, ratios, budget)
+    part = _cut(priced_under(graph, strategy, mesh.device_type), n_virtual, micro_batches,
+                strategy, ratios, budget)
     if budget is not None:
         ratios = list(part.recompute)  # chosen per stage for the budget
     pp_rank = mesh.rank("pp")
@@ -166,6 +169,15 @@ def apply_pipeline(plan: Parallelized, strategy: Strategy, mesh: Mesh,
     plan.build_optimizer = lambda _model, *args: _stage_optimizer(module, base, *args)
     plan.features.append("pipeline")
     return pipe
+
+
+def priced_under(graph: ProxyGraph, strategy: Strategy, device_type: str) -> ProxyGraph:
+    """The graph whose bytes the partition estimates: ``graph`` itself in fp32, its
+    activations re-counted under autocast for ``precision=bf16`` / ``fp16``."""
+    from tessera.train.engine import _AUTOCAST_DTYPES  # tessera.train imports this package
+
+    dtype = _AUTOCAST_DTYPES.get(strategy.precision)
+    return graph if dtype is None else under_autocast(graph, device_type, dtype)
 
 
 def _cut(graph: ProxyGraph, stages: int, micro_batches: int, strategy: Strategy,

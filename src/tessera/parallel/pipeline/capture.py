@@ -191,6 +191,13 @@ def _logits_node(program: ExportedProgram, nodes: dict[str, ProxyNode]) -> str:
 def retarget(graph: ProxyGraph, device: torch.device) -> ProxyGraph:
     """Point the ops of a capture made on the meta device that name it (``arange``,
     ``new_ones``, ``to``, ...) at ``device``, where the stages built from it run."""
+    point_at(graph.program.graph_module, device)
+    return graph
+
+
+def point_at(graph_module: fx.GraphModule, device: torch.device) -> fx.GraphModule:
+    """Rewrite, in place, the meta-device arguments of ``graph_module``'s ops (and of its
+    higher-order ops' subgraphs: autocast, set_grad_enabled) to ``device``; returns it."""
     meta = torch.device("meta")
 
     def swap(value):
@@ -200,14 +207,13 @@ def retarget(graph: ProxyGraph, device: torch.device) -> ProxyGraph:
             return type(value)(swap(v) for v in value)
         return value
 
-    # The top graph, and the subgraphs of higher-order ops (autocast, set_grad_enabled).
-    for module in graph.program.graph_module.modules():
+    for module in graph_module.modules():
         if isinstance(module, torch.fx.GraphModule):
             for node in module.graph.nodes:
                 node.args = swap(node.args)
                 node.kwargs = {key: swap(value) for key, value in node.kwargs.items()}
             module.recompile()
-    return graph
+    return graph_module
 
 
 def _model_device(model: nn.Module) -> torch.device:
