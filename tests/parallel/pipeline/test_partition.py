@@ -266,6 +266,16 @@ def test_uncapturable_model_names_the_operation_and_the_way_out():
     assert "torch.cond" in message and "pp=1" in message
 
 
+def test_a_model_rejecting_the_traced_shape_is_not_called_data_dependent():
+    with torch.device("meta"):
+        model = Transformer(preset("small", n_layers=1, vocab_size=64, max_seq_len=32))
+    with pytest.raises(CaptureError) as err:
+        capture(model, 2, 64)
+    message = str(err.value)
+    assert "exceeds max_seq_len=32" in message and "shape (2, 64)" in message
+    assert "Data-dependent" not in message and "pp=1" in message
+
+
 class _LongSkip(nn.Module):
     """The embedding is added back after three layers: a skip over the middle stage."""
 

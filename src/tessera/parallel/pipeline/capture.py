@@ -24,6 +24,7 @@ from dataclasses import dataclass, field
 import torch
 from torch import fx, nn
 from torch.export import ExportedProgram
+from torch.fx.experimental.symbolic_shapes import GuardOnDataDependentSymNode
 
 from tessera.models.materialize import BLOCK_LISTS
 from tessera.parallel.pipeline.cost import VIEW_OPS, NodeCost, op_name, node_cost, value_bytes
@@ -101,7 +102,7 @@ def capture(model: nn.Module, batch_size: int, seq_len: int, extra_inputs=None,
         kwargs = extra_inputs(ids) if extra_inputs is not None else {}
         program = torch.export.export(model, (ids,), kwargs, strict=False)
     except Exception as err:  # export raises many types; all mean "not capturable"
-        raise CaptureError(_capture_message(model, err)) from err
+        raise CaptureError(_capture_message(model, err, (batch_size, seq_len))) from err
     if head_slices > 1:
         from tessera.parallel.pipeline.head import slice_head  # head.py builds on this module
 
@@ -237,13 +238,31 @@ def _user_frames(err: BaseException) -> list[traceback.FrameSummary]:
     return []
 
 
-def _capture_message(model: nn.Module, err: Exception) -> str:
+def _capture_message(model: nn.Module, err: Exception, shape: tuple[int, int]) -> str:
     first = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
     frames = _user_frames(err)
     where = f" at {frames[-1].filename}:{frames[-1].lineno} ({frames[-1].line})" if frames else ""
-    return (f"torch.export could not capture {type(model).__name__} for pipeline "
-            f"partitioning: {type(err).__name__}: {first}{where}. Data-dependent control flow "
-            "(a Python `if` on a tensor value) cannot be traced: rewrite it with torch.cond or "
-            "move it out of forward; Hugging Face models need use_cache=False. Until then "
-            "train this model with pp=1, or split it by hand into stage modules for "
-            "torch.distributed.pipelining.")
+    head = (f"torch.export could not capture {type(model).__name__} for pipeline "
+            f"partitioning: {type(err).__name__}: {first}{where}. ")
+    manual = ("train this model with pp=1, or split it by hand into stage modules for "
+              "torch.distributed.pipelining.")
+    if _data_dependent(err):
+        return (head + "Data-dependent control flow (a Python `if` on a tensor value) cannot "
+                "be traced: rewrite it with torch.cond or move it out of forward; Hugging Face "
+                "models need use_cache=False. Until then " + manual)
+    return (head + f"It was traced with input_ids of shape {shape}: if the model rejects "
+            "that input (a sequence longer than it accepts), run with a shape it takes; "
+            "if an operation cannot be traced, make it traceable (Hugging Face models need "
+            "use_cache=False) or " + manual)
+
+
+def _data_dependent(err: BaseException | None) -> bool:
+    """Whether export failed on a value it cannot know while tracing (a branch on a tensor,
+    ``.item()``), in ``err`` or the exceptions it was raised from."""
+    seen = set()
+    while err is not None and id(err) not in seen:
+        seen.add(id(err))
+        if isinstance(err, GuardOnDataDependentSymNode) or "data-dependent" in str(err):
+            return True
+        err = err.__cause__ or err.__context__
+    return False
