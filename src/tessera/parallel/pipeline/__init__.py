@@ -8,8 +8,8 @@ interleaved, scp as action lists), ``comm`` (tagged point-to-point messages), ``
 (this rank's share under the original names, gradient rules), ``engine`` (PipelineEngine),
 ``tp`` (stages of a 1D or 2D tensor-parallel model), ``subpipe`` (sub-pipelined tensor
 parallelism), ``head`` (an LM head sliced over the vocabulary, to spread it over stages),
-``rows`` (stages reading a weight through row slices hold only those rows), ``precision``
-(activation bytes under autocast, for the partition's stage memory).
+``rows`` (stages reading a weight through row slices hold only those rows), ``kept``
+(what autograd keeps, measured on fake tensors, for the partition's stage memory).
 Design and figures: docs/pipeline.md.
 """
 
@@ -30,7 +30,7 @@ from tessera.parallel.pipeline.head import head_slices_for, slice_head, sliced_h
 from tessera.parallel.pipeline.module import (GradSync, StageModule, local_shard,
                                               persistent_buffers)
 from tessera.parallel.pipeline.partition import Partition, PartitionError, partition
-from tessera.parallel.pipeline.precision import under_autocast
+from tessera.parallel.pipeline.kept import priced_under as _measured_under
 from tessera.parallel.pipeline.program import PipelineProgram, capture_for_partition
 from tessera.parallel.pipeline.recompute import stage_aware_ratios, strategy_text
 from tessera.parallel.pipeline.rows import RowHolding, RowShare, find_row_shares
@@ -172,12 +172,11 @@ def apply_pipeline(plan: Parallelized, strategy: Strategy, mesh: Mesh,
 
 
 def priced_under(graph: ProxyGraph, strategy: Strategy, device_type: str) -> ProxyGraph:
-    """The graph whose bytes the partition estimates: ``graph`` itself in fp32, its
-    activations re-counted under autocast for ``precision=bf16`` / ``fp16``."""
+    """The graph whose bytes the partition estimates: measured on fake tensors on the run's
+    device type, under autocast for ``precision=bf16`` / ``fp16`` (kept.py)."""
     from tessera.train.engine import _AUTOCAST_DTYPES  # tessera.train imports this package
 
-    dtype = _AUTOCAST_DTYPES.get(strategy.precision)
-    return graph if dtype is None else under_autocast(graph, device_type, dtype)
+    return _measured_under(graph, device_type, _AUTOCAST_DTYPES.get(strategy.precision))
 
 
 def _cut(graph: ProxyGraph, stages: int, micro_batches: int, strategy: Strategy,

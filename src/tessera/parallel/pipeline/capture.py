@@ -20,6 +20,7 @@ from __future__ import annotations
 import re
 import traceback
 from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 from torch import fx, nn
@@ -64,6 +65,9 @@ class ProxyGraph:
             activations cross there (between the slices of a sliced LM head, head.py).
         head_slices: vocabulary slices of the LM head (1: the graph outputs whole logits;
             more: it outputs the per-token loss and reads ``labels``).
+        run_on: the device type and autocast dtype (None: none) the partition's bytes are
+            measured under (kept.py; ``kept.priced_under`` sets it).
+        kept: the fake run's bytes, cached by ``kept.kept_bytes``.
     """
 
     program: ExportedProgram
@@ -74,6 +78,9 @@ class ProxyGraph:
     param_users: dict[str, list[int]]
     cut_after: frozenset[str] = frozenset()
     head_slices: int = 1
+    # Where the estimates' bytes are measured (kept.py): device type and autocast dtype.
+    run_on: tuple[str, torch.dtype | None] = ("cpu", None)
+    kept: Any = field(default=None, repr=False)  # kept.KeptBytes once run; False: failed
 
     def compute_index(self) -> dict[str, int]:
         return {name: i for i, name in enumerate(self.compute)}

@@ -56,7 +56,9 @@ class NodeCost:
     fwd_flops: float = 0.0
     bwd_flops: float = 0.0
     out_bytes: int = 0  # bytes of the value the node produces
-    saved_bytes: int = 0  # activation bytes kept for backward (0 for views)
+    # Bytes written (0 for views): the element-wise traffic, and the activations kept when
+    # the graph cannot run on fake tensors (kept.py measures what autograd keeps)
+    saved_bytes: int = 0
     fwd_comm_bytes: float = 0.0  # bytes a tp collective or sp attention moves in forward
     bwd_comm_bytes: float = 0.0  # ... and in backward
 

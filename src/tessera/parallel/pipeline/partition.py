@@ -26,6 +26,7 @@ from dataclasses import dataclass
 
 from tessera.parallel.pipeline.capture import ProxyGraph
 from tessera.parallel.pipeline.cost import DeviceRates, value_bytes
+from tessera.parallel.pipeline.kept import kept_bytes
 from tessera.parallel.pipeline.rows import row_reads
 from tessera.parallel.pipeline.schedules import max_kept
 
@@ -120,14 +121,20 @@ class CostTable:
         self.graph, self.rates = graph, rates
         n = len(graph.compute)
         self.fwd, self.bwd, self.act = [0.0] * (n + 1), [0.0] * (n + 1), [0.0] * (n + 1)
+        # Activation bytes as autograd keeps them in a fake run (kept.py), else each node's
+        # output (an upper bound) when the graph cannot run on fake tensors.
+        kept = kept_bytes(graph)
         for i, name in enumerate(graph.compute):
             cost = graph.nodes[name].cost
             self.fwd[i + 1] = self.fwd[i] + cost.fwd_time(rates)
             self.bwd[i + 1] = self.bwd[i] + cost.bwd_time(rates)
-            self.act[i + 1] = self.act[i] + cost.saved_bytes
-        self.cross_count, self.cross_bytes = _crossings(graph)
+            saved = kept.saved.get(name, 0) if kept else cost.saved_bytes
+            self.act[i + 1] = self.act[i] + saved
+        out = kept.out if kept else {name: value_bytes(graph.nodes[name].node.meta.get("val"))
+                                     for name in graph.compute}
+        self.cross_count, self.cross_bytes = _crossings(graph, out)
         self.blocks = _block_spans(graph, self.act)
-        self.logits_bytes = value_bytes(graph.nodes[graph.output].node.meta.get("val"))
+        self.logits_bytes = out[graph.output]
         self.weights = [_WeightUse.of(graph, p, users)
                         for p, users in graph.param_users.items() if users]
         # Most weights are read by one node: their states are prefix sums over the nodes, so
@@ -193,8 +200,9 @@ def _block_spans(graph: ProxyGraph, act: list[float]) -> list[tuple[int, int, fl
     return spans
 
 
-def _crossings(graph: ProxyGraph) -> tuple[list[int], list[int]]:
-    """Number and bytes of activations crossing each cut c (between compute c-1 and c)."""
+def _crossings(graph: ProxyGraph, out: dict[str, int]) -> tuple[list[int], list[int]]:
+    """Number and bytes (``out``, by node) of activations crossing each cut c (between
+    compute c-1 and c)."""
     n = len(graph.compute)
     index = graph.compute_index()
     count, size = [0] * (n + 2), [0] * (n + 2)
@@ -205,7 +213,7 @@ def _crossings(graph: ProxyGraph) -> tuple[list[int], list[int]]:
             uses, default=index[name])
         lo, hi = index[name] + 1, last  # crosses cuts lo..hi
         if hi >= lo:
-            nbytes = value_bytes(node.meta.get("val"))
+            nbytes = out[name]
             count[lo] += 1
             count[hi + 1] -= 1
             size[lo] += nbytes

@@ -1,0 +1,124 @@
+"""The partitioner's activation bytes, measured on fake tensors (pipeline/kept.py), against
+what autograd saves when the captured graph (the code the stages run) runs for real."""
+
+from __future__ import annotations
+
+import contextlib
+import warnings
+
+import pytest
+import torch
+from torch import nn
+
+from tessera.memory.saved_peak import SavedPeak
+from tessera.models import Transformer
+from tessera.models.config import preset
+from tessera.models.hf import build_hf_model, hf_config_from_reference
+from tessera.parallel.pipeline import capture, partition, priced_under
+from tessera.parallel.pipeline.cost import DeviceRates
+from tessera.parallel.pipeline.kept import kept_bytes
+from tessera.parallel.pipeline.kept import priced_under as measured_under
+from tessera.parallel.pipeline.partition import CostTable
+from tessera.strategy import Strategy
+
+BF16 = torch.bfloat16
+SHAPE = dict(n_layers=2, vocab_size=512, d_model=192, n_heads=6, max_seq_len=512)
+
+
+def _reference(activation):
+    return lambda: Transformer(preset("small", activation=activation, **SHAPE))
+
+
+def _hf(arch):
+    config = hf_config_from_reference(arch, preset("gpt2", **SHAPE))
+    return lambda: build_hf_model(arch, **config)
+
+
+def _saved_peak(module: nn.Module, ids: torch.Tensor, dtype: torch.dtype | None) -> int:
+    """Peak bytes autograd saves in one forward (parameters excluded, their casts included)."""
+    probe = SavedPeak(module.parameters())
+    context = torch.autocast("cpu", dtype=dtype) if dtype else contextlib.nullcontext()
+    with probe, context:
+        out = module(ids)
+    del out
+    return probe.peak
+
+
+@pytest.mark.parametrize("build", [_reference("gelu"), _reference("swiglu"), _hf("gpt2"),
+                                   _hf("llama")], ids=["gelu", "swiglu", "gpt2", "llama"])
+def test_estimated_activations_are_what_the_captured_graph_saves(build):
+    torch.manual_seed(0)
+    batch, seq = 2, 512
+    graph = capture(build().train(), batch, seq)
+    ids = torch.randint(0, SHAPE["vocab_size"], (batch, seq))
+    for dtype in (None, BF16):
+        estimate = CostTable(measured_under(graph, "cpu", dtype), DeviceRates()).act[-1]
+        measured = _saved_peak(graph.program.module(), ids, dtype)
+        # The same graph, the same kernels, the same autocast: the same storages, counted
+        # once each (fake and real runs differ only in what holds the bytes).
+        assert estimate == measured, (dtype, estimate, measured)
+    fp32 = CostTable(graph, DeviceRates()).act[-1]
+    bf16 = CostTable(measured_under(graph, "cpu", BF16), DeviceRates()).act[-1]
+    assert bf16 < 0.8 * fp32  # at 2 x 512 tokens activations outweigh the weights' copies
+
+
+class _TiedHead(nn.Module):
+    """An embedding and an LM head sharing one weight: the smallest causal LM."""
+
+    def __init__(self, vocab: int, width: int) -> None:
+        super().__init__()
+        self.embed = nn.Embedding(vocab, width)
+        self.head = nn.Linear(width, vocab, bias=False)
+        self.head.weight = self.embed.weight
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        return self.head(torch.relu(self.embed(ids)))
+
+
+def test_each_saved_storage_is_charged_once_to_the_node_that_saved_it():
+    vocab, width, tokens = 96, 40, 24
+    with torch.device("meta"):
+        graph = capture(_TiedHead(vocab, width), 1, tokens)
+    ops = {graph.nodes[n].node.target.__name__.split(".")[0]: n for n in graph.compute}
+    fp32 = kept_bytes(graph)
+    # ReLU keeps its output; the head's input is that same storage (charged to ReLU) and its
+    # weight is a parameter (a stage state, not an activation): nothing more.
+    assert fp32.saved[ops["relu"]] == tokens * width * 4
+    assert fp32.saved.get(ops["linear"], 0) == 0
+    bf16 = kept_bytes(measured_under(graph, "cpu", BF16))
+    # Under autocast the head runs in bf16 and keeps bf16 copies of its fp32 input and of
+    # the (tied) weight; the embedding and ReLU stay fp32.
+    assert bf16.saved[ops["linear"]] == tokens * width * 2 + vocab * width * 2
+    assert bf16.out[ops["relu"]] == tokens * width * 4
+    assert bf16.out[ops["linear"]] == tokens * vocab * 2
+
+
+def test_no_autocast_to_run_keeps_the_output_count_and_says_so():
+    if torch.cuda.is_available():
+        pytest.skip("needs a machine where CUDA autocast is disabled")
+    with torch.device("meta"):
+        graph = capture(_TiedHead(16, 8), 1, 4)
+    priced = measured_under(graph, "cuda", BF16)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        assert kept_bytes(priced) is None
+        table = CostTable(priced, DeviceRates())
+    assert any("estimated from node outputs" in str(w.message) for w in caught)
+    assert table.act[-1] == sum(graph.nodes[n].cost.saved_bytes for n in graph.compute)
+
+
+def test_a_bf16_stage_budget_recomputes_less_than_an_fp32_one():
+    with torch.device("meta"):
+        model = Transformer(preset("small", n_layers=8, vocab_size=256, max_seq_len=512))
+    graph = capture(model, 2, 512)
+    fp32 = priced_under(graph, Strategy.parse("pp=2"), "cpu")
+    bf16 = priced_under(graph, Strategy.parse("pp=2,precision=bf16"), "cpu")
+    stages, micro = 2, 4
+    full = max(partition(fp32, stages, micro, recompute=(1.0,)).stage_memory)
+    none = max(partition(fp32, stages, micro, recompute=(0.0,)).stage_memory)
+    budget = (full + none) / 2  # fp32 must recompute part of its stages to fit
+    chosen = {name: partition(g, stages, micro, memory_limit=budget, recompute=None)
+              for name, g in (("fp32", fp32), ("bf16", bf16))}
+    assert sum(chosen["fp32"].recompute) > 0
+    assert sum(chosen["bf16"].recompute) < sum(chosen["fp32"].recompute), chosen
+    assert max(chosen["bf16"].stage_memory) <= budget
