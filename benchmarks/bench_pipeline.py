@@ -335,7 +335,7 @@ def peak_activation_bytes(schedule: str, pp: int, m: int, n_layers: int, mbs: in
     peak = 0.0
     for s, actions in enumerate(build(schedule, pp, m)):
         a, b = part.bounds[s], part.bounds[s + 1]
-        full, kept_input = table.act[b] - table.act[a], table.segment_inputs(a, b)
+        full, kept_input = table.activations(a, b), table.segment_inputs(a, b)
         block = table.largest_block(a, b)
         keep = None if keep_all else part.keep[s]
         live = 0.0

@@ -15,9 +15,9 @@ from tessera.models import Transformer
 from tessera.models.config import preset
 from tessera.models.hf import build_hf_model, hf_config_from_reference
 from tessera.parallel.pipeline import capture, partition, priced_under
-from tessera.parallel.pipeline.cost import DeviceRates
+from tessera.parallel.pipeline.cost import DeviceRates, op_name
 from tessera.parallel.pipeline.kept import kept_bytes
-from tessera.parallel.pipeline.kept import priced_under as measured_under
+from tessera.parallel.pipeline.kept import measured_under
 from tessera.parallel.pipeline.partition import CostTable
 from tessera.strategy import Strategy
 
@@ -52,13 +52,15 @@ def test_estimated_activations_are_what_the_captured_graph_saves(build):
     graph = capture(build().train(), batch, seq)
     ids = torch.randint(0, SHAPE["vocab_size"], (batch, seq))
     for dtype in (None, BF16):
-        estimate = CostTable(measured_under(graph, "cpu", dtype), DeviceRates()).act[-1]
+        table = CostTable(measured_under(graph, "cpu", dtype), DeviceRates())
+        estimate = table.activations(0, len(graph.compute))
         measured = _saved_peak(graph.program.module(), ids, dtype)
         # The same graph, the same kernels, the same autocast: the same storages, counted
         # once each (fake and real runs differ only in what holds the bytes).
         assert estimate == measured, (dtype, estimate, measured)
-    fp32 = CostTable(graph, DeviceRates()).act[-1]
-    bf16 = CostTable(measured_under(graph, "cpu", BF16), DeviceRates()).act[-1]
+    n = len(graph.compute)
+    fp32 = CostTable(graph, DeviceRates()).activations(0, n)
+    bf16 = CostTable(measured_under(graph, "cpu", BF16), DeviceRates()).activations(0, n)
     assert bf16 < 0.8 * fp32  # at 2 x 512 tokens activations outweigh the weights' copies
 
 
@@ -80,17 +82,53 @@ def test_each_saved_storage_is_charged_once_to_the_node_that_saved_it():
     with torch.device("meta"):
         graph = capture(_TiedHead(vocab, width), 1, tokens)
     ops = {graph.nodes[n].node.target.__name__.split(".")[0]: n for n in graph.compute}
-    fp32 = kept_bytes(graph)
+    fp32 = kept_bytes(graph).by_first_saver()
     # ReLU keeps its output; the head's input is that same storage (charged to ReLU) and its
     # weight is a parameter (a stage state, not an activation): nothing more.
-    assert fp32.saved[ops["relu"]] == tokens * width * 4
-    assert fp32.saved.get(ops["linear"], 0) == 0
+    assert fp32[ops["relu"]] == tokens * width * 4
+    assert fp32.get(ops["linear"], 0) == 0
     bf16 = kept_bytes(measured_under(graph, "cpu", BF16))
     # Under autocast the head runs in bf16 and keeps bf16 copies of its fp32 input and of
     # the (tied) weight; the embedding and ReLU stay fp32.
-    assert bf16.saved[ops["linear"]] == tokens * width * 2 + vocab * width * 2
+    assert bf16.by_first_saver()[ops["linear"]] == tokens * width * 2 + vocab * width * 2
     assert bf16.out[ops["relu"]] == tokens * width * 4
     assert bf16.out[ops["linear"]] == tokens * vocab * 2
+
+
+class _SkipAndBuffer(nn.Module):
+    """A skip connection whose tensor two layers save, on both sides of any cut, and a
+    buffer read through a slice (state, not an activation)."""
+
+    def __init__(self, vocab: int, width: int, layers: int = 3) -> None:
+        super().__init__()
+        self.embed = nn.Embedding(vocab, width)
+        self.layers = nn.ModuleList(nn.Linear(width, width) for _ in range(layers))
+        self.skip = nn.Linear(width, vocab)
+        self.head = nn.Linear(width, vocab)
+        self.register_buffer("scale", torch.ones(1024, width))
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        e = self.embed(ids) * self.scale[: ids.shape[1]]
+        x = e
+        for layer in self.layers:
+            x = torch.tanh(layer(x))
+        return self.head(x) + self.skip(e)  # e saved by the first layer and by the skip
+
+
+def test_a_tensor_saved_on_both_sides_of_a_cut_counts_in_both_stages():
+    vocab, width, tokens = 64, 32, 16
+    with torch.device("meta"):
+        graph = capture(_SkipAndBuffer(vocab, width), 1, tokens)
+    table, n = CostTable(graph, DeviceRates()), len(graph.compute)
+    e_bytes = tokens * width * 4
+    whole = table.activations(0, n)
+    # The buffer (1024 x width fp32) is state: the whole graph keeps far less than it.
+    assert whole < 1024 * width * 4
+    linears = [i for i, name in enumerate(graph.compute)
+               if op_name(graph.nodes[name].node) == "linear"]
+    cut = linears[0] + 1  # after the first layer's matmul, before the skip's
+    split = table.activations(0, cut) + table.activations(cut, n)
+    assert split == whole + e_bytes  # both stages hold e: the layer's and the skip's input
 
 
 def test_no_autocast_to_run_keeps_the_output_count_and_says_so():
@@ -103,8 +141,9 @@ def test_no_autocast_to_run_keeps_the_output_count_and_says_so():
         warnings.simplefilter("always")
         assert kept_bytes(priced) is None
         table = CostTable(priced, DeviceRates())
-    assert any("estimated from node outputs" in str(w.message) for w in caught)
-    assert table.act[-1] == sum(graph.nodes[n].cost.saved_bytes for n in graph.compute)
+    assert any("estimated from each node's output" in str(w.message) for w in caught)
+    assert table.activations(0, len(graph.compute)) == sum(
+        graph.nodes[n].cost.saved_bytes for n in graph.compute)
 
 
 def test_a_bf16_stage_budget_recomputes_less_than_an_fp32_one():

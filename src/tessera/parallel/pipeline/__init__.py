@@ -30,7 +30,7 @@ from tessera.parallel.pipeline.head import head_slices_for, slice_head, sliced_h
 from tessera.parallel.pipeline.module import (GradSync, StageModule, local_shard,
                                               persistent_buffers)
 from tessera.parallel.pipeline.partition import Partition, PartitionError, partition
-from tessera.parallel.pipeline.kept import priced_under as _measured_under
+from tessera.parallel.pipeline.kept import measured_under
 from tessera.parallel.pipeline.program import PipelineProgram, capture_for_partition
 from tessera.parallel.pipeline.recompute import stage_aware_ratios, strategy_text
 from tessera.parallel.pipeline.rows import RowHolding, RowShare, find_row_shares
@@ -176,7 +176,7 @@ def priced_under(graph: ProxyGraph, strategy: Strategy, device_type: str) -> Pro
     device type, under autocast for ``precision=bf16`` / ``fp16`` (kept.py)."""
     from tessera.train.engine import _AUTOCAST_DTYPES  # tessera.train imports this package
 
-    return _measured_under(graph, device_type, _AUTOCAST_DTYPES.get(strategy.precision))
+    return measured_under(graph, device_type, _AUTOCAST_DTYPES.get(strategy.precision))
 
 
 def _cut(graph: ProxyGraph, stages: int, micro_batches: int, strategy: Strategy,

@@ -65,8 +65,9 @@ class ProxyGraph:
             activations cross there (between the slices of a sliced LM head, head.py).
         head_slices: vocabulary slices of the LM head (1: the graph outputs whole logits;
             more: it outputs the per-token loss and reads ``labels``).
-        run_on: the device type and autocast dtype (None: none) the partition's bytes are
-            measured under (kept.py; ``kept.priced_under`` sets it).
+        run_on: the device type (None: the capture's, the CPU for meta) and autocast dtype
+            (None: none) the partition's bytes are measured under (kept.py's
+            ``measured_under`` sets them).
         kept: the fake run's bytes, cached by ``kept.kept_bytes``.
     """
 
@@ -79,7 +80,7 @@ class ProxyGraph:
     cut_after: frozenset[str] = frozenset()
     head_slices: int = 1
     # Where the estimates' bytes are measured (kept.py): device type and autocast dtype.
-    run_on: tuple[str, torch.dtype | None] = ("cpu", None)
+    run_on: tuple[str | None, torch.dtype | None] = (None, None)
     kept: Any = field(default=None, repr=False)  # kept.KeptBytes once run; False: failed
 
     def compute_index(self) -> dict[str, int]:

@@ -21,6 +21,8 @@ flight, so earlier stages end up recomputing more (Merak, section 4.3).
 
 from __future__ import annotations
 
+import bisect
+import functools
 import math
 from dataclasses import dataclass
 
@@ -115,26 +117,27 @@ class _WeightUse:
 
 
 class CostTable:
-    """Prefix sums over the compute nodes, so a stage [a, b) is priced in O(params)."""
+    """Prefix sums over the compute nodes, so a stage [a, b) is priced in O(params).
+
+    Activation bytes (``act``, ``activations``) are measured lazily, on the first memory
+    question, by a fake run of the graph (kept.py): tables that only cut and time a graph (the
+    runtime's) never run it."""
 
     def __init__(self, graph: ProxyGraph, rates: DeviceRates) -> None:
         self.graph, self.rates = graph, rates
         n = len(graph.compute)
-        self.fwd, self.bwd, self.act = [0.0] * (n + 1), [0.0] * (n + 1), [0.0] * (n + 1)
-        # Activation bytes as autograd keeps them in a fake run (kept.py), else each node's
-        # output (an upper bound) when the graph cannot run on fake tensors.
-        kept = kept_bytes(graph)
+        self.fwd, self.bwd = [0.0] * (n + 1), [0.0] * (n + 1)
         for i, name in enumerate(graph.compute):
             cost = graph.nodes[name].cost
             self.fwd[i + 1] = self.fwd[i] + cost.fwd_time(rates)
             self.bwd[i + 1] = self.bwd[i] + cost.bwd_time(rates)
-            saved = kept.saved.get(name, 0) if kept else cost.saved_bytes
-            self.act[i + 1] = self.act[i] + saved
-        out = kept.out if kept else {name: value_bytes(graph.nodes[name].node.meta.get("val"))
-                                     for name in graph.compute}
-        self.cross_count, self.cross_bytes = _crossings(graph, out)
-        self.blocks = _block_spans(graph, self.act)
-        self.logits_bytes = out[graph.output]
+        # Crossings and logits in the captured dtypes: the cuts do not depend on precision,
+        # a residual stream crossing a cut stays fp32 under autocast, and the loss upcasts
+        # the logits to fp32 (lm_loss) whatever the head's output dtype.
+        self.cross_count, self.cross_bytes = _crossings(graph)
+        self.block_bounds = _block_bounds(graph)
+        self._activations: dict[tuple[int, int], float] = {}
+        self.logits_bytes = value_bytes(graph.nodes[graph.output].node.meta.get("val"))
         self.weights = [_WeightUse.of(graph, p, users)
                         for p, users in graph.param_users.items() if users]
         # Most weights are read by one node: their states are prefix sums over the nodes, so
@@ -148,6 +151,58 @@ class CostTable:
                 self.shared.append(w)
         for i in range(n):
             self.point_state[i + 1] += self.point_state[i]
+
+    @functools.cached_property
+    def _kept(self) -> tuple[list[float], list[tuple[float, tuple[int, ...]]]]:
+        """(prefix sums of the activation bytes charged to one node, and the storages saved
+        by nodes on both sides of a possible cut, with their savers' indices). Measured by
+        a fake run (kept.py), else each node's output (when the graph cannot run there)."""
+        graph, n = self.graph, len(self.graph.compute)
+        index = graph.compute_index()
+        point, spread = [0.0] * n, []
+        kept = kept_bytes(graph)
+        if kept is None:
+            for i, name in enumerate(graph.compute):
+                point[i] = graph.nodes[name].cost.saved_bytes
+        else:
+            # Cuts the partitioner may choose (equal-layer bounds elsewhere may undercount
+            # a tensor saved on both sides of them, charged to its first saver).
+            cuts = set(candidate_cuts(self, finer=True))
+            for nbytes, savers in kept.storages:
+                at = sorted(index[name] for name in savers if name in index)
+                if not at:
+                    continue
+                # One saver, or all on one side of every cut: charged to the first saver. A
+                # tensor saved on both sides of a cut (a sliced head's hidden state, RoPE
+                # tables) is held again by each stage that saves it.
+                if any(at[0] < c <= at[-1] for c in cuts):
+                    spread.append((float(nbytes), tuple(at)))
+                else:
+                    point[at[0]] += nbytes
+        prefix = [0.0] * (n + 1)
+        for i in range(n):
+            prefix[i + 1] = prefix[i] + point[i]
+        return prefix, spread
+
+    @property
+    def act(self) -> list[float]:
+        """Prefix sums of the activation bytes charged to single nodes (a whole graph's
+        total is ``activations(0, n)``, which adds tensors saved across cuts)."""
+        return self._kept[0]
+
+    def activations(self, a: int, b: int) -> float:
+        """Bytes stage [a, b) keeps for backward per micro-batch, recomputing nothing."""
+        key = (a, b)
+        if key not in self._activations:  # the search asks again for each ratio
+            prefix, spread = self._kept
+            self._activations[key] = prefix[b] - prefix[a] + sum(
+                nbytes for nbytes, at in spread if _saved_within(at, a, b))
+        return self._activations[key]
+
+    @functools.cached_property
+    def blocks(self) -> list[tuple[int, int, float]]:
+        """(first, end, kept bytes) of each run of compute nodes of one block."""
+        return [(lo, hi, self.activations(lo, hi)) for lo, hi in self.block_bounds]
 
     def state_bytes(self, a: int, b: int) -> float:
         """Weights, gradients and AdamW states held by a stage of compute nodes [a, b)."""
@@ -168,7 +223,7 @@ class CostTable:
         """Peak bytes: weights and AdamW states, ``in_flight`` micro-batches of which
         ``keep`` hold all their activations and the rest drop the recomputed share, and
         while one of those runs its backward, that share rematerialised."""
-        full = self.act[b] - self.act[a]
+        full = self.activations(a, b)
         dropped = full * (1 - ratio) + ratio * self.segment_inputs(a, b)
         recomputing = in_flight - keep
         act = recomputing * dropped + keep * full
@@ -186,23 +241,29 @@ class CostTable:
     def segment_inputs(self, a: int, b: int) -> float:
         """Bytes a fully recomputed stage [a, b) keeps per micro-batch: the input of each of
         its blocks (program.head_segments recomputes block by block)."""
-        return sum(self.cross_bytes[max(lo, a)] for lo, hi, _ in self.blocks if lo < b and hi > a)
+        return sum(self.cross_bytes[max(lo, a)] for lo, hi in self.block_bounds
+                   if lo < b and hi > a)
 
 
-def _block_spans(graph: ProxyGraph, act: list[float]) -> list[tuple[int, int, float]]:
-    """(first, end, saved bytes) of each run of compute nodes of one block."""
+def _saved_within(savers: tuple[int, ...], a: int, b: int) -> bool:
+    """Whether any of the sorted saver indices lies in [a, b)."""
+    i = bisect.bisect_left(savers, a)
+    return i < len(savers) and savers[i] < b
+
+
+def _block_bounds(graph: ProxyGraph) -> list[tuple[int, int]]:
+    """(first, end) of each run of compute nodes of one block."""
     spans, start = [], 0
     blocks = [graph.nodes[name].block for name in graph.compute]
     for i in range(1, len(blocks) + 1):
         if i == len(blocks) or blocks[i] != blocks[start]:
-            spans.append((start, i, act[i] - act[start]))
+            spans.append((start, i))
             start = i
     return spans
 
 
-def _crossings(graph: ProxyGraph, out: dict[str, int]) -> tuple[list[int], list[int]]:
-    """Number and bytes (``out``, by node) of activations crossing each cut c (between
-    compute c-1 and c)."""
+def _crossings(graph: ProxyGraph) -> tuple[list[int], list[int]]:
+    """Number and bytes of activations crossing each cut c (between compute c-1 and c)."""
     n = len(graph.compute)
     index = graph.compute_index()
     count, size = [0] * (n + 2), [0] * (n + 2)
@@ -213,7 +274,7 @@ def _crossings(graph: ProxyGraph, out: dict[str, int]) -> tuple[list[int], list[
             uses, default=index[name])
         lo, hi = index[name] + 1, last  # crosses cuts lo..hi
         if hi >= lo:
-            nbytes = out[name]
+            nbytes = value_bytes(node.meta.get("val"))
             count[lo] += 1
             count[hi + 1] -= 1
             size[lo] += nbytes
