@@ -136,8 +136,8 @@ def _fake_run(graph: ProxyGraph, device_type: str | None, dtype: torch.dtype | N
         with _autocast(device.type, dtype), \
                 torch.autograd.graph.saved_tensors_hooks(recorder.pack, lambda t: t):
             if dtype is not None and not torch.is_autocast_enabled(device.type):
-                raise RuntimeError(f"torch.autocast({device.type!r}) is disabled here "
-                                   "(no such device)")
+                raise RuntimeError(f"torch.autocast({device.type!r}) is disabled on this "
+                                   "machine")
             recorder.run(*args)
     storages = [(entry[0], tuple(entry[1:])) for entry in recorder.savers.values()]
     return KeptBytes(storages, {name: value_bytes(v) for name, v in recorder.values.items()})

@@ -119,7 +119,7 @@ class _WeightUse:
 class CostTable:
     """Prefix sums over the compute nodes, so a stage [a, b) is priced in O(params).
 
-    Activation bytes (``act``, ``activations``) are measured lazily, on the first memory
+    Activation bytes (``activations``) are measured lazily, on the first memory
     question, by a fake run of the graph (kept.py): tables that only cut and time a graph (the
     runtime's) never run it."""
 
@@ -183,12 +183,6 @@ class CostTable:
         for i in range(n):
             prefix[i + 1] = prefix[i] + point[i]
         return prefix, spread
-
-    @property
-    def act(self) -> list[float]:
-        """Prefix sums of the activation bytes charged to single nodes (a whole graph's
-        total is ``activations(0, n)``, which adds tensors saved across cuts)."""
-        return self._kept[0]
 
     def activations(self, a: int, b: int) -> float:
         """Bytes stage [a, b) keeps for backward per micro-batch, recomputing nothing."""
