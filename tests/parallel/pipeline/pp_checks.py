@@ -134,6 +134,37 @@ def parity(arch: str, text: str) -> dict[str, float]:
             "params_left_on_meta": on_meta}
 
 
+def estimate_against_saved(arch: str) -> dict[str, tuple[float, float]]:
+    """The partition's activation estimate for this rank's stage against the peak of what
+    autograd saves there during a 1F1B step (two micro-batches in flight on stage 0, no
+    recomputation), in fp32 and bf16: (estimated, measured) bytes by precision."""
+    from tessera.memory.saved_peak import SavedPeak
+    from tessera.parallel.pipeline import priced_under
+    from tessera.parallel.pipeline.partition import in_flight
+
+    out, m = {}, 4
+    for precision in ("fp32", "bf16"):
+        strategy = Strategy.parse(f"pp=2,mbs={MBS},gbs={m * MBS},schedule=1f1b,"
+                                  f"precision={precision}")
+        model = make_model(arch)
+        plan = parallelize(model, strategy, Mesh(strategy, "cpu"))
+        engine = PipelineEngine(plan, strategy, torch.device("cpu"))
+        batches = micro_batches(0, m, split_arch(arch)[1])
+        engine.forward_backward(batches)  # builds the stages
+        probe = SavedPeak(model.parameters())
+        with probe:
+            engine.forward_backward(batches)
+        pipe = plan.pipeline
+        stage, part = pipe.local_stages[0], pipe.partition
+        table = CostTable(priced_under(pipe.program.graph, strategy, "cpu"), DeviceRates())
+        a, b = part.bounds[stage], part.bounds[stage + 1]
+        held = in_flight(stage, pipe.n_stages, m, "1f1b")
+        estimate = (table.memory(a, b, 0.0, held, stage == pipe.n_stages - 1)
+                    - table.state_bytes(a, b))
+        out[precision] = (estimate, float(probe.peak))
+    return out
+
+
 def _layout(plan: Parallelized) -> dict[str, int]:
     """Vocabulary slices of the LM head, over how many stages they were placed, and how many
     stage boundaries fall inside attention or an MLP."""
