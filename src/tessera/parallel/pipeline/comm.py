@@ -40,11 +40,19 @@ def pack(tensors: list[torch.Tensor]) -> torch.Tensor:
 
 
 def unpack(flat: torch.Tensor, specs: list[TensorSpec]) -> list[torch.Tensor]:
-    """Split a flat buffer back into tensors of ``specs``."""
+    """Split a flat buffer back into tensors of ``specs``, each in its own storage when
+    there are several: autograd saving a view of one would keep the whole buffer alive (a
+    stage cut after a norm receives the residual and the normed hidden; the normed one is
+    saved by the next projections, the residual need not outlive the forward)."""
     out, offset = [], 0
     for spec in specs:
         n = math.prod(spec.shape)
-        out.append(flat[offset:offset + n].view(spec.shape).to(spec.dtype))
+        part = flat[offset:offset + n].view(spec.shape)
+        if spec.dtype != flat.dtype:
+            part = part.to(spec.dtype)  # a copy already
+        elif len(specs) > 1:
+            part = part.clone()
+        out.append(part)
         offset += n
     return out
 
