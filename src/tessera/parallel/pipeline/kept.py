@@ -47,13 +47,6 @@ class KeptBytes:
     storages: list[tuple[int, tuple[str, ...]]]
     out: dict[str, int]
 
-    def by_first_saver(self) -> dict[str, int]:
-        """Bytes charged to each node when every storage goes to its first saver."""
-        charged: dict[str, int] = {}
-        for nbytes, savers in self.storages:
-            charged[savers[0]] = charged.get(savers[0], 0) + nbytes
-        return charged
-
 
 def measured_under(graph: ProxyGraph, device_type: str | None, dtype: torch.dtype | None
                    ) -> ProxyGraph:
