@@ -15,10 +15,13 @@ from tessera.models import Transformer
 from tessera.models.config import preset
 from tessera.models.hf import build_hf_model, hf_config_from_reference
 from tessera.parallel.pipeline import capture, partition, priced_under
+from tessera.parallel.pipeline.comm import TensorSpec, pack, unpack
 from tessera.parallel.pipeline.cost import DeviceRates, op_name
 from tessera.parallel.pipeline.kept import kept_bytes
 from tessera.parallel.pipeline.kept import measured_under
 from tessera.parallel.pipeline.partition import CostTable
+from tessera.parallel.pipeline.split import split_graph
+from tessera.parallel.pipeline.stage import StageRunner
 from tessera.strategy import Strategy
 
 BF16 = torch.bfloat16
@@ -137,6 +140,52 @@ def test_a_tensor_saved_on_both_sides_of_a_cut_counts_in_both_stages():
     cut = linears[0] + 1  # after the first layer's matmul, before the skip's
     split = table.activations(0, cut) + table.activations(cut, n)
     assert split == whole + e_bytes  # both stages hold e: the layer's and the skip's input
+
+
+class _ThreeReaders(nn.Module):
+    """A normed hidden state read by three projections, as attention's q, k and v read it."""
+
+    def __init__(self, vocab: int, width: int) -> None:
+        super().__init__()
+        self.embed = nn.Embedding(vocab, width)
+        self.q, self.k, self.v = (nn.Linear(width, width) for _ in range(3))
+        self.head = nn.Linear(width, vocab)
+
+    def normed(self, ids: torch.Tensor) -> torch.Tensor:
+        x = self.embed(ids)
+        return x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + 1e-6)
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        h = self.normed(ids)
+        return self.head(self.q(h) + self.k(h) + self.v(h))
+
+
+def test_a_stage_input_read_by_several_matmuls_is_cast_once():
+    vocab, width, tokens = 64, 32, 16
+    torch.manual_seed(0)
+    model = _ThreeReaders(vocab, width)
+    graph = measured_under(capture(model, 1, tokens), "cpu", BF16)
+    table, n = CostTable(graph, DeviceRates()), len(graph.compute)
+    cut = next(i for i, name in enumerate(graph.compute)
+               if op_name(graph.nodes[name].node) == "linear")  # the stage starts at q
+    copy = tokens * width * 2  # one bf16 copy of the normed hidden state
+    # In the whole graph each projection casts h anew; a stage receiving h holds it as a
+    # leaf, whose cast autocast caches: two copies fewer there.
+    whole = table.activations(0, n)
+    assert table.activations(0, cut) + table.activations(cut, n) == whole - 2 * copy
+    # And that is what autograd keeps when the pipeline's stage runs on h as received: a
+    # one-tensor message arrives as a view of its buffer (the stage makes it a leaf).
+    ids = torch.randint(0, vocab, (1, tokens))
+    pieces = split_graph(graph, [graph.compute[:cut], graph.compute[cut:]], model)
+    stage = StageRunner(1, [], pieces[1], lambda: torch.autocast("cpu", dtype=BF16))
+    h = model.normed(ids).detach()
+    received = unpack(pack([h]), [TensorSpec(tuple(h.shape), h.dtype)])
+    assert received[0]._is_view()
+    probe = SavedPeak(model.parameters())
+    with probe:
+        state = stage.forward(received, {"input_ids": ids}, recompute=False)
+    del state
+    assert table.activations(cut, n) == probe.peak
 
 
 def test_no_autocast_to_run_keeps_the_output_count_and_says_so():

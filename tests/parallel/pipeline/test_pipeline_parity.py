@@ -243,15 +243,15 @@ def test_trainer_materialises_and_loads_only_its_stages(two):
 @pytest.mark.slow
 def test_stage_activation_estimate_is_what_a_pipeline_step_saves(two):
     # The estimate is the fake run of the graph the stages run, times the micro-batches
-    # 1F1B holds, plus fp32 logits on the last stage. Measured: within 1 KB (the loss's
-    # small tensors) of 1-3 MiB, except HF Llama's last stage in bf16, where the estimate
-    # is 2.4% over what is saved (not explained yet, docs/pipeline.md).
-    tolerance = {"ref": 0.01, "llama": 0.03}
+    # 1F1B holds, plus fp32 logits on the last stage. What it leaves out is the loss's
+    # int64 targets and its scalar (1 KB here), so it must be within that, fp32 and bf16,
+    # also where a stage's input is cast once for several readers (HF Llama's last stage
+    # starts after a norm: its q, k and v projections share the bf16 copy of their input).
+    loss_extras = pp_checks.MBS * pp_checks.SEQ * 8 + 4
     for rank_out in two:
         for arch, by_precision in rank_out["estimate"].items():
             for precision, (estimate, saved) in by_precision.items():
-                assert estimate == pytest.approx(saved, rel=tolerance[arch]), (
-                    arch, precision, estimate, saved)
+                assert abs(estimate - saved) <= loss_extras, (arch, precision, estimate, saved)
             # At 128 tokens per micro-batch bf16 differs from fp32 (the weights' 16-bit
             # copies, one set per micro-batch in flight, against halved activations).
             assert by_precision["bf16"][1] != by_precision["fp32"][1], (arch, by_precision)

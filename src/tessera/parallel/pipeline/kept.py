@@ -34,6 +34,7 @@ from dataclasses import dataclass
 import torch
 from torch import fx
 from torch._subclasses.fake_tensor import FakeTensorMode
+from torch.utils._python_dispatch import TorchDispatchMode
 
 from tessera.parallel.pipeline.capture import ProxyGraph, point_at
 from tessera.parallel.pipeline.cost import op_name, value_bytes
@@ -42,10 +43,17 @@ from tessera.parallel.pipeline.cost import op_name, value_bytes
 @dataclass(frozen=True)
 class KeptBytes:
     """A fake run's bytes: ``storages`` each storage autograd keeps for backward as (bytes,
-    names of the nodes that saved it, in run order); ``out`` each node's value, by name."""
+    names of the nodes that saved it, in run order); ``out`` each node's value, by name;
+    ``cast_of`` for the storages (by index) that are autocast's 16-bit copy of a node's own
+    value, that node's name.
+
+    In the whole graph each reader casts a value anew, but a stage's inputs are leaves, whose
+    casts autocast caches: the three projections reading a normed hidden state received from
+    the previous stage share one copy (the CostTable counts it once there)."""
 
     storages: list[tuple[int, tuple[str, ...]]]
     out: dict[str, int]
+    cast_of: dict[int, str] = dataclasses.field(default_factory=dict)
 
 
 def measured_under(graph: ProxyGraph, device_type: str | None, dtype: torch.dtype | None
@@ -85,6 +93,9 @@ class _Recorder(fx.Interpreter):
         self.values: dict[str, object] = {}
         self.savers: dict[int, list] = {}  # storage -> [bytes, saver names...]
         self.current = ""
+        self.named: dict[int, str] = {}  # id of a node's value -> the node's name
+        self.cast_of: dict[int, str] = {}  # storage of a 16-bit copy -> node copied
+        self.copies: list[torch.Tensor] = []  # alive, so their storages' ids stay theirs
 
     def run_node(self, n: fx.Node):
         self.current = n.name
@@ -98,7 +109,16 @@ class _Recorder(fx.Interpreter):
         else:
             out = super().run_node(n)
         self.values[n.name] = out
+        if isinstance(out, torch.Tensor):
+            self.named[id(out)] = n.name
         return out
+
+    def note_cast(self, source: torch.Tensor, copy: torch.Tensor) -> None:
+        """``copy`` is ``source`` converted (under autocast: its 16-bit copy)."""
+        name = self.named.get(id(source))
+        if name is not None and isinstance(copy, torch.Tensor):
+            self.cast_of.setdefault(_storage(copy), name)
+            self.copies.append(copy)
 
     def pack(self, tensor: torch.Tensor) -> torch.Tensor:
         key = _storage(tensor)
@@ -126,14 +146,34 @@ def _fake_run(graph: ProxyGraph, device_type: str | None, dtype: torch.dtype | N
         held = {_storage(a) for a, n in zip(args, placeholders)
                 if n.name in state and isinstance(a, torch.Tensor)}
         recorder = _Recorder(module, device, held)
-        with _autocast(device.type, dtype), \
+        with _autocast(device.type, dtype), _CastWatch(recorder), \
                 torch.autograd.graph.saved_tensors_hooks(recorder.pack, lambda t: t):
             if dtype is not None and not torch.is_autocast_enabled(device.type):
                 raise RuntimeError(f"torch.autocast({device.type!r}) is disabled on this "
                                    "machine")
             recorder.run(*args)
-    storages = [(entry[0], tuple(entry[1:])) for entry in recorder.savers.values()]
-    return KeptBytes(storages, {name: value_bytes(v) for name, v in recorder.values.items()})
+    storages, cast_of = [], {}
+    for key, entry in recorder.savers.items():
+        if key in recorder.cast_of:
+            cast_of[len(storages)] = recorder.cast_of[key]
+        storages.append((entry[0], tuple(entry[1:])))
+    return KeptBytes(storages, {name: value_bytes(v) for name, v in recorder.values.items()},
+                     cast_of)
+
+
+class _CastWatch(TorchDispatchMode):
+    """Tells the recorder which conversions copy a node's own value (autocast's casts reach
+    the dispatcher as ``_to_copy``), so that stage inputs' shared casts can be priced."""
+
+    def __init__(self, recorder: _Recorder) -> None:
+        super().__init__()
+        self.recorder = recorder
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        if func is torch.ops.aten._to_copy.default and isinstance(args[0], torch.Tensor):
+            self.recorder.note_cast(args[0], out)
+        return out
 
 
 def _run_device(graph: ProxyGraph, device_type: str | None) -> torch.device:

@@ -116,6 +116,34 @@ class _WeightUse:
         return ROWS_FACTOR * self.size * span / self.rows
 
 
+@dataclass(frozen=True)
+class _Kept:
+    """A CostTable's activation bytes, as measured (kept.py).
+
+    Attributes:
+        prefix: prefix sums of the bytes charged to one node (its first saver).
+        spread: (bytes, savers' indices) of storages saved on both sides of a possible cut.
+        shared: (node index, sorted (saver index, bytes) of its 16-bit copies) for each value
+            autocast copied more than once: a later stage receives it as a leaf, whose copy
+            autocast makes once for all that stage's readers.
+    """
+
+    prefix: list[float]
+    spread: list[tuple[float, tuple[int, ...]]]
+    shared: list[tuple[int, list[tuple[int, float]]]]
+
+    def shared_cast_bytes(self, a: int, b: int) -> float:
+        """Bytes of the copies stage [a, b) does not make: all but one per input value."""
+        total = 0.0
+        for source, copies in self.shared:
+            if source >= a:
+                break  # sorted: the rest are made inside or after the stage
+            inside = [nbytes for saver, nbytes in copies if a <= saver < b]
+            if len(inside) > 1:
+                total += sum(inside) - max(inside)
+        return total
+
+
 class CostTable:
     """Prefix sums over the compute nodes, so a stage [a, b) is priced in O(params).
 
@@ -153,13 +181,12 @@ class CostTable:
             self.point_state[i + 1] += self.point_state[i]
 
     @functools.cached_property
-    def _kept(self) -> tuple[list[float], list[tuple[float, tuple[int, ...]]]]:
-        """(prefix sums of the activation bytes charged to one node, and the storages saved
-        by nodes on both sides of a possible cut, with their savers' indices). Measured by
-        a fake run (kept.py), else each node's output (when the graph cannot run there)."""
+    def _kept(self) -> _Kept:
+        """Activation bytes as the fake run (kept.py) measured them, else each node's output
+        (when the graph cannot run there)."""
         graph, n = self.graph, len(self.graph.compute)
         index = graph.compute_index()
-        point, spread = [0.0] * n, []
+        point, spread, casts = [0.0] * n, [], {}
         kept = kept_bytes(graph)
         if kept is None:
             for i, name in enumerate(graph.compute):
@@ -168,7 +195,7 @@ class CostTable:
             # Cuts the partitioner may choose (equal-layer bounds elsewhere may undercount
             # a tensor saved on both sides of them, charged to its first saver).
             cuts = set(candidate_cuts(self, finer=True))
-            for nbytes, savers in kept.storages:
+            for k, (nbytes, savers) in enumerate(kept.storages):
                 at = sorted(index[name] for name in savers if name in index)
                 if not at:
                     continue
@@ -179,18 +206,25 @@ class CostTable:
                     spread.append((float(nbytes), tuple(at)))
                 else:
                     point[at[0]] += nbytes
+                source = index.get(kept.cast_of.get(k, ""))
+                if source is not None:
+                    casts.setdefault(source, []).append((at[0], float(nbytes)))
         prefix = [0.0] * (n + 1)
         for i in range(n):
             prefix[i + 1] = prefix[i] + point[i]
-        return prefix, spread
+        shared = [(source, sorted(copies)) for source, copies in sorted(casts.items())
+                  if len(copies) > 1]
+        return _Kept(prefix, spread, shared)
 
     def activations(self, a: int, b: int) -> float:
         """Bytes stage [a, b) keeps for backward per micro-batch, recomputing nothing."""
         key = (a, b)
         if key not in self._activations:  # the search asks again for each ratio
-            prefix, spread = self._kept
-            self._activations[key] = prefix[b] - prefix[a] + sum(
-                nbytes for nbytes, at in spread if _saved_within(at, a, b))
+            kept = self._kept
+            self._activations[key] = (
+                kept.prefix[b] - kept.prefix[a]
+                + sum(nbytes for nbytes, at in kept.spread if _saved_within(at, a, b))
+                - kept.shared_cast_bytes(a, b))
         return self._activations[key]
 
     @functools.cached_property

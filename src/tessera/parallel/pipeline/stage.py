@@ -65,7 +65,11 @@ class StageRunner:
                 recompute: bool, grad: bool = True) -> MicroBatchState:
         """Run the stage; with ``recompute`` the head's activations are not kept."""
         if grad:
-            inputs = [t.requires_grad_() if t.is_floating_point() else t for t in inputs]
+            # Leaves that are not views (a one-tensor message arrives as a view of its
+            # buffer): autocast then casts each input once for all its readers (its cache
+            # holds casts of such leaves), as kept.py's estimate counts, whatever the message.
+            inputs = [t.detach().requires_grad_() if t.is_floating_point() else t
+                      for t in inputs]
         state = MicroBatchState(inputs, batch)
         with torch.set_grad_enabled(grad), self.autocast():
             x = inputs
