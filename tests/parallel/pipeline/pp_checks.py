@@ -134,17 +134,21 @@ def parity(arch: str, text: str) -> dict[str, float]:
             "params_left_on_meta": on_meta}
 
 
-def estimate_against_saved(arch: str) -> dict[str, tuple[float, float]]:
+def estimate_against_saved(arch: str, layout: str = "pp=2",
+                           precisions: tuple[str, ...] = ("fp32", "bf16")
+                           ) -> dict[str, tuple[float, float]]:
     """The partition's activation estimate for this rank's stage against the peak of what
     autograd saves there during a 1F1B step (two micro-batches in flight on stage 0, no
-    recomputation), in fp32 and bf16: (estimated, measured) bytes by precision."""
+    recomputation): (estimated, measured) bytes by precision. ``layout`` gives the pp (and
+    dp, tp) degrees; each dp rank runs 4 micro-batches."""
     from tessera.memory.saved_peak import SavedPeak
     from tessera.parallel.pipeline import priced_under
     from tessera.parallel.pipeline.partition import in_flight
 
     out, m = {}, 4
-    for precision in ("fp32", "bf16"):
-        strategy = Strategy.parse(f"pp=2,mbs={MBS},gbs={m * MBS},schedule=1f1b,"
+    dp = int(dict(field.split("=") for field in layout.split(",")).get("dp", 1))
+    for precision in precisions:
+        strategy = Strategy.parse(f"{layout},mbs={MBS},gbs={m * MBS * dp},schedule=1f1b,"
                                   f"precision={precision}")
         model = make_model(arch)
         plan = parallelize(model, strategy, Mesh(strategy, "cpu"))

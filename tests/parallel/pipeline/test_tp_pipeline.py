@@ -26,6 +26,7 @@ import pytest
 
 from tessera.testing import run_distributed
 
+import pp_checks
 import tp_pp_checks
 
 TOL = 1e-5
@@ -45,6 +46,7 @@ CASES = {  # name: (model, strategy); dp=2 x tp=2 x pp=2, 2 micro-batches per dp
 def _eight_ranks(rank, world_size, root):
     out = {name: tp_pp_checks.parity(arch, text) for name, (arch, text) in CASES.items()}
     out["ckpt"] = tp_pp_checks.checkpoint_to_one_device(root)
+    out["estimate"] = pp_checks.estimate_against_saved("llama", "dp=2,tp=2,pp=2", ("bf16",))
     return out
 
 
@@ -67,6 +69,16 @@ def test_dp2_tp2_pp2_equals_one_device(eight, name):
         assert got["saved"] < PARAM_TOL, (name, rank, got)
         # From meta, the other stage's shards are never materialised.
         assert (got["shard_elements_left_on_meta"] > 0) == ("meta" in name), (name, rank, got)
+
+
+def test_a_tp_stage_activation_estimate_is_what_a_pipeline_step_saves(eight):
+    # As test_pipeline_parity's check of plain stages, on 1d tensor-parallel stages of HF
+    # Llama in bf16 (weights and activations sharded; autocast's copies of the shards): the
+    # estimate leaves out only the loss's per-token tensors (its 2 x 64 int64 targets and
+    # a few per-token values of the vocabulary-parallel loss: 1,796 bytes measured).
+    for rank, out in enumerate(eight):
+        for precision, (estimate, saved) in out["estimate"].items():
+            assert abs(estimate - saved) <= 2048, (rank, precision, estimate, saved)
 
 
 def test_subpipelined_run_equals_the_plain_one(eight):

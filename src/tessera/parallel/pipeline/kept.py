@@ -96,6 +96,8 @@ class _Recorder(fx.Interpreter):
         self.named: dict[int, str] = {}  # id of a node's value -> the node's name
         self.cast_of: dict[int, str] = {}  # storage of a 16-bit copy -> node copied
         self.copies: list[torch.Tensor] = []  # alive, so their storages' ids stay theirs
+        from tessera.parallel.tensor.ops2d import AUTOCAST_OUTPUT  # the 2D layers' ops
+        self.autocast_output = AUTOCAST_OUTPUT
 
     def run_node(self, n: fx.Node):
         self.current = n.name
@@ -108,6 +110,8 @@ class _Recorder(fx.Interpreter):
             out = base.view(base.shape)
         else:
             out = super().run_node(n)
+            if n.target in self.autocast_output and torch.is_autocast_enabled(out.device.type):
+                out = out.to(torch.get_autocast_dtype(out.device.type))  # as the real op's
         self.values[n.name] = out
         if isinstance(out, torch.Tensor):
             self.named[id(out)] = n.name

@@ -89,7 +89,7 @@ def summa_add_bias(x: torch.Tensor, bias: torch.Tensor, grid: str) -> torch.Tens
 
 @summa_add_bias.register_fake
 def _(x, bias, grid):
-    return torch.empty_like(x)
+    return torch.empty_like(x, dtype=torch.promote_types(x.dtype, bias.dtype))  # as x + bias
 
 
 def _bias_setup(ctx, inputs, output):
@@ -120,7 +120,10 @@ def summa_norm(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tenso
 @summa_norm.register_fake
 def _(x, weight, bias, eps, rms, features, grid):
     stats = x.new_empty(*x.shape[:-1], 1, dtype=torch.float32)
-    return torch.empty_like(x), torch.empty_like(x, dtype=torch.float32), stats
+    dtype = torch.promote_types(x.dtype, weight.dtype)  # as norm2d_forward's y
+    if bias is not None:
+        dtype = torch.promote_types(dtype, bias.dtype)
+    return torch.empty_like(x, dtype=dtype), torch.empty_like(x, dtype=torch.float32), stats
 
 
 def _norm_setup(ctx, inputs, output):
@@ -165,6 +168,10 @@ def _embedding_backward(ctx, grad):
 summa_embedding.register_autograd(_embedding_backward, setup_context=_embedding_setup)
 
 SUMMA_LINEAR = torch.ops.tessera.summa_linear.default
+# Ops whose output takes autocast's dtype when autocast is on. Their fakes cannot say so:
+# autocast reads as off inside a fake implementation, so a fake run under autocast (the
+# pipeline's activation estimate, pipeline/kept.py) converts their outputs itself.
+AUTOCAST_OUTPUT = (SUMMA_LINEAR,)
 
 
 def summa_linear_flops(node) -> float:
