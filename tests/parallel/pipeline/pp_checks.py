@@ -140,7 +140,7 @@ def estimate_against_saved(arch: str, layout: str = "pp=2",
     """The partition's activation estimate for this rank's stage against the peak of what
     autograd saves there during a 1F1B step (two micro-batches in flight on stage 0, no
     recomputation): (estimated, measured) bytes by precision. ``layout`` gives the pp (and
-    dp, tp) degrees; each dp rank runs 4 micro-batches."""
+    dp, tp, sp) degrees; each dp rank runs 4 micro-batches."""
     from tessera.memory.saved_peak import SavedPeak
     from tessera.parallel.pipeline import priced_under
     from tessera.parallel.pipeline.partition import in_flight
@@ -151,7 +151,8 @@ def estimate_against_saved(arch: str, layout: str = "pp=2",
         strategy = Strategy.parse(f"{layout},mbs={MBS},gbs={m * MBS * dp},schedule=1f1b,"
                                   f"precision={precision}")
         model = make_model(arch)
-        plan = parallelize(model, strategy, Mesh(strategy, "cpu"))
+        # At the run's length, as the Trainer partitions (each rank's share of it under sp).
+        plan = parallelize(model, strategy, Mesh(strategy, "cpu"), seq_len=SEQ)
         engine = PipelineEngine(plan, strategy, torch.device("cpu"))
         batches = micro_batches(0, m, split_arch(arch)[1])
         engine.forward_backward(batches)  # builds the stages

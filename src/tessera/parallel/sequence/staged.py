@@ -56,7 +56,10 @@ def ring_attention_op(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, meta: t
 
 @ring_attention_op.register_fake
 def _(q, k, v, meta, group_name, causal, scale, layout):
-    return torch.empty_like(q), q.new_empty(q.shape[:3], dtype=torch.float32)
+    # Contiguous, as ring_forward returns it (empty_like would copy q's strides, a transposed
+    # view's): the pipeline's activation estimate (pipeline/kept.py) runs these fakes, and
+    # a head-major output makes the output projection's reshape a copy, which it saves.
+    return q.new_empty(q.shape), q.new_empty(q.shape[:3], dtype=torch.float32)
 
 
 def _ring_setup(ctx, inputs, output):
@@ -95,7 +98,7 @@ def sp_attention_op(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, meta: tor
 
 @sp_attention_op.register_fake
 def _(q, k, v, meta, group_name, mode, causal, scale, layout):
-    return torch.empty_like(q)
+    return q.new_empty(q.shape)  # contiguous, as rsa and ulysses return it
 
 
 def _setup_context(ctx, inputs, output):
