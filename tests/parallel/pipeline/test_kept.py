@@ -143,13 +143,16 @@ def test_a_tensor_saved_on_both_sides_of_a_cut_counts_in_both_stages():
 
 
 class _ThreeReaders(nn.Module):
-    """A normed hidden state read by three projections, as attention's q, k and v read it."""
+    """A normed hidden state h read by three projections, as attention's q, k and v read it
+    ("linear"); the same after a ``.to`` that changes nothing ("no-op to"); or converted to
+    bf16 by the model itself, twice ("converted": copies autocast does not make nor share)."""
 
-    def __init__(self, vocab: int, width: int) -> None:
+    def __init__(self, vocab: int, width: int, reader: str) -> None:
         super().__init__()
         self.embed = nn.Embedding(vocab, width)
         self.q, self.k, self.v = (nn.Linear(width, width) for _ in range(3))
         self.head = nn.Linear(width, vocab)
+        self.reader = reader
 
     def normed(self, ids: torch.Tensor) -> torch.Tensor:
         x = self.embed(ids)
@@ -157,25 +160,16 @@ class _ThreeReaders(nn.Module):
 
     def forward(self, ids: torch.Tensor) -> torch.Tensor:
         h = self.normed(ids)
+        if self.reader == "converted":
+            return self.head(torch.sin(h.to(BF16)) + torch.cos(h.to(BF16)))
+        if self.reader == "no-op to":
+            h = h.to(torch.float32)
         return self.head(self.q(h) + self.k(h) + self.v(h))
 
 
-def test_a_stage_input_read_by_several_matmuls_is_cast_once():
-    vocab, width, tokens = 64, 32, 16
-    torch.manual_seed(0)
-    model = _ThreeReaders(vocab, width)
-    graph = measured_under(capture(model, 1, tokens), "cpu", BF16)
-    table, n = CostTable(graph, DeviceRates()), len(graph.compute)
-    cut = next(i for i, name in enumerate(graph.compute)
-               if op_name(graph.nodes[name].node) == "linear")  # the stage starts at q
-    copy = tokens * width * 2  # one bf16 copy of the normed hidden state
-    # In the whole graph each projection casts h anew; a stage receiving h holds it as a
-    # leaf, whose cast autocast caches: two copies fewer there.
-    whole = table.activations(0, n)
-    assert table.activations(0, cut) + table.activations(cut, n) == whole - 2 * copy
-    # And that is what autograd keeps when the pipeline's stage runs on h as received: a
-    # one-tensor message arrives as a view of its buffer (the stage makes it a leaf).
-    ids = torch.randint(0, vocab, (1, tokens))
+def _saved_by_stage(model: nn.Module, graph, cut: int, ids: torch.Tensor) -> int:
+    """Peak bytes autograd saves when the pipeline's stage of compute nodes [cut, end) runs
+    on h as received: a one-tensor message arrives as a view of its buffer."""
     pieces = split_graph(graph, [graph.compute[:cut], graph.compute[cut:]], model)
     stage = StageRunner(1, [], pieces[1], lambda: torch.autocast("cpu", dtype=BF16))
     h = model.normed(ids).detach()
@@ -185,7 +179,27 @@ def test_a_stage_input_read_by_several_matmuls_is_cast_once():
     with probe:
         state = stage.forward(received, {"input_ids": ids}, recompute=False)
     del state
-    assert table.activations(cut, n) == probe.peak
+    return probe.peak
+
+
+@pytest.mark.parametrize("reader, shared", [("linear", 2), ("no-op to", 2), ("converted", 0)])
+def test_a_stage_input_read_by_several_matmuls_is_cast_once(reader, shared):
+    vocab, width, tokens = 64, 32, 16
+    torch.manual_seed(0)
+    model = _ThreeReaders(vocab, width, reader)
+    graph = measured_under(capture(model, 1, tokens), "cpu", BF16)
+    table, n = CostTable(graph, DeviceRates()), len(graph.compute)
+    ops = [op_name(graph.nodes[name].node) for name in graph.compute]
+    cut = ops.index("mul") + 1  # the stage starts after the norm: it receives h
+    copy = tokens * width * 2  # one bf16 copy of h
+    # In the whole graph each projection casts h anew; a stage receiving h holds it as a
+    # leaf, whose cast autocast caches: two copies fewer there. The model's own conversions
+    # are made each time, leaf or not.
+    whole = table.activations(0, n)
+    assert table.activations(0, cut) + table.activations(cut, n) == whole - shared * copy
+    # And that is what autograd keeps when the pipeline's stage runs.
+    ids = torch.randint(0, vocab, (1, tokens))
+    assert table.activations(cut, n) == _saved_by_stage(model, graph, cut, ids)
 
 
 def test_no_autocast_to_run_keeps_the_output_count_and_says_so():

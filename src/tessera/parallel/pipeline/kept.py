@@ -94,6 +94,8 @@ class _Recorder(fx.Interpreter):
         self.savers: dict[int, list] = {}  # storage -> [bytes, saver names...]
         self.current = ""
         self.named: dict[int, str] = {}  # id of a node's value -> the node's name
+        self.autocast_dtype: torch.dtype | None = None  # the run's, when under autocast
+        self.converting = False  # running a node that converts dtypes itself (.to, .float)
         self.cast_of: dict[int, str] = {}  # storage of a 16-bit copy -> node copied
         self.copies: list[torch.Tensor] = []  # alive, so their storages' ids stay theirs
         from tessera.parallel.tensor.ops2d import AUTOCAST_OUTPUT  # the 2D layers' ops
@@ -101,6 +103,7 @@ class _Recorder(fx.Interpreter):
 
     def run_node(self, n: fx.Node):
         self.current = n.name
+        self.converting = n.op == "call_function" and op_name(n) in _CONVERSIONS
         if n.op == "call_function" and op_name(n) == "access_subclass_inner_tensor":
             # A DTensor parameter's local shard (tensor parallelism): the placeholder is a
             # plain fake of the whole weight here, so the shard is made from its shape, as
@@ -114,15 +117,19 @@ class _Recorder(fx.Interpreter):
                 out = out.to(torch.get_autocast_dtype(out.device.type))  # as the real op's
         self.values[n.name] = out
         if isinstance(out, torch.Tensor):
-            self.named[id(out)] = n.name
+            # The first node that made it: a no-op ``.to`` returns its input object.
+            self.named.setdefault(id(out), n.name)
         return out
 
     def note_cast(self, source: torch.Tensor, copy: torch.Tensor) -> None:
-        """``copy`` is ``source`` converted (under autocast: its 16-bit copy)."""
+        """``copy`` is ``source`` converted; kept when it is autocast's own 16-bit copy of
+        an fp32 value (the only casts autocast's cache shares), not the graph's conversion."""
         name = self.named.get(id(source))
-        if name is not None and isinstance(copy, torch.Tensor):
-            self.cast_of.setdefault(_storage(copy), name)
-            self.copies.append(copy)
+        if (name is None or self.converting or not isinstance(copy, torch.Tensor)
+                or source.dtype != torch.float32 or copy.dtype != self.autocast_dtype):
+            return
+        self.cast_of.setdefault(_storage(copy), name)
+        self.copies.append(copy)
 
     def pack(self, tensor: torch.Tensor) -> torch.Tensor:
         key = _storage(tensor)
@@ -150,6 +157,7 @@ def _fake_run(graph: ProxyGraph, device_type: str | None, dtype: torch.dtype | N
         held = {_storage(a) for a, n in zip(args, placeholders)
                 if n.name in state and isinstance(a, torch.Tensor)}
         recorder = _Recorder(module, device, held)
+        recorder.autocast_dtype = dtype
         with _autocast(device.type, dtype), _CastWatch(recorder), \
                 torch.autograd.graph.saved_tensors_hooks(recorder.pack, lambda t: t):
             if dtype is not None and not torch.is_autocast_enabled(device.type):
@@ -163,6 +171,10 @@ def _fake_run(graph: ProxyGraph, device_type: str | None, dtype: torch.dtype | N
         storages.append((entry[0], tuple(entry[1:])))
     return KeptBytes(storages, {name: value_bytes(v) for name, v in recorder.values.items()},
                      cast_of)
+
+
+# Ops that convert dtypes as the graph asks (their copies are not autocast's, never shared).
+_CONVERSIONS = {"to", "_to_copy", "type_as", "type", "float", "half", "bfloat16"}
 
 
 class _CastWatch(TorchDispatchMode):

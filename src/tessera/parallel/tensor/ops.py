@@ -73,7 +73,7 @@ def tp_reduce(x: torch.Tensor, group: str) -> torch.Tensor:
 
 @tp_reduce.register_fake
 def _(x, group):
-    return torch.empty_like(x)
+    return x.new_empty(x.shape)  # contiguous, as the real op's clone
 
 
 def _identity_backward(ctx, grad):
@@ -97,7 +97,7 @@ def tp_reduce_start(x: torch.Tensor, group: str) -> torch.Tensor:
 
 @tp_reduce_start.register_fake
 def _(x, group):
-    return torch.empty_like(x)
+    return x.new_empty(x.shape)  # contiguous, as the real op's clone
 
 
 tp_reduce_start.register_autograd(_identity_backward)
