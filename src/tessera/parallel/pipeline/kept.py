@@ -86,15 +86,16 @@ class _Recorder(fx.Interpreter):
     """Runs a graph on fake tensors, keeping each node's value and the bytes autograd
     saved while it ran."""
 
-    def __init__(self, module: fx.GraphModule, device: torch.device, held: set[int]) -> None:
+    def __init__(self, module: fx.GraphModule, device: torch.device, held: set[int],
+                 autocast_dtype: torch.dtype | None) -> None:
         super().__init__(module)
         self.device = device
+        self.autocast_dtype = autocast_dtype  # the run's 16-bit dtype under autocast
         self.held = held  # storages of the stage's state (parameters, buffers, constants)
         self.values: dict[str, object] = {}
         self.savers: dict[int, list] = {}  # storage -> [bytes, saver names...]
         self.current = ""
         self.named: dict[int, str] = {}  # id of a node's value -> the node's name
-        self.autocast_dtype: torch.dtype | None = None  # the run's, when under autocast
         self.converting = False  # running a node that converts dtypes itself (.to, .float)
         self.cast_of: dict[int, str] = {}  # storage of a 16-bit copy -> node copied
         self.copies: list[torch.Tensor] = []  # alive, so their storages' ids stay theirs
@@ -156,8 +157,7 @@ def _fake_run(graph: ProxyGraph, device_type: str | None, dtype: torch.dtype | N
                 for n in placeholders]
         held = {_storage(a) for a, n in zip(args, placeholders)
                 if n.name in state and isinstance(a, torch.Tensor)}
-        recorder = _Recorder(module, device, held)
-        recorder.autocast_dtype = dtype
+        recorder = _Recorder(module, device, held, dtype)
         with _autocast(device.type, dtype), _CastWatch(recorder), \
                 torch.autograd.graph.saved_tensors_hooks(recorder.pack, lambda t: t):
             if dtype is not None and not torch.is_autocast_enabled(device.type):
