@@ -27,10 +27,10 @@ from tessera.models.materialize import DeferredInit, has_meta, parameter_aliases
 from tessera.parallel.pipeline.capture import CaptureError, ProxyGraph, capture, retarget
 from tessera.parallel.pipeline.engine import PipelineEngine
 from tessera.parallel.pipeline.head import head_slices_for, slice_head, sliced_head_loss
+from tessera.parallel.pipeline.kept import measured_under
 from tessera.parallel.pipeline.module import (GradSync, StageModule, local_shard,
                                               persistent_buffers)
 from tessera.parallel.pipeline.partition import Partition, PartitionError, partition
-from tessera.parallel.pipeline.kept import measured_under
 from tessera.parallel.pipeline.program import PipelineProgram, capture_for_partition
 from tessera.parallel.pipeline.recompute import stage_aware_ratios, strategy_text
 from tessera.parallel.pipeline.rows import RowHolding, RowShare, find_row_shares
