@@ -148,9 +148,10 @@ def test_autocast_weight_casts_are_priced_per_forward():
     assert lower_bound(llama, cluster, s) <= estimate(llama, cluster, s).step_time - 32 * cast
 
 
-def _tp_block_saved(rank: int, world: int) -> dict[str, int]:
+def _tp_block_saved(rank: int, world: int, tp_mode: str) -> dict[str, int]:
     """Bytes autograd saves for the second block of a 2-layer reference model on this rank
-    after tessera's 1d tensor parallelism, per style and precision (one launch for all)."""
+    after tessera's tensor parallelism in ``tp_mode``, per style and precision (one launch
+    for all)."""
     from tessera.mesh import Mesh
     from tessera.models import Transformer
     from tessera.parallel.plan import Parallelized
@@ -161,7 +162,7 @@ def _tp_block_saved(rank: int, world: int) -> dict[str, int]:
         for run, (dtype, autocast, _) in RUNS.items():
             torch.manual_seed(0)
             model = Transformer(dataclasses.replace(config, n_layers=2)).to(dtype)
-            strategy = Strategy(tp=world, micro_batch_size=TOKENS[0],
+            strategy = Strategy(tp=world, tp_mode=tp_mode, micro_batch_size=TOKENS[0],
                                 global_batch_size=TOKENS[0])
             plan = Parallelized(module=model, model=model, loss_group=None)
             apply_tensor_parallel(plan, strategy, Mesh(strategy, "cpu"))
@@ -189,15 +190,17 @@ def _tp_block_saved(rank: int, world: int) -> dict[str, int]:
     return out
 
 
-def test_1d_tensor_parallel_count_matches_saved_tensors():
+# 1d: the input and the norms whole on every rank, the rest split; 2d on a 2 x 2 grid: all of
+# it split, the norms keeping their normalised value in fp32 (both styles).
+@pytest.mark.parametrize("tp_mode, world", [("1d", 2), ("2d", 4)])
+def test_tensor_parallel_count_matches_saved_tensors(tp_mode, world):
     from tessera.testing import run_distributed
 
-    saved = run_distributed(_tp_block_saved, 2)
+    saved = run_distributed(_tp_block_saved, world, args=(tp_mode,))
     tokens = TOKENS[0] * TOKENS[1]
     for name, config in (("gpt2", GPT2), ("llama", LLAMA)):
         for run, (_, _, (precision, memory)) in RUNS.items():
             lay = layout(precision, memory)
-            expected = tokens * layer_bytes_per_token(config, lay, tp=2, tp_mode="1d")
-            for rank in saved:  # the input and the norms whole, the rest halved
+            expected = tokens * layer_bytes_per_token(config, lay, tp=world, tp_mode=tp_mode)
+            for rank in saved:
                 assert rank[f"{name}-{run}"] == pytest.approx(expected, rel=REL_TOL), (name, run)
-

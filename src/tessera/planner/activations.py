@@ -30,14 +30,15 @@ Per token of one layer (h hidden, kv the key/value width, f the MLP width):
   (``3 e f``, ``SiluMul`` recomputes the silu).
 
 Under 1d tensor parallelism see :func:`layer_bytes_per_token`. Against the tensors autograd
-saves for a real block, alone and under 2-rank 1d tp (tests/planner/test_activations.py), these
-counts are exact but for LayerNorm's statistics under 16-bit parameters (0.2%); dropout on CPU
+saves for a real block, alone, under 2-rank 1d tp and 2 x 2 2d tp
+(tests/planner/test_activations.py), these counts are exact but for LayerNorm's statistics under 16-bit parameters (0.2%); dropout on CPU
 is not matched (SDPA's math kernel keeps the scores). A checkpointed layer keeps only its
 input, ``r h``.
 """
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 from tessera.models.config import ModelConfig
@@ -73,12 +74,17 @@ def layer_bytes_per_token(model: ModelConfig, lay: Layout, tp: int = 1,
     around the norms) the norms and the linear layers' input stay whole on every rank, and the
     column-parallel op keeps that input once, as it comes (in the residual's precision, not a
     16-bit copy per linear); attention's heads and the MLP's width are split t ways. 2d
-    (Optimus) partitions every activation over the grid: all of it divided by t.
+    (Optimus) partitions every activation over the grid: all of it divided by t; its norms
+    (layers2d.Norm2DFn, both styles) keep the normalised value in fp32 and the statistic.
     """
     e, r = lay.matmul_bytes, lay.residual_bytes
     h, f = model.d_model, model.d_ff
     kv = model.n_kv_heads * model.head_dim
-    if model.norm == "rmsnorm":
+    if tp > 1 and tp_mode == "2d":
+        # The 2D norms keep the normalised value in fp32 and one fp32 statistic per token,
+        # that one whole along the grid row (q ranks): 4q per token before dividing by t.
+        norm = FP32_BYTES * h + FP32_BYTES * math.isqrt(tp)
+    elif model.norm == "rmsnorm":
         norm = (FP32_BYTES + r) * h + FP32_BYTES
     else:
         norm = r * h + 2 * FP32_BYTES

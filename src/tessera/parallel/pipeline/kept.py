@@ -104,7 +104,10 @@ class _Recorder(fx.Interpreter):
 
     def run_node(self, n: fx.Node):
         self.current = n.name
-        self.converting = n.op == "call_function" and op_name(n) in _CONVERSIONS
+        # A 2D linear's op casts its input itself, for the product and for what it keeps:
+        # its copies are its own, never autocast's shared ones.
+        self.converting = n.op == "call_function" and (
+            op_name(n) in _CONVERSIONS or n.target in self.autocast_output)
         if n.op == "call_function" and op_name(n) == "access_subclass_inner_tensor":
             # A DTensor parameter's local shard (tensor parallelism): the placeholder is a
             # plain fake of the whole weight here, so the shard is made from its shape, as

@@ -34,17 +34,23 @@ def _flat(x: torch.Tensor) -> torch.Tensor:
 
 
 # ------------------------------------------------------------------------------ linear
+def product_dtype(x: torch.Tensor, weight: torch.Tensor) -> torch.dtype:
+    """The dtype a 2D linear's products run in: autocast's when it is on, else ``weight``'s."""
+    device = x.device.type  # meta during capture, where autocast does not exist
+    if torch.amp.is_autocast_available(device) and torch.is_autocast_enabled(device):
+        return torch.get_autocast_dtype(device)
+    return weight.dtype
+
+
 def autocast_operands(x: torch.Tensor, weight: torch.Tensor
                       ) -> tuple[torch.Tensor, torch.Tensor]:
-    """``x`` and ``weight`` in autocast's dtype when autocast is on, else as they are.
+    """``x`` and ``weight`` in :func:`product_dtype` (a no-op without autocast when they
+    already share it).
 
     SUMMA accumulates in place (``addmm_``) and borrows blocks into buffers shaped like its
     own operands, which autocast does not cast, so both operands must share one dtype.
     """
-    device = x.device.type
-    if not torch.is_autocast_enabled(device):
-        return x, weight
-    dtype = torch.get_autocast_dtype(device)
+    dtype = product_dtype(x, weight)
     return x.to(dtype), weight.to(dtype)
 
 
@@ -61,13 +67,30 @@ def linear2d_forward(x: torch.Tensor, weight: torch.Tensor, grid: Grid,
 
 def linear2d_backward(grad: torch.Tensor, x: torch.Tensor, weight: torch.Tensor, grid: Grid,
                       conv1d: bool) -> tuple[torch.Tensor, torch.Tensor]:
-    """(dX block (B/q, T, C/q), dW block) from dY block (B/q, T, O/q), in ``weight``'s dtype
-    (autograd casts each gradient to its input's dtype)."""
-    g = _flat(grad.contiguous()).to(weight.dtype)  # (B/q*T, O/q)
-    xf = _flat(x).to(weight.dtype)  # (B/q*T, C/q)
+    """(dX block (B/q, T, C/q), dW block) from dY block (B/q, T, O/q).
+
+    ``x`` is the input as the forward's products read it (:func:`saved_input`), so the
+    backward's products run in its dtype, as autocast's own linear backward runs in the
+    forward's; ``weight`` is the block as held and is cast here. Autograd casts each gradient
+    to its input's dtype.
+    """
+    dtype = x.dtype
+    g = _flat(grad.contiguous()).to(dtype)  # (B/q*T, O/q)
+    w = weight.to(dtype)
+    xf = _flat(x)  # (B/q*T, C/q)
     if conv1d:
-        return summa_abt(g, weight, grid).view_as(x), summa_atb(xf, g, grid)
-    return summa_ab(g, weight, grid).view_as(x), summa_atb(g, xf, grid)
+        return summa_abt(g, w, grid).view_as(x), summa_atb(xf, g, grid)
+    return summa_ab(g, w, grid).view_as(x), summa_atb(g, xf, grid)
+
+
+def saved_input(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    """What a 2D linear keeps of its input for backward: ``x`` in :func:`product_dtype`.
+
+    Under autocast that is the 16-bit copy the product read (half the bytes of an fp32
+    input), as nn.Linear under autocast keeps; the weight block is kept as it is and cast
+    again in backward, rather than keeping a 16-bit copy of it per micro-batch.
+    """
+    return x.to(product_dtype(x, weight))
 
 
 class Linear2DFn(torch.autograd.Function):
@@ -75,10 +98,10 @@ class Linear2DFn(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, x, weight, grid: Grid):
-        x, weight = autocast_operands(x, weight)
-        ctx.save_for_backward(x, weight)  # (B/q, T, C/q): 1/q^2 of the activation
+        x16, w16 = autocast_operands(x, weight)
+        ctx.save_for_backward(x16, weight)  # (B/q, T, C/q): 1/q^2 of the activation
         ctx.grid = grid
-        return linear2d_forward(x, weight, grid, conv1d=False)
+        return linear2d_forward(x16, w16, grid, conv1d=False)
 
     @staticmethod
     def backward(ctx, grad):
@@ -91,10 +114,10 @@ class Conv1D2DFn(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, x, weight, grid: Grid):
-        x, weight = autocast_operands(x, weight)
-        ctx.save_for_backward(x, weight)
+        x16, w16 = autocast_operands(x, weight)
+        ctx.save_for_backward(x16, weight)
         ctx.grid = grid
-        return linear2d_forward(x, weight, grid, conv1d=True)
+        return linear2d_forward(x16, w16, grid, conv1d=True)
 
     @staticmethod
     def backward(ctx, grad):
@@ -105,7 +128,15 @@ class Conv1D2DFn(torch.autograd.Function):
 # -------------------------------------------------------------------------------- bias
 def bias2d_grad(grad: torch.Tensor, grid: Grid) -> torch.Tensor:
     """Gradient of a column-sliced bias: each grid row saw its own batch slice, so sum them."""
-    return grid.col.all_reduce(_flat(grad).sum(0))
+    # Summed in fp32: under autocast the gradient arrives in 16 bits.
+    return grid.col.all_reduce(_flat(grad).sum(0, dtype=torch.float32))
+
+
+def add_bias2d(x: torch.Tensor, bias: torch.Tensor) -> torch.Tensor:
+    """x + b in ``x``'s dtype: under autocast nn.Linear adds its bias inside its 16-bit
+    product, so a 16-bit product plus an fp32 bias stays 16-bit here too (promoting it would
+    double what the next layer keeps, a GELU its input)."""
+    return x + bias.to(x.dtype)
 
 
 class AddBias2DFn(torch.autograd.Function):
@@ -114,7 +145,7 @@ class AddBias2DFn(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, bias, grid: Grid):
         ctx.grid = grid
-        return x + bias
+        return add_bias2d(x, bias)
 
     @staticmethod
     def backward(ctx, grad):

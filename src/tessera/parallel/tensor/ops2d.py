@@ -25,10 +25,10 @@ from typing import Optional
 import torch
 
 from tessera.parallel.tensor.comm import Grid
-from tessera.parallel.tensor.layers2d import (autocast_operands, bias2d_grad,
+from tessera.parallel.tensor.layers2d import (add_bias2d, autocast_operands, bias2d_grad,
                                               embedding2d_backward, embedding2d_forward,
                                               linear2d_backward, linear2d_forward,
-                                              norm2d_backward, norm2d_forward)
+                                              norm2d_backward, norm2d_forward, saved_input)
 
 _GRIDS: dict[str, Grid] = {}
 
@@ -54,8 +54,8 @@ def summa_linear(x: torch.Tensor, weight: torch.Tensor, grid: str, conv1d: bool
                  ) -> torch.Tensor:
     """Block (i, j) of X W^T (nn.Linear, weight (O/q, C/q)) or X W (Conv1D, (C/q, O/q)).
 
-    Under autocast the product runs in autocast's dtype and the backward, which runs outside
-    autocast, in ``weight``'s dtype.
+    Under autocast the products run in autocast's dtype, forward and backward (the backward
+    runs outside autocast: it reads the dtype from the input it kept).
     """
     return linear2d_forward(*autocast_operands(x, weight), grid_of(grid), conv1d)
 
@@ -68,7 +68,10 @@ def _(x, weight, grid, conv1d):
 
 def _linear_setup(ctx, inputs, output):
     x, weight, ctx.grid, ctx.conv1d = inputs
-    ctx.save_for_backward(x, weight)
+    # The same as the eager Linear2DFn keeps: the input as the product read it (a second
+    # cast here under autocast, as an op's setup sees only its inputs and output; autocast
+    # is on here, unlike inside the fake) and the weight block itself.
+    ctx.save_for_backward(saved_input(x, weight), weight)
 
 
 def _linear_backward(ctx, grad):
@@ -83,13 +86,14 @@ summa_linear.register_autograd(_linear_backward, setup_context=_linear_setup)
 # -------------------------------------------------------------------------------- bias
 @torch.library.custom_op("tessera::summa_add_bias", mutates_args=())
 def summa_add_bias(x: torch.Tensor, bias: torch.Tensor, grid: str) -> torch.Tensor:
-    """x + b, b this grid column's feature slice; its gradient sums the grid column."""
-    return x + bias
+    """x + b in ``x``'s dtype (layers2d.add_bias2d), b this grid column's feature slice; its
+    gradient sums the grid column."""
+    return add_bias2d(x, bias)
 
 
 @summa_add_bias.register_fake
 def _(x, bias, grid):
-    return torch.empty_like(x, dtype=torch.promote_types(x.dtype, bias.dtype))  # as x + bias
+    return torch.empty_like(x)
 
 
 def _bias_setup(ctx, inputs, output):
