@@ -79,12 +79,15 @@ def test_autocast_layout_costs_more_than_a_fused_16_bit_model():
 
 
 def test_weight_copies_follow_the_micro_batches_in_flight():
-    s = Strategy.parse("dp=1,pp=2,mbs=1,gbs=8,precision=bf16")
+    s = Strategy.parse("dp=1,pp=2,mbs=1,gbs=8,precision=bf16,schedule=interleaved")
     one = weight_copies(LLAMA, s, 4, 1, 0, 0)
     assert one > 0
     assert weight_copies(LLAMA, s, 4, 3, 0, 0) == pytest.approx(3 * one)
+    # With one stage per rank, a stage that recomputes nothing shares one copy for the step.
+    assert weight_copies(LLAMA, s.replace(schedule="1f1b"), 4, 3, 0, 0) == pytest.approx(one)
     # Recomputed layers keep their copies only in autocast's cache of the current forward.
     assert weight_copies(LLAMA, s, 4, 3, 4, 0) == pytest.approx(one)
+    assert weight_copies(LLAMA, s.replace(schedule="1f1b"), 4, 3, 4, 0) == pytest.approx(one)
     assert weight_copies(LLAMA, s.replace(precision="fp32"), 4, 3, 0, 0) == 0
     assert weight_copies(LLAMA, s.replace(memory="chunk"), 4, 3, 0, 0) == 0
 

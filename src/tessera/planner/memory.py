@@ -196,14 +196,25 @@ def weight_copies(model: ModelConfig, s: Strategy, layers: int, in_flight: float
     """Bytes of the 16-bit weight copies autocast makes over fp32 parameters without tensor
     parallelism: every linear layer keeps its copy for its backward, per micro-batch in flight,
     and autocast's cache holds the copies of the recomputed layers too until the micro-batch's
-    forward ends."""
+    forward ends. A pipeline stage that recomputes nothing keeps one copy for all its
+    micro-batches in flight (the engine keeps autocast's cache for the step), except under
+    interleaving."""
     lay = layout(s.precision, s.memory)
     if not tessera or not keeps_weight_copies(lay, s.tp):
         return 0.0
     per_layer = lay.weight_copy_bytes * matrix_params(model)
+    if recomputed == 0 and shares_weight_casts(s):
+        return min(in_flight, 1) * layers * per_layer
     dropping = in_flight - whole
     held = whole * layers + dropping * (layers - recomputed) + (recomputed if dropping > 0 else 0)
     return held * per_layer
+
+
+def shares_weight_casts(s: Strategy) -> bool:
+    """Whether the micro-batches in flight on a stage that recomputes nothing share one
+    16-bit copy of each weight (pipeline/program.py's ``step_casts``): one virtual stage per
+    rank. At pp = 1 one micro-batch is in flight at a time anyway."""
+    return s.schedule != "interleaved"
 
 
 def recomputed_layers(ratio: float, layers: int) -> int:
@@ -299,8 +310,11 @@ def stage_memory(model: ModelConfig, s: Strategy, seq: int, reserved: float = 0.
         acts += stage.head_share * logits_bytes(model, s, seq)  # its slices' logits
         if stage.head_share and tessera and keeps_weight_copies(layout(s.precision, s.memory),
                                                                   s.tp):
-            # the head's 16-bit weight copy (of its rows, for a slice), per micro-batch in flight
-            acts += held * 2 * stage.head_share * model.vocab_size * model.d_model
+            # the head's 16-bit weight copy (of its rows, for a slice), per micro-batch in
+            # flight, or one for all when the stage recomputes nothing (weight_copies)
+            copies = min(held, 1) if (recomputed_layers(ratio, stage.layers) == 0
+                                      and shares_weight_casts(s)) else held
+            acts += copies * 2 * stage.head_share * model.vocab_size * model.d_model
         buffers = reserved + _buffers(model, s, seq, p, stage, w_b, g_b, ratio)
         out.append(MemoryBreakdown(weights, grads, optim, acts, buffers, host))
     return out

@@ -34,7 +34,8 @@ from tessera.planner.compute import (LayerTime, bytes_per_element, embedding_tim
                                      layer_time, optimizer_time, weight_cast_time)
 from tessera.planner.memory import (INTERLEAVE_CHUNKS, MemoryBreakdown, StageParams,
                                     device_memory, local_params, pipeline_stage_params,
-                                    recomputed_layers, scp_kept, state_bytes)
+                                    recomputed_layers, scp_kept, shares_weight_casts,
+                                    state_bytes)
 from tessera.strategy import Strategy, StrategyError
 
 DDP_BUCKET_BYTES = 25 * 2**20
@@ -185,7 +186,14 @@ def _stage_costs(model: ModelConfig, cl: Cluster, s: Strategy, groups, opt: SimO
     out = []
     for i, sp_params in enumerate(_stage_params(model, s, opt)):
         layers = sp_params.layers
-        fwd, bwd = layers * (lt.forward + cast), layers * (lt.backward + bwd_casts * cast)
+        n_rec = recomputed_layers(s.stage_recompute(i), layers)
+        # A pipeline stage that recomputes nothing casts its weights once per step, for all
+        # its micro-batches (memory.shares_weight_casts); the gradients still per backward.
+        once = s.pp > 1 and s.tp == 1 and n_rec == 0 and shares_weight_casts(s)
+        fwd_cast = cast / s.grad_accum_steps if once else cast
+        fwd_head_cast = head_cast / s.grad_accum_steps if once else head_cast
+        fwd = layers * (lt.forward + fwd_cast)
+        bwd = layers * (lt.backward + bwd_casts * cast)
         extra_tp = 0.0
         if i == 0:
             e = embedding_time(cl, model, b, seq, s.tp, s.sp, s.precision)
@@ -194,13 +202,12 @@ def _stage_costs(model: ModelConfig, cl: Cluster, s: Strategy, groups, opt: SimO
         if sp_params.head_share > 0:  # the whole head, or its slices' share (split.py)
             h = head_time(cl, model, b, seq, s.tp, s.sp, s.precision)
             share = sp_params.head_share
-            fwd = fwd + share * (h.forward + head_cast)
+            fwd = fwd + share * (h.forward + fwd_head_cast)
             bwd = bwd + share * (h.backward + bwd_casts * head_cast)
             if s.tp > 1:  # vocab-parallel cross-entropy: max, sum of exp, target logit;
                 # the vocab-split head sums its input gradient (backward)
                 extra_tp += 3 * comm.call_time(cl, groups["tp"])
                 extra_tp += _tp_allreduce(model, cl, s, groups)
-        n_rec = recomputed_layers(s.stage_recompute(i), layers)
         # The forward again, plus the checkpoint's own hooks (profiled, at a lone worker's
         # rate like the layer's other fixed costs).
         rec = n_rec * (lt.forward + cast + cl.device.overheads.get("recompute_layer", 0.0)

@@ -248,14 +248,16 @@ def test_stage_activation_estimate_is_what_a_pipeline_step_saves(two):
     # 1F1B holds, plus fp32 logits on the last stage. What it leaves out is the loss's
     # int64 targets and its scalar (1 KB here), so it must be within that, fp32 and bf16,
     # also where a stage's input is cast once for several readers (HF Llama's last stage
-    # starts after a norm: its q, k and v projections share the bf16 copy of their input).
+    # starts after a norm: its q, k and v projections share the bf16 copy of their input),
+    # and where stage 0's two micro-batches in flight share one bf16 copy of each weight
+    # (PipelineProgram.step_casts; a copy each would be 196,608 bytes more there).
     loss_extras = pp_checks.MBS * pp_checks.SEQ * 8 + 4
     for rank_out in two:
         for arch, by_precision in rank_out["estimate"].items():
             for precision, (estimate, saved) in by_precision.items():
                 assert abs(estimate - saved) <= loss_extras, (arch, precision, estimate, saved)
             # At 128 tokens per micro-batch bf16 differs from fp32 (the weights' 16-bit
-            # copies, one set per micro-batch in flight, against halved activations).
+            # copies against halved activations).
             assert by_precision["bf16"][1] != by_precision["fp32"][1], (arch, by_precision)
 
 

@@ -153,6 +153,9 @@ def apply_pipeline(plan: Parallelized, strategy: Strategy, mesh: Mesh,
     autocast = _autocast_factory(strategy, _device_of(model))
     sub_batches = 2 if strategy.tp_overlap == "subpipe" else 1
     program = PipelineProgram(model, graph, part, ratios, local, autocast, extra, sub_batches)
+    if autocast is not contextlib.nullcontext:
+        device_type = _device_of(model).type
+        program.cast_cache = lambda: torch.autocast(device_type, enabled=False)
     if on_meta:
         program.run_device = deferred.device
     rows = None

@@ -64,7 +64,7 @@ class PipelineEngine:
         self._refresh_rows()
         key = (n, tuple(batches[0]["input_ids"].shape))
         # dp buckets launch inside as gradients become final (chunk memory: none mid-pipeline)
-        with self.pipe.grad_sync.accumulate(key):
+        with self.pipe.grad_sync.accumulate(key), self.pipe.program.step_casts(built):
             total = self._run(built, batches, actions, train=True)
         if self.pipe.rows is not None:  # before the tied and dp rules read the home's grad
             self.pipe.rows.reduce_grads()

@@ -30,7 +30,7 @@ from tessera.parallel.pipeline.capture import ProxyGraph
 from tessera.parallel.pipeline.cost import DeviceRates, value_bytes
 from tessera.parallel.pipeline.kept import kept_bytes
 from tessera.parallel.pipeline.rows import row_reads
-from tessera.parallel.pipeline.schedules import max_kept
+from tessera.parallel.pipeline.schedules import chunks_for, max_kept
 
 RATIO_GRID = (0.0, 0.25, 0.5, 0.75, 1.0)
 # Finer cuts (inside attention and MLP) are searched when the block-level split leaves the
@@ -126,11 +126,14 @@ class _Kept:
         shared: (node index, sorted (saver index, bytes) of its 16-bit copies) for each value
             autocast copied more than once: a later stage receives it as a leaf, whose copy
             autocast makes once for all that stage's readers.
+        weight_copies: prefix sums, like ``prefix``, of the part of those bytes that is
+            autocast's 16-bit copies of (leaf) weights.
     """
 
     prefix: list[float]
     spread: list[tuple[float, tuple[int, ...]]]
     shared: list[tuple[int, list[tuple[int, float]]]]
+    weight_copies: list[float]
 
     def shared_cast_bytes(self, a: int, b: int) -> float:
         """Bytes of the copies stage [a, b) does not make: all but one per input value."""
@@ -186,7 +189,7 @@ class CostTable:
         (when the graph cannot run there)."""
         graph, n = self.graph, len(self.graph.compute)
         index = graph.compute_index()
-        point, spread, casts = [0.0] * n, [], {}
+        point, spread, casts, copies = [0.0] * n, [], {}, [0.0] * n
         kept = kept_bytes(graph)
         if kept is None:
             for i, name in enumerate(graph.compute):
@@ -206,15 +209,14 @@ class CostTable:
                     spread.append((float(nbytes), tuple(at)))
                 else:
                     point[at[0]] += nbytes
+                    if kept.cast_of.get(k) in graph.param_users:  # a weight's 16-bit copy
+                        copies[at[0]] += nbytes
                 source = index.get(kept.cast_of.get(k, ""))
                 if source is not None:
                     casts.setdefault(source, []).append((at[0], float(nbytes)))
-        prefix = [0.0] * (n + 1)
-        for i in range(n):
-            prefix[i + 1] = prefix[i] + point[i]
-        shared = [(source, sorted(copies)) for source, copies in sorted(casts.items())
-                  if len(copies) > 1]
-        return _Kept(prefix, spread, shared)
+        shared = [(source, sorted(made)) for source, made in sorted(casts.items())
+                  if len(made) > 1]
+        return _Kept(_prefix_sums(point), spread, shared, _prefix_sums(copies))
 
     def activations(self, a: int, b: int) -> float:
         """Bytes stage [a, b) keeps for backward per micro-batch, recomputing nothing."""
@@ -226,6 +228,10 @@ class CostTable:
                 + sum(nbytes for nbytes, at in kept.spread if _saved_within(at, a, b))
                 - kept.shared_cast_bytes(a, b))
         return self._activations[key]
+
+    def weight_copies(self, a: int, b: int) -> float:
+        """Bytes of autocast's 16-bit weight copies among ``activations(a, b)``."""
+        return self._kept.weight_copies[b] - self._kept.weight_copies[a]
 
     @functools.cached_property
     def blocks(self) -> list[tuple[int, int, float]]:
@@ -247,14 +253,20 @@ class CostTable:
         return total
 
     def memory(self, a: int, b: int, ratio: float, in_flight: int, last: bool,
-               keep: int = 0) -> float:
+               keep: int = 0, casts_shared: bool = True) -> float:
         """Peak bytes: weights and AdamW states, ``in_flight`` micro-batches of which
         ``keep`` hold all their activations and the rest drop the recomputed share, and
-        while one of those runs its backward, that share rematerialised."""
+        while one of those runs its backward, that share rematerialised.
+
+        ``casts_shared``: a stage that recomputes nothing keeps one 16-bit copy of its
+        weights for all its micro-batches in flight (PipelineProgram.step_casts; one virtual
+        stage per rank), not one each."""
         full = self.activations(a, b)
         dropped = full * (1 - ratio) + ratio * self.segment_inputs(a, b)
         recomputing = in_flight - keep
         act = recomputing * dropped + keep * full
+        if casts_shared and ratio <= 0 and in_flight > 1:
+            act -= (in_flight - 1) * self.weight_copies(a, b)
         if recomputing > 0 and ratio > 0:  # one block at a time (stage.py's segments)
             act += min(ratio * full, self.largest_block(a, b))
         if last:
@@ -271,6 +283,13 @@ class CostTable:
         its blocks (program.head_segments recomputes block by block)."""
         return sum(self.cross_bytes[max(lo, a)] for lo, hi in self.block_bounds
                    if lo < b and hi > a)
+
+
+def _prefix_sums(values: list[float]) -> list[float]:
+    out = [0.0] * (len(values) + 1)
+    for i, v in enumerate(values):
+        out[i + 1] = out[i] + v
+    return out
 
 
 def _saved_within(savers: tuple[int, ...], a: int, b: int) -> bool:
@@ -406,17 +425,19 @@ def _stage_cost(table: CostTable, a: int, b: int, s: int, stages: int, micro_bat
     nothing fits."""
     last = s == stages - 1
     flight = in_flight(s, stages, micro_batches, schedule)
+    shared = chunks_for(schedule) == 1  # weight casts shared by the micro-batches in flight
     if recompute is None:
         choices = RATIO_GRID
     else:
         choices = (recompute[0] if len(recompute) == 1 else recompute[s],)
     for ratio in choices:
         keep = _scp_keep(table, a, b, s, stages, micro_batches, schedule, limit, ratio, flight)
-        mem = table.memory(a, b, ratio, flight, last, min(keep, flight))
+        mem = table.memory(a, b, ratio, flight, last, min(keep, flight), shared)
         if limit is None or mem <= limit:
             share = ratio * (micro_batches - keep) / micro_batches
             return table.time(a, b, share, last), mem, ratio, keep
-    return math.inf, table.memory(a, b, choices[-1], flight, last), choices[-1], 0
+    return (math.inf, table.memory(a, b, choices[-1], flight, last, casts_shared=shared),
+            choices[-1], 0)
 
 
 def _keeping_none(table: CostTable, bounds: list[int], micro_batches: int,

@@ -123,6 +123,9 @@ class PipelineProgram:
         self.run_device: torch.device | None = None
         # Weights this rank holds only as rows: name -> (rows, first row) (rows.py).
         self.row_bindings: dict[str, tuple[torch.Tensor, int]] = {}
+        # Under autocast: a context that keeps autocast's cache of 16-bit weight copies for a
+        # whole step (see step_casts); None without autocast.
+        self.cast_cache: Callable[[], contextlib.AbstractContextManager] | None = None
 
     @property
     def graph(self) -> ProxyGraph:
@@ -135,6 +138,23 @@ class PipelineProgram:
         first = {graph.nodes[p].fqn: min(users) for p, users in graph.param_users.items()
                  if users}
         return sorted(first, key=first.__getitem__)
+
+    def step_casts(self, built: Built) -> contextlib.AbstractContextManager:
+        """Entered around a training step: the micro-batches in flight on this rank share one
+        16-bit copy of each fp32 weight, instead of each forward making (and keeping for its
+        backward) its own.
+
+        autocast caches its casts of leaf weights until the outermost autocast context
+        exits; the step's disabled outer context keeps the stage forwards' inner ones from
+        clearing the cache, while backward runs outside autocast as before. Only where no
+        local stage recomputes (a recomputation would keep its segments' copies for the rest
+        of the step, where now one segment's are held at a time) and with one virtual stage
+        per rank (the partition's estimate prices it so, CostTable.memory).
+        """
+        if (self.cast_cache is None or len(self.local) > 1
+                or any(runner.head for runner in built.runners.values())):
+            return contextlib.nullcontext()
+        return self.cast_cache()
 
     def get(self, shape: tuple[int, int], training: bool) -> Built:
         """Stages for micro-batches of ``shape`` (batch, seq) in train or eval mode."""
