@@ -211,9 +211,10 @@ def weight_copies(model: ModelConfig, s: Strategy, layers: int, in_flight: float
 
 
 def shares_weight_casts(s: Strategy) -> bool:
-    """Whether the micro-batches in flight on a stage that recomputes nothing share one
-    16-bit copy of each weight (pipeline/program.py's ``step_casts``): one virtual stage per
-    rank. At pp = 1 one micro-batch is in flight at a time anyway."""
+    """Whether the micro-batches of a step on a stage that recomputes nothing share one
+    16-bit copy of each weight, cast once (pipeline/program.py's ``step_casts``, one virtual
+    stage per rank; train/engine.py at pp = 1, where one micro-batch is in flight at a time
+    and only the casts are saved)."""
     return s.schedule != "interleaved"
 
 

@@ -187,9 +187,11 @@ def _stage_costs(model: ModelConfig, cl: Cluster, s: Strategy, groups, opt: SimO
     for i, sp_params in enumerate(_stage_params(model, s, opt)):
         layers = sp_params.layers
         n_rec = recomputed_layers(s.stage_recompute(i), layers)
-        # A pipeline stage that recomputes nothing casts its weights once per step, for all
-        # its micro-batches (memory.shares_weight_casts); the gradients still per backward.
-        once = s.pp > 1 and s.tp == 1 and n_rec == 0 and shares_weight_casts(s)
+        # A stage that recomputes nothing casts its weights once per step, for all its
+        # micro-batches (the engines keep autocast's cache for the step, at pp = 1 across
+        # accumulated micro-batches too; memory.shares_weight_casts); the gradients still
+        # once per backward. Tensor-parallel shards are not leaves: never cached.
+        once = s.tp == 1 and n_rec == 0 and shares_weight_casts(s)
         fwd_cast = cast / s.grad_accum_steps if once else cast
         fwd_head_cast = head_cast / s.grad_accum_steps if once else head_cast
         fwd = layers * (lt.forward + fwd_cast)

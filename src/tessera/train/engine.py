@@ -58,19 +58,30 @@ class Engine:
         total = torch.zeros((), device=self.device)
         tokens = 0
         n = len(micro_batches)
-        for i, batch in enumerate(micro_batches):
-            batch = {key: self._to_device(value) for key, value in batch.items()}
-            # DDP reads its sync flag during forward: both passes go inside no_sync.
-            with self._maybe_no_sync(sync=i == n - 1):
-                with self.autocast():
-                    loss = self.plan.loss(batch)
-                scaled = loss / n
-                if self.scaler is not None:
-                    scaled = self.scaler.scale(scaled)
-                scaled.backward()
-            total += loss.detach()
-            tokens += batch["input_ids"].numel()
+        with self._step_casts():
+            for i, batch in enumerate(micro_batches):
+                batch = {key: self._to_device(value) for key, value in batch.items()}
+                # DDP reads its sync flag during forward: both passes go inside no_sync.
+                with self._maybe_no_sync(sync=i == n - 1):
+                    with self.autocast():
+                        loss = self.plan.loss(batch)
+                    scaled = loss / n
+                    if self.scaler is not None:
+                        scaled = self.scaler.scale(scaled)
+                    scaled.backward()
+                total += loss.detach()
+                tokens += batch["input_ids"].numel()
         return StepResult(loss=total / n, tokens=tokens)
+
+    def _step_casts(self):
+        """Keeps autocast's 16-bit copies of the fp32 weights for the whole step, so each
+        micro-batch after the first casts nothing: a disabled outer autocast context stops
+        each forward's own context from clearing the cache (backward runs outside autocast
+        as before). Not with recomputation, whose recomputed layers would then keep their
+        copies cached for the rest of the step instead of one layer's at a time."""
+        if self.dtype is None or "recompute" in self.plan.features:
+            return contextlib.nullcontext()
+        return torch.autocast(self.device.type, enabled=False)
 
     @torch.no_grad()
     def evaluate(self, batch: dict[str, torch.Tensor]) -> torch.Tensor:
