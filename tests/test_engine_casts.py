@@ -71,3 +71,18 @@ def test_recomputed_layers_keep_casting_per_forward():
     shared, _ = _step(share=True, recompute=True)
     each, _ = _step(share=False, recompute=True)
     assert shared == each
+
+
+def test_a_model_checkpointing_itself_casts_per_forward():
+    # Hugging Face's own gradient checkpointing recomputes layers the engine cannot see.
+    from tessera.models.hf import build_hf_model, hf_config_from_reference
+    from tessera.models.config import preset
+
+    torch.manual_seed(0)
+    model = build_hf_model("llama", **hf_config_from_reference("llama", preset("tiny-llama")))
+    model.activation_checkpointing_enable()
+    plan = Parallelized(module=model, model=model, loss_group=None)
+    engine = Engine(plan, Strategy.parse("mbs=2,gbs=6,precision=bf16"), torch.device("cpu"))
+    assert isinstance(engine._step_casts(), contextlib.nullcontext)
+    model.activation_checkpointing_disable()
+    assert not isinstance(engine._step_casts(), contextlib.nullcontext)

@@ -25,7 +25,8 @@ torch DDP copies gradients into its own buckets, hence the extra G under ``ddp``
 Activations of one layer for one micro-batch: as tessera's runtime keeps them
 (``activations.py``: its eager blocks; under bf16/fp16 autocast over fp32 weights an fp32
 residual stream, a 16-bit copy of each linear layer's input and, without tensor parallelism, a
-16-bit copy of each weight per micro-batch in flight; under its 1d tensor parallelism the norms
+16-bit copy of each weight per micro-batch in flight, or one for all where the step shares its
+casts (:func:`shares_weight_casts`); under its 1d tensor parallelism the norms
 and the layer's input whole on every rank, the rest split t ways; 2d splits all of it). For
 other runtimes (``tessera=False``: the published runs) in elements of the training precision,
 counted like Korthikanti et al. 2022, "Reducing activation recomputation", section 4.1, which
@@ -192,30 +193,35 @@ def layer_activation(model: ModelConfig, s: Strategy, seq: int, flash: bool,
 
 
 def weight_copies(model: ModelConfig, s: Strategy, layers: int, in_flight: float,
-                  recomputed: int, whole: float, tessera: bool = True) -> float:
+                  recomputed: int, whole: float, tessera: bool = True,
+                  shared: bool = False) -> float:
     """Bytes of the 16-bit weight copies autocast makes over fp32 parameters without tensor
     parallelism: every linear layer keeps its copy for its backward, per micro-batch in flight,
     and autocast's cache holds the copies of the recomputed layers too until the micro-batch's
-    forward ends. A pipeline stage that recomputes nothing keeps one copy for all its
-    micro-batches in flight (the engine keeps autocast's cache for the step), except under
-    interleaving."""
+    forward ends. ``shared`` (:func:`shares_weight_casts`): one copy for all of them."""
     lay = layout(s.precision, s.memory)
     if not tessera or not keeps_weight_copies(lay, s.tp):
         return 0.0
     per_layer = lay.weight_copy_bytes * matrix_params(model)
-    if recomputed == 0 and shares_weight_casts(s):
-        return min(in_flight, 1) * layers * per_layer
+    if shared:
+        return layers * per_layer
     dropping = in_flight - whole
     held = whole * layers + dropping * (layers - recomputed) + (recomputed if dropping > 0 else 0)
     return held * per_layer
 
 
-def shares_weight_casts(s: Strategy) -> bool:
-    """Whether the micro-batches of a step on a stage that recomputes nothing share one
-    16-bit copy of each weight, cast once (pipeline/program.py's ``step_casts``, one virtual
-    stage per rank; train/engine.py at pp = 1, where one micro-batch is in flight at a time
-    and only the casts are saved)."""
-    return s.schedule != "interleaved"
+def shares_weight_casts(s: Strategy, ratio: float, layers: int, in_flight: float) -> bool:
+    """Whether a stage's micro-batches share one 16-bit copy of each weight, cast once per
+    step, as the runtime does where nothing recomputes: train/engine.py at pp = 1 (unless
+    ``apply_recompute`` checkpoints a block: round(ratio x layers) > 0; one micro-batch is in
+    flight there, so only the casts are saved), and pipeline/program.py's ``step_casts`` at
+    pp > 1 (ratio 0, more than one micro-batch in flight, one virtual stage per rank). Never
+    under tensor parallelism: a shard is not a leaf, and autocast caches no cast of it."""
+    if s.tp > 1 or s.schedule == "interleaved":
+        return False
+    if s.pp == 1:
+        return round(ratio * layers) == 0
+    return ratio <= 0 and in_flight > 1
 
 
 def recomputed_layers(ratio: float, layers: int) -> int:
@@ -235,7 +241,8 @@ def activation_bytes(model: ModelConfig, s: Strategy, seq: int, layers: int, in_
     dropping = in_flight - whole
     kept = recomputed * ckpt + (layers - recomputed) * full
     working = full if recomputed and dropping > 0 else 0.0
-    copies = weight_copies(model, s, layers, in_flight, recomputed, whole, tessera)
+    copies = weight_copies(model, s, layers, in_flight, recomputed, whole, tessera,
+                           shares_weight_casts(s, ratio, layers, in_flight))
     return dropping * kept + whole * layers * full + working + copies
 
 
@@ -312,10 +319,12 @@ def stage_memory(model: ModelConfig, s: Strategy, seq: int, reserved: float = 0.
         if stage.head_share and tessera and keeps_weight_copies(layout(s.precision, s.memory),
                                                                   s.tp):
             # the head's 16-bit weight copy (of its rows, for a slice), per micro-batch in
-            # flight, or one for all when the stage recomputes nothing (weight_copies)
-            copies = min(held, 1) if (recomputed_layers(ratio, stage.layers) == 0
-                                      and shares_weight_casts(s)) else held
-            acts += copies * 2 * stage.head_share * model.vocab_size * model.d_model
+            # flight; one for all where the stage shares its casts and holds the whole head
+            # (a slice reads rows of the weight, a view, whose casts autocast never caches)
+            whole_head = stage.head_share >= 1 and shares_weight_casts(s, ratio, stage.layers,
+                                                                      held)
+            acts += (1 if whole_head else held) * 2 * stage.head_share * (
+                model.vocab_size * model.d_model)
         buffers = reserved + _buffers(model, s, seq, p, stage, w_b, g_b, ratio)
         out.append(MemoryBreakdown(weights, grads, optim, acts, buffers, host))
     return out

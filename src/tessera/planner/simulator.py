@@ -36,6 +36,7 @@ from tessera.planner.memory import (INTERLEAVE_CHUNKS, MemoryBreakdown, StagePar
                                     device_memory, local_params, pipeline_stage_params,
                                     recomputed_layers, scp_kept, shares_weight_casts,
                                     state_bytes)
+from tessera.planner.memory import in_flight as stage_in_flight
 from tessera.strategy import Strategy, StrategyError
 
 DDP_BUCKET_BYTES = 25 * 2**20
@@ -187,13 +188,14 @@ def _stage_costs(model: ModelConfig, cl: Cluster, s: Strategy, groups, opt: SimO
     for i, sp_params in enumerate(_stage_params(model, s, opt)):
         layers = sp_params.layers
         n_rec = recomputed_layers(s.stage_recompute(i), layers)
-        # A stage that recomputes nothing casts its weights once per step, for all its
-        # micro-batches (the engines keep autocast's cache for the step, at pp = 1 across
-        # accumulated micro-batches too; memory.shares_weight_casts); the gradients still
-        # once per backward. Tensor-parallel shards are not leaves: never cached.
-        once = s.tp == 1 and n_rec == 0 and shares_weight_casts(s)
+        # Where the runtime keeps autocast's cache for the step (memory.shares_weight_casts)
+        # the weights are cast once per step, for all the micro-batches; the gradients still
+        # once per backward. A sliced head's rows are views: cast every time.
+        once = shares_weight_casts(s, s.stage_recompute(i), layers,
+                                   stage_in_flight(s, i, s.grad_accum_steps))
         fwd_cast = cast / s.grad_accum_steps if once else cast
-        fwd_head_cast = head_cast / s.grad_accum_steps if once else head_cast
+        head_once = once and sp_params.head_share >= 1
+        fwd_head_cast = head_cast / s.grad_accum_steps if head_once else head_cast
         fwd = layers * (lt.forward + fwd_cast)
         bwd = layers * (lt.backward + bwd_casts * cast)
         extra_tp = 0.0

@@ -77,9 +77,13 @@ class Engine:
         """Keeps autocast's 16-bit copies of the fp32 weights for the whole step, so each
         micro-batch after the first casts nothing: a disabled outer autocast context stops
         each forward's own context from clearing the cache (backward runs outside autocast
-        as before). Not with recomputation, whose recomputed layers would then keep their
-        copies cached for the rest of the step instead of one layer's at a time."""
-        if self.dtype is None or "recompute" in self.plan.features:
+        as before). Not with recomputation (tessera's, or a Hugging Face model's own
+        gradient checkpointing), whose recomputed layers would then keep their copies cached
+        for the rest of the step instead of one layer's at a time; its forwards under no_grad
+        also meet a torch bug before the fix of pytorch#158232 (a cast cached there, without
+        its gradient's history, served the next forward)."""
+        if (self.dtype is None or "recompute" in self.plan.features
+                or _checkpoints_itself(self.plan.model)):
             return contextlib.nullcontext()
         return torch.autocast(self.device.type, enabled=False)
 
@@ -101,6 +105,12 @@ class Engine:
         if sync or no_sync is None:
             return contextlib.nullcontext()
         return no_sync()
+
+
+def _checkpoints_itself(model: torch.nn.Module) -> bool:
+    """Whether a Hugging Face model's own gradient checkpointing is on (its layers carry
+    ``gradient_checkpointing = True``; read directly, the model's property is deprecated)."""
+    return any(getattr(m, "gradient_checkpointing", False) is True for m in model.modules())
 
 
 def _autocast_supported(device_type: str, dtype: torch.dtype) -> bool:

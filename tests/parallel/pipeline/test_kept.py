@@ -4,7 +4,10 @@ what autograd saves when the captured graph (the code the stages run) runs for r
 from __future__ import annotations
 
 import contextlib
+import gc
+import types
 import warnings
+import weakref
 
 import pytest
 import torch
@@ -20,6 +23,7 @@ from tessera.parallel.pipeline.cost import DeviceRates, op_name
 from tessera.parallel.pipeline.kept import kept_bytes
 from tessera.parallel.pipeline.kept import measured_under
 from tessera.parallel.pipeline.partition import CostTable
+from tessera.parallel.pipeline.program import PipelineProgram
 from tessera.parallel.pipeline.split import split_graph
 from tessera.parallel.pipeline.stage import StageRunner
 from tessera.strategy import Strategy
@@ -200,6 +204,42 @@ def test_a_stage_input_read_by_several_matmuls_is_cast_once(reader, shared):
     # And that is what autograd keeps when the pipeline's stage runs.
     ids = torch.randint(0, vocab, (1, tokens))
     assert table.activations(cut, n) == _saved_by_stage(model, graph, cut, ids)
+
+
+def test_micro_batches_in_flight_share_weight_copies_and_read_inputs_as_views():
+    # Under the step's shared casts (PipelineProgram.step_casts) two micro-batches in flight
+    # keep one bf16 copy of each weight; the stage reads its received h as a view, so each
+    # projection casts its own copy (a cached one would keep h alive until the step ends).
+    vocab, width, tokens = 64, 32, 16
+    torch.manual_seed(0)
+    model = _ThreeReaders(vocab, width, "linear")
+    graph = measured_under(capture(model, 1, tokens), "cpu", BF16)
+    table, n = CostTable(graph, DeviceRates()), len(graph.compute)
+    cut = [op_name(graph.nodes[name].node) for name in graph.compute].index("mul") + 1
+    pieces = split_graph(graph, [graph.compute[:cut], graph.compute[cut:]], model)
+    stage = StageRunner(1, [], pieces[1], lambda: torch.autocast("cpu", dtype=BF16))
+    program = types.SimpleNamespace(cast_cache=lambda: torch.autocast("cpu", enabled=False),
+                                    local=[1])
+    ids = torch.randint(0, vocab, (1, tokens))
+    probe, states, inputs = SavedPeak(model.parameters()), [], []
+    with PipelineProgram.step_casts(program, types.SimpleNamespace(runners={1: stage}), 2):
+        with probe:
+            for _ in range(2):
+                with torch.no_grad():  # as received: nothing saved for it on this stage
+                    h = model.normed(ids)
+                states.append(stage.forward([h], {"input_ids": ids}, recompute=False))
+                inputs.append(weakref.ref(states[-1].inputs[0]))
+        stage.backward(states.pop(0), [torch.ones(1, tokens, vocab, dtype=BF16)])
+        gc.collect()
+        assert inputs[0]() is None  # freed at its backward, inside the step
+    expected = table.memory(cut, n, 0.0, 2, last=False) - table.state_bytes(cut, n)
+    assert probe.peak == expected
+    copies = table.weight_copies(cut, n)
+    assert copies == 3 * width * width * 2 + vocab * width * 2  # q, k, v and the head
+    # Without sharing each micro-batch keeps its own weight copies and one cached copy of h.
+    unshared = table.memory(cut, n, 0.0, 2, last=False, casts_shared=False)
+    h_copy = tokens * width * 2  # two more per micro-batch when each reader casts h
+    assert unshared - table.state_bytes(cut, n) == expected + copies - 2 * 2 * h_copy
 
 
 def test_no_autocast_to_run_keeps_the_output_count_and_says_so():

@@ -18,6 +18,7 @@ import torch.distributed as dist
 
 from tessera.loss_scale import GradLossScaler
 from tessera.parallel.pipeline.comm import BACKWARD, FORWARD, StageLink
+from tessera.parallel.pipeline.partition import in_flight
 from tessera.parallel.pipeline.schedules import Action, recompute_early, recomputes
 from tessera.parallel.plan import Parallelized
 from tessera.strategy import Strategy
@@ -64,7 +65,9 @@ class PipelineEngine:
         self._refresh_rows()
         key = (n, tuple(batches[0]["input_ids"].shape))
         # dp buckets launch inside as gradients become final (chunk memory: none mid-pipeline)
-        with self.pipe.grad_sync.accumulate(key), self.pipe.program.step_casts(built):
+        held = max(in_flight(s, self.pipe.n_stages, n, self.pipe.schedule)
+                   for s in self.pipe.local_stages)
+        with self.pipe.grad_sync.accumulate(key), self.pipe.program.step_casts(built, held):
             total = self._run(built, batches, actions, train=True)
         if self.pipe.rows is not None:  # before the tied and dp rules read the home's grad
             self.pipe.rows.reduce_grads()

@@ -8,7 +8,8 @@ measured too) with autograd on and a saved-tensors hook: every storage autograd 
 charged to the nodes whose execution saved it. Parameters, buffers and constants are not
 charged (they are the stage's state); 16-bit copies of parameters are: under autocast each
 matmul saves one, and as a stage enters autocast once per micro-batch, every in-flight
-micro-batch keeps its own.
+micro-batch keeps its own, unless the step shares them (``CostTable.memory``, from the
+copies' bytes here, PipelineProgram.step_casts).
 
 The run happens on the run's device type and precision (``measured_under``; the pipeline
 sets them from the strategy): under ``precision=bf16`` / ``fp16`` inside ``torch.autocast``,

@@ -139,22 +139,36 @@ class PipelineProgram:
                  if users}
         return sorted(first, key=first.__getitem__)
 
-    def step_casts(self, built: Built) -> contextlib.AbstractContextManager:
-        """Entered around a training step: the micro-batches in flight on this rank share one
-        16-bit copy of each fp32 weight, instead of each forward making (and keeping for its
-        backward) its own.
+    @contextlib.contextmanager
+    def step_casts(self, built: Built, in_flight: int):
+        """Entered around a training step: the ``in_flight`` micro-batches this rank's stage
+        holds at once share one 16-bit copy of each fp32 weight, instead of each forward
+        making (and keeping for its backward) its own.
 
         autocast caches its casts of leaf weights until the outermost autocast context
         exits; the step's disabled outer context keeps the stage forwards' inner ones from
-        clearing the cache, while backward runs outside autocast as before. Only where no
-        local stage recomputes (a recomputation would keep its segments' copies for the rest
-        of the step, where now one segment's are held at a time) and with one virtual stage
-        per rank (the partition's estimate prices it so, CostTable.memory).
+        clearing the cache, while backward runs outside autocast as before. Only where more
+        than one micro-batch is in flight, no local stage recomputes (a recomputation would
+        keep its segments' copies for the rest of the step, where now one segment's are
+        held at a time) and with one virtual stage per rank (the partition's estimate prices
+        it so, CostTable.memory). The stage's received inputs are leaves too: its pieces then
+        read views of them, whose casts are not cached (each reader makes its own copy, as
+        in the whole graph), or every micro-batch's input would stay alive with its cached
+        copy until the step ends.
         """
-        if (self.cast_cache is None or len(self.local) > 1
-                or any(runner.head for runner in built.runners.values())):
-            return contextlib.nullcontext()
-        return self.cast_cache()
+        runners = built.runners.values()
+        if (self.cast_cache is None or len(self.local) > 1 or in_flight < 2
+                or any(runner.head for runner in runners)):
+            yield
+            return
+        for runner in runners:
+            runner.view_inputs = True
+        try:
+            with self.cast_cache():
+                yield
+        finally:
+            for runner in runners:
+                runner.view_inputs = False
 
     def get(self, shape: tuple[int, int], training: bool) -> Built:
         """Stages for micro-batches of ``shape`` (batch, seq) in train or eval mode."""

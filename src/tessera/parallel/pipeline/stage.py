@@ -55,6 +55,10 @@ class StageRunner:
         if not head and tail is None:
             raise ValueError(f"stage {index} has no nodes")
         self.index, self.head, self.tail, self.autocast = index, list(head), tail, autocast
+        # Set while autocast's cache lives for a whole step (PipelineProgram.step_casts): the
+        # pieces then read views of the input leaves, whose casts autocast does not cache
+        # (a cached copy would hold its leaf, and its gradient, until the step ends).
+        self.view_inputs = False
 
     def pieces(self) -> list[tuple[str, Piece]]:
         """(name, piece) of every piece, head segments first."""
@@ -73,6 +77,8 @@ class StageRunner:
         state = MicroBatchState(inputs, batch)
         with torch.set_grad_enabled(grad), self.autocast():
             x = inputs
+            if grad and self.view_inputs:
+                x = [t.view_as(t) if t.requires_grad else t for t in inputs]
             if self.head and recompute and grad:
                 with torch.no_grad():
                     for segment in self.head:
