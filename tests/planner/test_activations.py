@@ -6,10 +6,12 @@ import pytest
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from tessera.models.config import ModelConfig
+from tessera.models.config import ModelConfig, preset
 from tessera.models.transformer import Block, rope_tables
 from tessera.planner.activations import layer_bytes_per_token, layout, matrix_params
-from tessera.planner.memory import activation_bytes, shares_weight_casts, weight_copies
+from tessera.planner.memory import (activation_bytes, logits_bytes, shares_weight_casts,
+                                    stage_memory, weight_copies)
+from tessera.planner.split import head_is_sliced, stage_split
 from tessera.strategy import Strategy
 
 GPT2 = ModelConfig(n_layers=1, d_model=128, n_heads=4, vocab_size=256, max_seq_len=96, d_ff=512)
@@ -102,6 +104,20 @@ def test_weight_casts_are_shared_where_the_runtime_shares_them():
     pp1 = Strategy.parse("dp=1,mbs=1,gbs=8,precision=bf16")
     assert shares_weight_casts(pp1, 0.1, 4, 1)  # apply_recompute rounds 0.4 blocks to none
     assert not shares_weight_casts(pp1, 0.2, 4, 1)
+
+
+def test_a_sliced_head_keeps_a_copy_per_micro_batch_even_on_one_stage():
+    # GPT-2 medium at pp=4: the head is sliced, and every slice lands on the last stage.
+    # The slices read rows of the weight (views), which autocast never caches, so under
+    # gpipe (8 micro-batches in flight there) each keeps its own copy of the head.
+    model = preset("gpt2-medium")
+    s = Strategy.parse("pp=4,mbs=1,gbs=8,precision=bf16,schedule=gpipe")
+    assert head_is_sliced(model, s) and stage_split(model, s)[-1] == (3, 1.0)
+    last = stage_memory(model, s, model.max_seq_len)[-1].activations
+    blocks = activation_bytes(model, s, model.max_seq_len, 3, 8, 0.0, True)
+    head_copy = 2 * model.vocab_size * model.d_model
+    assert last == pytest.approx(blocks + logits_bytes(model, s, model.max_seq_len)
+                                 + 8 * head_copy)
 
 
 class _WeightCasts(TorchDispatchMode):

@@ -50,7 +50,7 @@ from tessera.models.config import ModelConfig
 from tessera.planner.activations import (keeps_weight_copies, layer_bytes_per_token, layout,
                                           matrix_params)
 from tessera.planner.compute import bytes_per_element
-from tessera.planner.split import Split, equal_split, stage_split
+from tessera.planner.split import Split, equal_split, head_is_sliced, stage_split
 from tessera.strategy import Strategy
 
 INTERLEAVE_CHUNKS = 2
@@ -321,8 +321,8 @@ def stage_memory(model: ModelConfig, s: Strategy, seq: int, reserved: float = 0.
             # the head's 16-bit weight copy (of its rows, for a slice), per micro-batch in
             # flight; one for all where the stage shares its casts and holds the whole head
             # (a slice reads rows of the weight, a view, whose casts autocast never caches)
-            whole_head = stage.head_share >= 1 and shares_weight_casts(s, ratio, stage.layers,
-                                                                      held)
+            whole_head = (not head_is_sliced(model, s)
+                          and shares_weight_casts(s, ratio, stage.layers, held))
             acts += (1 if whole_head else held) * 2 * stage.head_share * (
                 model.vocab_size * model.d_model)
         buffers = reserved + _buffers(model, s, seq, p, stage, w_b, g_b, ratio)

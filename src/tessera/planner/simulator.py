@@ -37,6 +37,7 @@ from tessera.planner.memory import (INTERLEAVE_CHUNKS, MemoryBreakdown, StagePar
                                     recomputed_layers, scp_kept, shares_weight_casts,
                                     state_bytes)
 from tessera.planner.memory import in_flight as stage_in_flight
+from tessera.planner.split import head_is_sliced
 from tessera.strategy import Strategy, StrategyError
 
 DDP_BUCKET_BYTES = 25 * 2**20
@@ -194,7 +195,7 @@ def _stage_costs(model: ModelConfig, cl: Cluster, s: Strategy, groups, opt: SimO
         once = shares_weight_casts(s, s.stage_recompute(i), layers,
                                    stage_in_flight(s, i, s.grad_accum_steps))
         fwd_cast = cast / s.grad_accum_steps if once else cast
-        head_once = once and sp_params.head_share >= 1
+        head_once = once and not head_is_sliced(model, s)
         fwd_head_cast = head_cast / s.grad_accum_steps if head_once else head_cast
         fwd = layers * (lt.forward + fwd_cast)
         bwd = layers * (lt.backward + bwd_casts * cast)

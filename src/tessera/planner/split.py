@@ -30,12 +30,24 @@ def stage_split(model: ModelConfig, s: Strategy, balanced: bool = True) -> Split
     """(layers, head share) of each of ``s.pp`` stages under the chosen rule."""
     if not balanced or s.pp == 1:
         return equal_split(model.n_layers, s.pp)
+    weight = _head_weight(model)
+    return _balanced(model.n_layers, s.pp, round(weight, 6), head_is_sliced(model, s))
+
+
+def head_is_sliced(model: ModelConfig, s: Strategy) -> bool:
+    """Whether the balanced rule slices the LM head over the vocabulary: without tensor
+    parallelism, when it weighs more than half a mean stage. The stages then read rows of
+    its weight (views), even where one stage holds every slice."""
+    weight = _head_weight(model)
+    return s.pp > 1 and s.tp == 1 and weight > (model.n_layers + weight) / (2 * s.pp)
+
+
+def _head_weight(model: ModelConfig) -> float:
+    """The head's training work in layer-equivalents."""
     head = 6.0 * model.vocab_size * model.d_model
     layer = (6.0 * (model.num_params(include_embedding=False) / model.n_layers)
              + 12.0 * model.d_model * model.max_seq_len)
-    weight = head / layer  # the head in layer-equivalents
-    sliced = s.tp == 1 and weight > (model.n_layers + weight) / (2 * s.pp)
-    return _balanced(model.n_layers, s.pp, round(weight, 6), sliced)
+    return head / layer
 
 
 def equal_split(n_layers: int, pp: int) -> Split:

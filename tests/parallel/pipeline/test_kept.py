@@ -206,6 +206,31 @@ def test_a_stage_input_read_by_several_matmuls_is_cast_once(reader, shared):
     assert table.activations(cut, n) == _saved_by_stage(model, graph, cut, ids)
 
 
+def _two_in_flight(model, stage, ids, cast_cache):
+    """Two micro-batches through ``stage`` (the first's backward after the second's
+    forward, as 1F1B's stage 0 runs them) in a step whose casts ``cast_cache`` shares (None:
+    not shared): (saved peak of the two forwards, whether the first input outlived its
+    backward inside the step, the inputs' gradients, the weights' gradients)."""
+    program = types.SimpleNamespace(cast_cache=cast_cache, local=[1])
+    probe, states, grads = SavedPeak(model.parameters()), [], []
+    model.zero_grad(set_to_none=True)
+    out_grad = torch.ones(1, ids.shape[1], model.head.out_features, dtype=BF16)
+    with PipelineProgram.step_casts(program, types.SimpleNamespace(runners={1: stage}), 2):
+        with probe:
+            for _ in range(2):
+                with torch.no_grad():  # as received: nothing saved for it on this stage
+                    h = model.normed(ids)
+                states.append(stage.forward([h], {"input_ids": ids}, recompute=False))
+        first = weakref.ref(states[0].inputs[0])
+        grads += stage.backward(states.pop(0), [out_grad])
+        gc.collect()
+        outlived = first() is not None
+        grads += stage.backward(states.pop(0), [out_grad])
+    weights = {name: p.grad.clone() for name, p in model.named_parameters()
+               if p.grad is not None}
+    return probe.peak, outlived, grads, weights
+
+
 def test_micro_batches_in_flight_share_weight_copies_and_read_inputs_as_views():
     # Under the step's shared casts (PipelineProgram.step_casts) two micro-batches in flight
     # keep one bf16 copy of each weight; the stage reads its received h as a view, so each
@@ -218,28 +243,30 @@ def test_micro_batches_in_flight_share_weight_copies_and_read_inputs_as_views():
     cut = [op_name(graph.nodes[name].node) for name in graph.compute].index("mul") + 1
     pieces = split_graph(graph, [graph.compute[:cut], graph.compute[cut:]], model)
     stage = StageRunner(1, [], pieces[1], lambda: torch.autocast("cpu", dtype=BF16))
-    program = types.SimpleNamespace(cast_cache=lambda: torch.autocast("cpu", enabled=False),
-                                    local=[1])
     ids = torch.randint(0, vocab, (1, tokens))
-    probe, states, inputs = SavedPeak(model.parameters()), [], []
-    with PipelineProgram.step_casts(program, types.SimpleNamespace(runners={1: stage}), 2):
-        with probe:
-            for _ in range(2):
-                with torch.no_grad():  # as received: nothing saved for it on this stage
-                    h = model.normed(ids)
-                states.append(stage.forward([h], {"input_ids": ids}, recompute=False))
-                inputs.append(weakref.ref(states[-1].inputs[0]))
-        stage.backward(states.pop(0), [torch.ones(1, tokens, vocab, dtype=BF16)])
-        gc.collect()
-        assert inputs[0]() is None  # freed at its backward, inside the step
+    peak, outlived, grads, weights = _two_in_flight(
+        model, stage, ids, lambda: torch.autocast("cpu", enabled=False))
+    assert not outlived  # freed at its backward, inside the step
     expected = table.memory(cut, n, 0.0, 2, last=False) - table.state_bytes(cut, n)
-    assert probe.peak == expected
+    assert peak == expected
     copies = table.weight_copies(cut, n)
     assert copies == 3 * width * width * 2 + vocab * width * 2  # q, k, v and the head
     # Without sharing each micro-batch keeps its own weight copies and one cached copy of h.
     unshared = table.memory(cut, n, 0.0, 2, last=False, casts_shared=False)
     h_copy = tokens * width * 2  # two more per micro-batch when each reader casts h
     assert unshared - table.state_bytes(cut, n) == expected + copies - 2 * 2 * h_copy
+    # The same copies' values, the same products: the weights' gradients are bit for bit
+    # those of a step that casts per micro-batch. The input's gradient arrives through the
+    # view: the three projections' bf16 gradients are summed in fp32 here, where through
+    # one cached cast they were summed in bf16 first: equal within that rounding, an ulp
+    # of bf16 (2^-8 relative) at the scale of the largest term, twice.
+    peak_each, _, grads_each, weights_each = _two_in_flight(model, stage, ids, None)
+    assert peak_each == unshared - table.state_bytes(cut, n)
+    assert len(grads) == 2 and all(g.abs().sum() > 0 for g in grads)
+    for got, want in zip(grads, grads_each):
+        torch.testing.assert_close(got, want, rtol=0, atol=2 ** -7 * want.abs().max().item())
+    assert weights.keys() == weights_each.keys() and len(weights) == 8  # q, k, v, head
+    assert all(torch.equal(weights[name], weights_each[name]) for name in weights)
 
 
 def test_no_autocast_to_run_keeps_the_output_count_and_says_so():
