@@ -179,8 +179,7 @@ def norm2d_backward(grad, xhat, rstd, weight, has_bias: bool, rms: bool, feature
         inner = inner - grid.row.all_reduce(g.sum(-1, keepdim=True)) / n
     grad_x = (inner * rstd).to(grad.dtype)
     grad_w = grid.col.all_reduce(_flat(grad.float() * xhat).sum(0)).to(weight.dtype)
-    grad_b = (grid.col.all_reduce(_flat(grad).sum(0, dtype=torch.float32)) if has_bias
-              else None)  # in fp32, as bias2d_grad
+    grad_b = bias2d_grad(grad, grid) if has_bias else None
     return grad_x, grad_w, grad_b
 
 
