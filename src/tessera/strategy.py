@@ -37,6 +37,15 @@ TEXT_ALIASES = {"mbs": "micro_batch_size", "gbs": "global_batch_size"}
 _FIELD_TO_TEXT = {v: k for k, v in TEXT_ALIASES.items()}
 
 
+
+def blocks_to_recompute(ratio: float, n_blocks: int) -> int:
+    """How many of ``n_blocks`` a recomputation ratio checkpoints: ``ratio * n_blocks`` to
+    the nearest whole block, a half rounded down (the pipeline's cut nearest the ratio of a
+    stage's time does the same on equal blocks). The runtime and the planner both use it."""
+    if ratio <= 0:
+        return 0
+    return min(n_blocks, max(0, math.ceil(ratio * n_blocks - 0.5 - 1e-9)))
+
 class StrategyError(ValueError):
     """A Strategy value (or its text form) breaks a rule; the message names field and rule."""
 

@@ -7,10 +7,11 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from tessera.models.config import ModelConfig, preset
-from tessera.models.transformer import Block, rope_tables
+from tessera.models.transformer import Block, Transformer, rope_tables
+from tessera.parallel.recompute import apply_recompute
 from tessera.planner.activations import layer_bytes_per_token, layout, matrix_params
-from tessera.planner.memory import (activation_bytes, logits_bytes, shares_weight_casts,
-                                    stage_memory, weight_copies)
+from tessera.planner.memory import (activation_bytes, logits_bytes, recomputed_layers,
+                                    shares_weight_casts, stage_memory, weight_copies)
 from tessera.planner.split import head_is_sliced, stage_split
 from tessera.strategy import Strategy
 
@@ -104,6 +105,19 @@ def test_weight_casts_are_shared_where_the_runtime_shares_them():
     pp1 = Strategy.parse("dp=1,mbs=1,gbs=8,precision=bf16")
     assert shares_weight_casts(pp1, 0.1, 4, 1)  # apply_recompute rounds 0.4 blocks to none
     assert not shares_weight_casts(pp1, 0.2, 4, 1)
+
+
+@pytest.mark.parametrize("ratio", [0.25, 0.5, 0.75, 1.0])
+def test_recomputed_layers_are_the_blocks_apply_recompute_checkpoints(ratio):
+    for n_blocks in range(1, 8):
+        model = Transformer(dataclasses.replace(GPT2, n_layers=n_blocks, d_model=32,
+                                                  d_ff=64))
+        count = apply_recompute(model, ratio)
+        wrapped = sum(getattr(b, "_tessera_recompute", False) for b in model.blocks)
+        assert count == wrapped == recomputed_layers(ratio, n_blocks), (ratio, n_blocks)
+    # to the nearest block, a half down: 0.5 of 3 blocks is 1, 0.75 of 2 is 1, 0.25 of 6 is 1
+    assert [recomputed_layers(0.5, 3), recomputed_layers(0.75, 2),
+            recomputed_layers(0.25, 6), recomputed_layers(0.25, 7)] == [1, 1, 1, 2]
 
 
 def test_a_sliced_head_keeps_a_copy_per_micro_batch_even_on_one_stage():

@@ -1,7 +1,8 @@
 """Activation recomputation for a share of the transformer blocks.
 
-A ratio r checkpoints the first round(r * n) blocks: their activations are dropped after the
-forward pass and recomputed during backward. The earliest blocks are chosen because in a
+A ratio r checkpoints the first :func:`blocks_to_recompute` (r * n rounded to nearest, a half
+down, as the pipeline's cut nearest r of a stage's time) blocks: their activations are dropped
+after the forward pass and recomputed during backward. The earliest blocks are chosen because in a
 pipeline they hold activations longest. The block's parameter names do not change (the
 forward is wrapped in place), so checkpoints load whatever the ratio.
 """
@@ -12,6 +13,8 @@ import functools
 
 from torch import nn
 from torch.utils.checkpoint import checkpoint
+
+from tessera.strategy import blocks_to_recompute
 
 
 def find_blocks(model: nn.Module) -> nn.ModuleList:
@@ -33,11 +36,11 @@ def find_blocks(model: nn.Module) -> nn.ModuleList:
 
 
 def apply_recompute(model: nn.Module, ratio: float) -> int:
-    """Checkpoint the first ``round(ratio * n_blocks)`` blocks; returns how many."""
+    """Checkpoint the first :func:`blocks_to_recompute` blocks; returns how many."""
     if ratio <= 0:
         return 0
     blocks = find_blocks(model)
-    count = round(ratio * len(blocks))
+    count = blocks_to_recompute(ratio, len(blocks))
     for block in list(blocks)[:count]:
         if getattr(block, "_tessera_recompute", False):
             continue

@@ -43,7 +43,6 @@ Stage i of a 1F1B pipeline holds min(pp - i, m) micro-batches in flight (GPipe: 
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass
 
 from tessera.models.config import ModelConfig
@@ -51,7 +50,7 @@ from tessera.planner.activations import (keeps_weight_copies, layer_bytes_per_to
                                           matrix_params)
 from tessera.planner.compute import bytes_per_element
 from tessera.planner.split import Split, equal_split, head_is_sliced, stage_split
-from tessera.strategy import Strategy
+from tessera.strategy import Strategy, blocks_to_recompute
 
 INTERLEAVE_CHUNKS = 2
 
@@ -213,20 +212,22 @@ def weight_copies(model: ModelConfig, s: Strategy, layers: int, in_flight: float
 def shares_weight_casts(s: Strategy, ratio: float, layers: int, in_flight: float) -> bool:
     """Whether a stage's micro-batches share one 16-bit copy of each weight, cast once per
     step, as the runtime does where nothing recomputes: train/engine.py at pp = 1 (unless
-    ``apply_recompute`` checkpoints a block: round(ratio x layers) > 0; one micro-batch is in
+    ``apply_recompute`` checkpoints a block, :func:`recomputed_layers`; one micro-batch is in
     flight there, so only the casts are saved), and pipeline/program.py's ``step_casts`` at
     pp > 1 (ratio 0, more than one micro-batch in flight, one virtual stage per rank). Never
     under tensor parallelism: a shard is not a leaf, and autocast caches no cast of it."""
     if s.tp > 1 or s.schedule == "interleaved":
         return False
     if s.pp == 1:
-        return round(ratio * layers) == 0
+        return recomputed_layers(ratio, layers) == 0
     return ratio <= 0 and in_flight > 1
 
 
 def recomputed_layers(ratio: float, layers: int) -> int:
-    """Layers of a stage that recompute, for a recomputation ratio."""
-    return math.floor(ratio * layers + 1e-9)
+    """Layers of a stage that recompute, for a recomputation ratio: the runtime's count
+    (``apply_recompute`` at pp = 1; under pp the cut nearest the ratio of the stage's time,
+    which for equal layers is the same count)."""
+    return blocks_to_recompute(ratio, layers)
 
 
 def activation_bytes(model: ModelConfig, s: Strategy, seq: int, layers: int, in_flight: float,
