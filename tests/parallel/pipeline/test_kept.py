@@ -269,6 +269,30 @@ def test_micro_batches_in_flight_share_weight_copies_and_read_inputs_as_views():
     assert all(torch.equal(weights[name], weights_each[name]) for name in weights)
 
 
+def test_a_stage_of_16_bit_weights_does_not_share_casts_and_casts_its_input_once():
+    # 16-bit weights (memory=chunk) leave autocast no weight to cast: the step shares
+    # nothing, and the stage's fp32 input stays a leaf whose one cached copy serves q, k and
+    # v (read as a view, each would cast its own: two copies more per micro-batch).
+    vocab, width, tokens = 64, 32, 16
+    torch.manual_seed(0)
+    model = _ThreeReaders(vocab, width, "linear").to(BF16)
+    model.embed.float()  # h arrives in fp32, as a norm's output under autocast does
+    graph = measured_under(capture(model, 1, tokens), "cpu", BF16)
+    table, n = CostTable(graph, DeviceRates()), len(graph.compute)
+    cut = [op_name(graph.nodes[name].node) for name in graph.compute].index("mul") + 1
+    pieces = split_graph(graph, [graph.compute[:cut], graph.compute[cut:]], model)
+    stage = StageRunner(1, [], pieces[1], lambda: torch.autocast("cpu", dtype=BF16))
+    ids = torch.randint(0, vocab, (1, tokens))
+    peak, outlived, _, _ = _two_in_flight(
+        model, stage, ids, lambda: torch.autocast("cpu", enabled=False))
+    assert table.weight_copies(cut, n) == 0
+    unshared = table.memory(cut, n, 0.0, 2, last=False, casts_shared=False)
+    assert table.memory(cut, n, 0.0, 2, last=False) == unshared
+    assert peak == unshared - table.state_bytes(cut, n)
+    assert peak == _two_in_flight(model, stage, ids, None)[0]
+    assert not outlived
+
+
 def test_no_autocast_to_run_keeps_the_output_count_and_says_so():
     if torch.cuda.is_available():
         pytest.skip("needs a machine where CUDA autocast is disabled")

@@ -261,13 +261,14 @@ class CostTable:
         ``casts_shared``: a stage that recomputes nothing, with several micro-batches in
         flight, keeps one 16-bit copy of its weights for all of them (one virtual stage per
         rank), not one each; its inputs are then read as views, each reader casting its own
-        copy of them (PipelineProgram.step_casts)."""
+        copy of them (PipelineProgram.step_casts); not where it makes no weight copy
+        (16-bit parameters)."""
         full = self.activations(a, b)
         dropped = full * (1 - ratio) + ratio * self.segment_inputs(a, b)
         recomputing = in_flight - keep
         act = recomputing * dropped + keep * full
-        if casts_shared and ratio <= 0 and in_flight > 1:
-            copies = self.weight_copies(a, b)
+        copies = self.weight_copies(a, b)
+        if casts_shared and ratio <= 0 and in_flight > 1 and copies > 0:
             act += in_flight * self._kept.shared_cast_bytes(a, b) - (in_flight - 1) * copies
         if recomputing > 0 and ratio > 0:  # one block at a time (stage.py's segments)
             act += min(ratio * full, self.largest_block(a, b))

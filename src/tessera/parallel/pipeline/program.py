@@ -87,6 +87,12 @@ def head_segments(graph: ProxyGraph, head: list[str],
     return [head[lo - a:hi - a] for lo, hi in zip(edges, edges[1:])]
 
 
+def _casts_weights(runner: StageRunner) -> bool:
+    """Whether the stage holds fp32 weights, which autocast casts to 16 bits."""
+    return any(p.dtype == torch.float32 for _, piece in runner.pieces()
+               for p in piece.module.parameters())
+
+
 class PipelineProgram:
     """Partition + this rank's stages, built lazily per micro-batch shape.
 
@@ -154,11 +160,14 @@ class PipelineProgram:
         it so, CostTable.memory). The stage's received inputs are leaves too: its pieces then
         read views of them, whose casts are not cached (each reader makes its own copy, as
         in the whole graph), or every micro-batch's input would stay alive with its cached
-        copy until the step ends.
+        copy until the step ends. Not where the stage has no fp32 weight to cast (16-bit
+        parameters, memory=chunk): nothing to share, and the views would cost each reader a
+        copy of its input.
         """
         runners = built.runners.values()
         if (self.cast_cache is None or len(self.local) > 1 or in_flight < 2
-                or any(runner.head for runner in runners)):
+                or any(runner.head for runner in runners)
+                or not any(_casts_weights(runner) for runner in runners)):
             yield
             return
         for runner in runners:
