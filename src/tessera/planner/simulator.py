@@ -260,14 +260,6 @@ def _tp_allreduce(model: ModelConfig, cl: Cluster, s: Strategy, groups) -> float
     return comm.collective_time(cl, "all_reduce", nbytes, groups["tp"])
 
 
-def _tensors_per_layer(model: ModelConfig) -> int:
-    """Parameter tensors of one layer: q, k, v, o, the MLP's linears, the two norms, and
-    their biases when the model has them."""
-    linears = 4 + (3 if model.activation == "swiglu" else 2)
-    norms = 2 * (2 if model.norm == "layernorm" and model.bias else 1)
-    return linears * (2 if model.bias else 1) + norms
-
-
 def _tp_comm(model: ModelConfig, cl: Cluster, s: Strategy, groups) -> tuple[float, float]:
     """Tensor-parallel communication of one layer and micro-batch: (forward, backward)."""
     if s.tp == 1:
@@ -414,15 +406,9 @@ def _data_parallel(model: ModelConfig, cl: Cluster, s: Strategy, groups, stages:
     bw = cl.device.memory_bandwidth * cl.device.memory_efficiency
     sync = 0.0
     if group.size > 1:
-        if s.memory == "ddp" and s.tp > 1 and s.pp == 1:
-            # Tensor-parallel shards are averaged one parameter at a time, each all-reduce
-            # blocking in its gradient hook (DDP cannot bucket DTensors): no overlap.
-            tensors = _tensors_per_layer(model) * max(1, model.n_layers // s.pp) + 4
-            sync = (comm.collective_time(cl, "all_reduce", p * g_b, group)
-                    + (tensors - 1) * comm.call_time(cl, group))
-        elif s.memory == "ddp":
-            # torch DDP, or under pp the pipeline's own buckets (pipeline/overlap.py), shards
-            # included: a first bucket of 1 MiB, then 25 MiB buckets, one all-reduce each,
+        if s.memory == "ddp":
+            # torch DDP, or the buckets of pipeline/overlap.py (under pp, and tensor-parallel
+            # shards at pp = 1, tensor/data_parallel.py): a first bucket of 1 MiB, then 25 MiB buckets, one all-reduce each,
             # overlapping the last backward. A sliced head's home weight is averaged after
             # the drain (its rows' gradients arrive then), exposed.
             held = _held_back(model, s, stage_params, stage_params[worst]) / s.tp
