@@ -7,6 +7,7 @@ from dataclasses import dataclass
 
 import torch
 from torch import nn
+from torch.distributed.tensor import DTensor
 
 
 def build_optimizer(model: nn.Module, lr: float, weight_decay: float,
@@ -18,9 +19,15 @@ def build_optimizer(model: nn.Module, lr: float, weight_decay: float,
     no_decay = [p for p in params if p.dim() < 2]
     groups = [{"params": decay, "weight_decay": weight_decay},
               {"params": no_decay, "weight_decay": 0.0}]
-    # The fused kernel exists for CUDA; on CPU the foreach path is the fast one.
+    # The fused kernel exists for CUDA. Elsewhere torch steps one tensor at a time, except
+    # for DTensor parameters (tensor parallelism): each of their ops pays DTensor's Python
+    # dispatch, which the foreach path pays once per list (on CPU, a tp=2 shard set of the
+    # validation model: 3.3 ms a step against 12.6 ms). Plain tensors keep the per-tensor
+    # path, whose temporaries are one tensor's, not the whole list's.
     fused = device.type == "cuda"
-    return torch.optim.AdamW(groups, lr=lr, betas=betas, eps=eps, fused=fused)
+    foreach = None if fused or not any(isinstance(p, DTensor) for p in params) else True
+    return torch.optim.AdamW(groups, lr=lr, betas=betas, eps=eps, fused=fused,
+                             foreach=foreach)
 
 
 SCHEDULES = ("cosine", "linear", "constant")
