@@ -16,6 +16,12 @@ Prints JSON lines, one per figure: {"name", "value", "unit", "compared_against",
   RowwiseParallel (vocabulary-parallel embedding and loss_parallel), same model and batch;
   target >= 1.0. Rounds alternate between the two; the best round of each counts. The load
   average is reported beside it: other work shares this machine's cores.
+- dp2_tp2_train_vs_torch_2d_tokens_ratio: whole training steps (forward, backward, dp
+  gradient averaging, clipping, AdamW) at dp=2 x tp=2, tessera's Trainer (memory=ddp) against
+  PyTorch's 2D recipe, parallelize_module for tp and FSDP2's fully_shard over dp
+  (reshard_after_forward=False), same model and batch shape (_tp_training.py); best round
+  of each, rounds alternating. FSDP2 also shards gradients and Adam states over dp, which
+  tessera does under memory=chunk.
 
     python benchmarks/bench_tensor_parallel.py [--quick]
 """
@@ -38,6 +44,8 @@ from tessera.parallel.tensor import CommCounter, apply_tensor_parallel
 from tessera.parallel.tensor.shard import local
 from tessera.strategy import Strategy
 from tessera.testing import run_distributed
+
+from _tp_training import tokens_per_s as training_tokens_per_s  # noqa: E402 (beside this script)
 
 T = 128
 MODEL = dict(vocab_size=256, d_model=256, n_heads=8, max_seq_len=T, tie_embeddings=False)
@@ -200,6 +208,8 @@ def _worker(rank, world, quick):
     out["speed_tp4"] = tokens_per_s(meshes["1d"], rounds, steps)
     out["speed_tp2"] = tokens_per_s(Mesh(Strategy(dp=2, tp=2, global_batch_size=2), "cpu"),
                                     rounds, steps)
+    out["train_dp2_tp2"] = training_tokens_per_s(preset("tiny", n_layers=4, **MODEL),
+                                                 micro_batch=4, rounds=rounds, steps=steps)
     return out
 
 
@@ -241,6 +251,14 @@ def main() -> None:
               dtensor_tokens_per_s=round(speed["dtensor"], 1), tp=tp,
               loss_diff=speed["loss_diff"], loadavg_before=load_before,
               loadavg_after=load_after, cpu_cores=os.cpu_count(), **setup)
+    train = res[0]["train_dp2_tp2"]
+    _emit("dp2_tp2_train_vs_torch_2d_tokens_ratio",
+          round(train["tessera"] / train["torch_2d"], 3), "ratio",
+          "torch parallelize_module (tp) + FSDP2 fully_shard over dp, reshard_after_forward=False",
+          target=">= 1.0", tessera_tokens_per_s=round(train["tessera"], 1),
+          torch_tokens_per_s=round(train["torch_2d"], 1), model="reference, 4 layers, "
+          "d_model=256, 8 heads, vocab 256", seq_len=T, micro_batch=4, dp=2, tp=2,
+          loadavg_before=load_before, loadavg_after=load_after, cpu_cores=os.cpu_count())
 
 
 if __name__ == "__main__":
