@@ -209,9 +209,9 @@ def _stage_costs(model: ModelConfig, cl: Cluster, s: Strategy, groups, opt: SimO
             share = sp_params.head_share
             fwd = fwd + share * (h.forward + fwd_head_cast)
             bwd = bwd + share * (h.backward + bwd_casts * head_cast)
-            if s.tp > 1:  # vocab-parallel cross-entropy: max, sum of exp, target logit;
-                # the vocab-split head sums its input gradient (backward)
-                extra_tp += 3 * comm.call_time(cl, groups["tp"])
+            if s.tp > 1:  # vocab-parallel cross-entropy: the max, then the sum of exp
+                # with the target logit; the vocab-split head sums its input gradient
+                extra_tp += 2 * comm.call_time(cl, groups["tp"])
                 extra_tp += _tp_allreduce(model, cl, s, groups)
         # The forward again, plus the checkpoint's own hooks (profiled, at a lone worker's
         # rate like the layer's other fixed costs).

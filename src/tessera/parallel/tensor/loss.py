@@ -2,7 +2,8 @@
 
 No rank ever holds the full-vocabulary logits: the softmax normaliser and the target logit are
 sums over the vocabulary, so each rank reduces its slice and the group all-reduces three
-numbers per token (max, sum of exponentials, target logit).
+numbers per token in two messages (the max; then the sum of exponentials with the target
+logit).
 """
 
 from __future__ import annotations
@@ -31,12 +32,14 @@ class VocabParallelCrossEntropyFn(torch.autograd.Function):
         top = group.all_reduce(logits.max(-1).values, op=torch.distributed.ReduceOp.MAX)
         shifted = logits - top[:, None]  # (N, V/p)
         exp = shifted.exp()
-        total = group.all_reduce(exp.sum(-1))  # (N,)
         local = labels - start
         mine = (local >= 0) & (local < width)
         safe = local.masked_fill(~mine, 0)
         target = shifted.gather(1, safe[:, None]).squeeze(1).masked_fill(~mine, 0.0)
-        target = group.all_reduce(target)  # (N,)
+        # Both sums in one message: (2, N) = sum of exponentials, target logit. ``total`` is
+        # saved for backward: its own copy, not a view holding both rows.
+        sums = group.all_reduce(torch.stack([exp.sum(-1), target]))
+        total, target = sums[0].clone(), sums[1]
         ignored = labels == IGNORE_INDEX
         loss = (total.log() - target).masked_fill(ignored, 0.0)
         ctx.save_for_backward(exp, total, safe, mine, ignored)
