@@ -26,8 +26,13 @@ def build_optimizer(model: nn.Module, lr: float, weight_decay: float,
     # path, whose temporaries are one tensor's, not the whole list's.
     fused = device.type == "cuda"
     foreach = None if fused or not any(isinstance(p, DTensor) for p in params) else True
-    return torch.optim.AdamW(groups, lr=lr, betas=betas, eps=eps, fused=fused,
-                             foreach=foreach)
+    optimizer = torch.optim.AdamW(groups, lr=lr, betas=betas, eps=eps, fused=fused,
+                                  foreach=foreach)
+    # A loaded state dict brings its own run's choice (its param_groups carry the flags);
+    # the path is this run's: another layout, or a checkpoint from before this rule.
+    optimizer.register_load_state_dict_post_hook(
+        lambda opt: [group.update(fused=fused, foreach=foreach) for group in opt.param_groups])
+    return optimizer
 
 
 SCHEDULES = ("cosine", "linear", "constant")

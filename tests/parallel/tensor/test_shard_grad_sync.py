@@ -52,9 +52,71 @@ def _one_rank(rank, world_size):
 
 def test_the_step_averages_in_buckets_and_other_backwards_per_parameter():
     out = run_distributed(_one_rank, world_size=1)[0]
-    # 169 fp32 parameters fit the first 1 MiB bucket: one message for the whole step, the
-    # first step (counting) and the next (launched inside the backward) alike.
-    assert out["step"] == ([out["params"]], True)
-    assert out["step again"] == ([out["params"]], True)
+    # 169 fp32 parameters fit the first 1 MiB bucket: one message for the whole step (with a
+    # had-a-gradient flag for each of the 6 tensors), the first step (counting) and the next
+    # (launched inside the backward) alike.
+    assert out["step"] == ([out["params"] + 6], True)
+    assert out["step again"] == ([out["params"] + 6], True)
     assert out["outside"] == ([64, 8, 64, 8, 8, 1][::-1], True)  # as gradients complete
     assert out["no_sync"] == ([], True)
+
+
+def _unused(rank, world_size):
+    from tessera.parallel.tensor.data_parallel import ShardGradSync
+
+    group = dist.new_group([0, 1])
+    model = _model()
+    spare = nn.Linear(2, 2)  # never used by the forward
+    holder = nn.ModuleDict({"model": model, "spare": spare})
+    sync = ShardGradSync(holder, group)
+    x = torch.full((2, 8), float(rank + 1))
+    for _ in range(2):  # the counting step, then one that launches inside the backward
+        holder.zero_grad(set_to_none=True)
+        with sync.step((2, 8)):
+            model(x).sum().backward()
+    grads = [p.grad.clone() for p in model.parameters()]
+    mine = [g.clone() for g in torch.autograd.grad(model(x).sum(), list(model.parameters()))]
+    return {"spare": [p.grad for p in spare.parameters()], "grads": grads, "mine": mine}
+
+
+def test_an_unused_parameter_keeps_no_gradient_and_the_rest_are_averaged():
+    out = run_distributed(_unused, world_size=2)
+    assert out[0]["spare"] == [None, None] and out[1]["spare"] == [None, None]
+    for got0, got1, mine0, mine1 in zip(out[0]["grads"], out[1]["grads"], out[0]["mine"],
+                                        out[1]["mine"]):
+        torch.testing.assert_close(got0, got1, rtol=0, atol=0)  # the same average on both
+        # fp32 sum of two then halved: within one rounding of the exact mean
+        torch.testing.assert_close(got0, (mine0 + mine1) / 2, rtol=1e-6, atol=1e-7)
+
+
+def _failing_collective(rank, world_size):
+    from tessera.parallel.tensor.data_parallel import ShardGradSync
+
+    group = dist.new_group([0])
+    model = _model()
+    sync = ShardGradSync(model, group)
+    all_reduce = dist.all_reduce
+
+    class _Broken:
+        def wait(self):
+            raise RuntimeError("collective timed out")
+
+    dist.all_reduce = lambda *args, **kwargs: _Broken()
+    try:
+        with sync.step((2, 8)):
+            model(torch.ones(2, 8)).sum().backward()
+        raised = None
+    except RuntimeError as err:
+        raised = str(err)
+    finally:
+        dist.all_reduce = all_reduce
+    armed = sync.buckets._key is not None
+    model.zero_grad(set_to_none=True)
+    model(torch.ones(2, 8)).sum().backward()  # outside a step: averaged per parameter
+    return {"raised": raised, "armed": armed, "grads": all(p.grad is not None
+                                                            for p in model.parameters())}
+
+
+def test_a_failed_collective_leaves_nothing_armed():
+    out = run_distributed(_failing_collective, world_size=1)[0]
+    assert out == {"raised": "collective timed out", "armed": False, "grads": True}

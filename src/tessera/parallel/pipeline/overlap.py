@@ -91,12 +91,14 @@ class OverlappedAverage:
             self.launched_in_backward = self._launched
             if self._target is None:  # the first step with this key: remember its counts
                 self._remember(self._key, dict(self._seen))
-        while self._launched < len(self.buckets):
-            self._launch(self._launched)
-        for bucket in self.buckets:
-            bucket.work.wait()
-            _write_back(bucket)
-        self.disarm()
+        try:
+            while self._launched < len(self.buckets):
+                self._launch(self._launched)
+            for bucket in self.buckets:
+                bucket.work.wait()
+                _write_back(bucket)
+        finally:  # a failed collective must not leave the next backward armed
+            self.disarm()
 
     def close(self) -> None:
         """Remove the gradient hooks."""
@@ -124,8 +126,9 @@ class OverlappedAverage:
                 f"a gradient (parameter of shape {tuple(param.shape)}) arrived after its "
                 f"data-parallel bucket was averaged: this step accumulated it more often than "
                 f"the first step with the same micro-batches and shapes did ({count} > "
-                f"{self._target.get(pid, 0)}); set GradSync.overlap = False to average only "
-                f"after the pipeline drains")
+                f"{self._target.get(pid, 0)}); turn the overlap off to average only after the "
+                f"backward (GradSync.overlap = False under pp, ShardGradSync.overlap = False "
+                f"under tp at pp = 1)")
         if count == self._target.get(pid):
             self.buckets[index].ready += 1
             self._launch_ready()
@@ -138,8 +141,7 @@ class OverlappedAverage:
 
     def _launch(self, index: int) -> None:
         bucket = self.buckets[index]
-        grads = [grad_or_zeros(p) for p in bucket.params]
-        bucket.flat = torch.cat([g.reshape(-1) for g in grads])  # one message per bucket
+        bucket.flat = _flatten(bucket)  # one message per bucket
         bucket.work = dist.all_reduce(bucket.flat, op=dist.ReduceOp.AVG, group=self.group,
                                       async_op=True)
         self._launched = index + 1
@@ -166,17 +168,37 @@ def average_now(params: list[nn.Parameter], group) -> None:
     """Average ``params``' gradients over ``group`` in one blocking message (what waits for
     the drain)."""
     bucket = _Bucket(list(params))
-    bucket.flat = torch.cat([grad_or_zeros(p).reshape(-1) for p in bucket.params])
+    bucket.flat = _flatten(bucket)
     dist.all_reduce(bucket.flat, op=dist.ReduceOp.AVG, group=group)
     _write_back(bucket)
 
 
-def _write_back(bucket: _Bucket) -> None:
-    offset = 0
+def _flatten(bucket: _Bucket) -> torch.Tensor:
+    """The bucket's gradients (zeros where this rank has none) and, last, one flag per
+    parameter: 1 where this rank has a gradient. Averaged, a flag says whether any rank had
+    one: where none did, the gradient stays None (as DDP leaves an unused parameter's), so
+    the optimizer skips the parameter instead of decaying it."""
+    pieces, flags = [], []
     for param in bucket.params:
-        grad = grad_or_zeros(param)
-        grad.copy_(bucket.flat[offset:offset + grad.numel()].view_as(grad))
-        offset += grad.numel()
+        local = local_shard(param)
+        grad = None if param.grad is None else local_shard(param.grad)
+        pieces.append(grad.reshape(-1) if grad is not None
+                      else torch.zeros(local.numel(), dtype=local.dtype, device=local.device))
+        flags.append(float(grad is not None))
+    local = local_shard(bucket.params[0])
+    pieces.append(torch.tensor(flags, dtype=local.dtype, device=local.device))
+    return torch.cat(pieces)
+
+
+def _write_back(bucket: _Bucket) -> None:
+    flags = bucket.flat[-len(bucket.params):].tolist()
+    offset = 0
+    for param, flag in zip(bucket.params, flags):
+        numel = local_shard(param).numel()
+        if flag > 0:  # some rank had a gradient: every rank takes the average
+            grad = grad_or_zeros(param)
+            grad.copy_(bucket.flat[offset:offset + numel].view_as(grad))
+        offset += numel
 
 
 def local_shard(tensor: torch.Tensor) -> torch.Tensor:

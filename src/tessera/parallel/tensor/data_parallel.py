@@ -35,6 +35,7 @@ class ShardGradSync:
         for param in params:
             param.register_post_accumulate_grad_hook(self._average_alone)
         self.buckets = OverlappedAverage(params, group)
+        self.overlap = True  # False: buckets launch only after the backward
         self._in_step = False
 
     def _average_alone(self, param: torch.Tensor) -> None:
@@ -49,11 +50,13 @@ class ShardGradSync:
     def step(self, key=None):
         """Around the forward and backward whose gradients are averaged: in buckets, launched
         during the backward once the first step with ``key`` (the batch shape) has counted
-        which gradients that backward completes; every average is written back on exit."""
+        which gradients that backward completes (that first step launches them all after
+        it); every average is written back on exit. A parameter no rank has a gradient for
+        keeps ``grad = None``."""
         if not self.enabled:
             yield
             return
-        self.buckets.arm(("step", key))
+        self.buckets.arm(("step", key), self.overlap)
         self._in_step = True
         try:
             yield
@@ -61,7 +64,7 @@ class ShardGradSync:
             self.buckets.disarm()
             raise
         else:
-            self.buckets.finish()
+            self.buckets.finish()  # disarms, also when a collective fails
         finally:
             self._in_step = False
 
