@@ -46,21 +46,12 @@ def torch_2d_step(config: ModelConfig, micro_batch: int):
     between forward and backward, as close to replication as FSDP2 goes)."""
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import fully_shard
-    from torch.distributed.tensor import Replicate, Shard
-    from torch.distributed.tensor.parallel import (ColwiseParallel, RowwiseParallel,
-                                                   loss_parallel, parallelize_module)
+    from torch.distributed.tensor.parallel import loss_parallel, parallelize_module
 
     mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "tp"))
     torch.manual_seed(0)
     model = Transformer(config)
-    plan = {"embed": RowwiseParallel(input_layouts=Replicate()),
-            "lm_head": ColwiseParallel(output_layouts=Shard(-1), use_local_output=False)}
-    for i in range(len(model.blocks)):
-        for name in ("attn.q_proj", "attn.k_proj", "attn.v_proj", "mlp.up_proj"):
-            plan[f"blocks.{i}.{name}"] = ColwiseParallel()
-        for name in ("attn.o_proj", "mlp.down_proj"):
-            plan[f"blocks.{i}.{name}"] = RowwiseParallel()
-    model = parallelize_module(model, mesh["tp"], plan)
+    model = parallelize_module(model, mesh["tp"], torch_tp_plan(model))
     for block in model.blocks:
         fully_shard(block, mesh=mesh["dp"], reshard_after_forward=False)
     fully_shard(model, mesh=mesh["dp"], reshard_after_forward=False)
@@ -80,6 +71,23 @@ def torch_2d_step(config: ModelConfig, micro_batch: int):
         optimizer.zero_grad(set_to_none=True)
         return float((loss.full_tensor() if hasattr(loss, "full_tensor") else loss).detach())
     return step
+
+
+def torch_tp_plan(model: Transformer) -> dict:
+    """parallelize_module's plan for the reference model, Megatron's layout: q, k, v and the
+    MLP's up column-parallel, o and down row-parallel, a vocabulary-parallel embedding and a
+    head whose logits stay sharded over the vocabulary (for loss_parallel)."""
+    from torch.distributed.tensor import Replicate, Shard
+    from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel
+
+    plan = {"embed": RowwiseParallel(input_layouts=Replicate()),
+            "lm_head": ColwiseParallel(output_layouts=Shard(-1), use_local_output=False)}
+    for i in range(len(model.blocks)):
+        for name in ("attn.q_proj", "attn.k_proj", "attn.v_proj", "mlp.up_proj"):
+            plan[f"blocks.{i}.{name}"] = ColwiseParallel()
+        for name in ("attn.o_proj", "mlp.down_proj"):
+            plan[f"blocks.{i}.{name}"] = RowwiseParallel()
+    return plan
 
 
 def _clip(params: list[nn.Parameter], max_norm: float) -> None:

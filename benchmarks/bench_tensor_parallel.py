@@ -46,6 +46,7 @@ from tessera.strategy import Strategy
 from tessera.testing import run_distributed
 
 from _tp_training import tokens_per_s as training_tokens_per_s  # noqa: E402 (beside this script)
+from _tp_training import torch_tp_plan  # noqa: E402
 
 T = 128
 MODEL = dict(vocab_size=256, d_model=256, n_heads=8, max_seq_len=T, tie_embeddings=False)
@@ -139,20 +140,11 @@ def formula_2d(n: int, c: int, f: int, q: int) -> float:
 
 # ----------------------------------------------------------------------------- throughput
 def _dtensor_model(mesh: Mesh) -> nn.Module:
-    from torch.distributed.tensor import Replicate, Shard
-    from torch.distributed.tensor.parallel import (ColwiseParallel, RowwiseParallel,
-                                                   parallelize_module)
+    from torch.distributed.tensor.parallel import parallelize_module
 
     torch.manual_seed(0)
     model = Transformer(preset("tiny", **MODEL))
-    plan = {"embed": RowwiseParallel(input_layouts=Replicate()),
-            "lm_head": ColwiseParallel(output_layouts=Shard(-1), use_local_output=False)}
-    for i in range(len(model.blocks)):
-        for name in ("attn.q_proj", "attn.k_proj", "attn.v_proj", "mlp.up_proj"):
-            plan[f"blocks.{i}.{name}"] = ColwiseParallel()
-        for name in ("attn.o_proj", "mlp.down_proj"):
-            plan[f"blocks.{i}.{name}"] = RowwiseParallel()
-    return parallelize_module(model, mesh.submesh("tp"), plan)
+    return parallelize_module(model, mesh.submesh("tp"), torch_tp_plan(model))
 
 
 def _dtensor_step(model: nn.Module, batch) -> None:

@@ -206,6 +206,17 @@ def test_a_stage_input_read_by_several_matmuls_is_cast_once(reader, shared):
     assert table.activations(cut, n) == _saved_by_stage(model, graph, cut, ids)
 
 
+def _stage_after_the_norm(model: nn.Module, tokens: int):
+    """(CostTable, node count, cut, StageRunner) of the nodes after ``model``'s norm (the
+    first ``mul``), captured and measured under bf16 autocast."""
+    graph = measured_under(capture(model, 1, tokens), "cpu", BF16)
+    table, n = CostTable(graph, DeviceRates()), len(graph.compute)
+    cut = [op_name(graph.nodes[name].node) for name in graph.compute].index("mul") + 1
+    pieces = split_graph(graph, [graph.compute[:cut], graph.compute[cut:]], model)
+    return table, n, cut, StageRunner(1, [], pieces[1],
+                                      lambda: torch.autocast("cpu", dtype=BF16))
+
+
 def _two_in_flight(model, stage, ids, cast_cache):
     """Two micro-batches through ``stage`` (the first's backward after the second's
     forward, as 1F1B's stage 0 runs them) in a step whose casts ``cast_cache`` shares (None:
@@ -238,11 +249,7 @@ def test_micro_batches_in_flight_share_weight_copies_and_read_inputs_as_views():
     vocab, width, tokens = 64, 32, 16
     torch.manual_seed(0)
     model = _ThreeReaders(vocab, width, "linear")
-    graph = measured_under(capture(model, 1, tokens), "cpu", BF16)
-    table, n = CostTable(graph, DeviceRates()), len(graph.compute)
-    cut = [op_name(graph.nodes[name].node) for name in graph.compute].index("mul") + 1
-    pieces = split_graph(graph, [graph.compute[:cut], graph.compute[cut:]], model)
-    stage = StageRunner(1, [], pieces[1], lambda: torch.autocast("cpu", dtype=BF16))
+    table, n, cut, stage = _stage_after_the_norm(model, tokens)
     ids = torch.randint(0, vocab, (1, tokens))
     peak, outlived, grads, weights = _two_in_flight(
         model, stage, ids, lambda: torch.autocast("cpu", enabled=False))
@@ -277,11 +284,7 @@ def test_a_stage_of_16_bit_weights_does_not_share_casts_and_casts_its_input_once
     torch.manual_seed(0)
     model = _ThreeReaders(vocab, width, "linear").to(BF16)
     model.embed.float()  # h arrives in fp32, as a norm's output under autocast does
-    graph = measured_under(capture(model, 1, tokens), "cpu", BF16)
-    table, n = CostTable(graph, DeviceRates()), len(graph.compute)
-    cut = [op_name(graph.nodes[name].node) for name in graph.compute].index("mul") + 1
-    pieces = split_graph(graph, [graph.compute[:cut], graph.compute[cut:]], model)
-    stage = StageRunner(1, [], pieces[1], lambda: torch.autocast("cpu", dtype=BF16))
+    table, n, cut, stage = _stage_after_the_norm(model, tokens)
     ids = torch.randint(0, vocab, (1, tokens))
     peak, outlived, _, _ = _two_in_flight(
         model, stage, ids, lambda: torch.autocast("cpu", enabled=False))
