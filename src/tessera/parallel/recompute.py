@@ -1,10 +1,10 @@
 """Activation recomputation for a share of the transformer blocks.
 
-A ratio r checkpoints the first :func:`blocks_to_recompute` (r * n rounded to nearest, a half
-down, as the pipeline's cut nearest r of a stage's time) blocks: their activations are dropped
-after the forward pass and recomputed during backward. The earliest blocks are chosen because in a
-pipeline they hold activations longest. The block's parameter names do not change (the
-forward is wrapped in place), so checkpoints load whatever the ratio.
+A ratio r checkpoints the first r * n of n blocks, rounded to the nearest block with a half
+rounded down (:func:`tessera.strategy.blocks_to_recompute`, which the planner prices): their
+activations are dropped after the forward pass and recomputed during backward. The earliest
+blocks are chosen because in a pipeline they hold activations longest. The block's parameter
+names do not change (the forward is wrapped in place), so checkpoints load whatever the ratio.
 """
 
 from __future__ import annotations

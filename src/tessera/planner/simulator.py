@@ -409,8 +409,9 @@ def _data_parallel(model: ModelConfig, cl: Cluster, s: Strategy, groups, stages:
         if s.memory == "ddp":
             # torch DDP, or the buckets of pipeline/overlap.py (under pp, and tensor-parallel
             # shards at pp = 1, tensor/data_parallel.py): a first bucket of 1 MiB, then
-            # 25 MiB buckets, one all-reduce each, overlapping the last backward. A sliced head's home weight is averaged after
-            # the drain (its rows' gradients arrive then), exposed.
+            # 25 MiB buckets, one all-reduce each, overlapping the last backward. A sliced
+            # head's home weight is averaged after the drain (its rows' gradients arrive
+            # then), exposed.
             held = _held_back(model, s, stage_params, stage_params[worst]) / s.tp
             free = max(0.0, p - held) * g_b
             rest = max(0.0, free - DDP_FIRST_BUCKET_BYTES)

@@ -176,8 +176,8 @@ def average_now(params: list[nn.Parameter], group) -> None:
 def _flatten(bucket: _Bucket) -> torch.Tensor:
     """The bucket's gradients (zeros where this rank has none) and, last, one flag per
     parameter: 1 where this rank has a gradient. Averaged, a flag says whether any rank had
-    one: where none did, the gradient stays None (as DDP leaves an unused parameter's), so
-    the optimizer skips the parameter instead of decaying it."""
+    one: where none did, the gradient stays None, so the optimizer skips the parameter
+    instead of decaying it with a zero gradient."""
     pieces, flags = [], []
     for param in bucket.params:
         local = local_shard(param)
