@@ -30,8 +30,11 @@ def build_optimizer(model: nn.Module, lr: float, weight_decay: float,
                                   foreach=foreach)
     # A loaded state dict brings its own run's choice (its param_groups carry the flags);
     # the path is this run's: another layout, or a checkpoint from before this rule.
-    optimizer.register_load_state_dict_post_hook(
-        lambda opt: [group.update(fused=fused, foreach=foreach) for group in opt.param_groups])
+    def keep_this_runs_path(opt: torch.optim.Optimizer) -> None:
+        for group in opt.param_groups:
+            group.update(fused=fused, foreach=foreach)
+
+    optimizer.register_load_state_dict_post_hook(keep_this_runs_path)
     return optimizer
 
 

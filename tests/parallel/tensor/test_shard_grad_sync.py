@@ -120,3 +120,32 @@ def _failing_collective(rank, world_size):
 def test_a_failed_collective_leaves_nothing_armed():
     out = run_distributed(_failing_collective, world_size=1)[0]
     assert out == {"raised": "collective timed out", "armed": False, "grads": True}
+
+
+def _optimizer_paths(rank, world_size):
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import Shard, distribute_tensor
+
+    from tessera.train.optim import build_optimizer
+
+    mesh = init_device_mesh("cpu", (1,))
+    model = _model()
+    sharded = nn.Module()
+    sharded.weight = nn.Parameter(distribute_tensor(torch.ones(4, 4), mesh, [Shard(0)]))
+    out = {}
+    for name, module in (("plain", model), ("dtensor", sharded)):
+        optimizer = build_optimizer(module, 1e-3, 0.0, (0.9, 0.999), 1e-8,
+                                    torch.device("cpu"))
+        state = optimizer.state_dict()
+        for group in state["param_groups"]:
+            group["foreach"] = not group["foreach"]  # as another run's checkpoint says
+        optimizer.load_state_dict(state)
+        out[name] = [group["foreach"] for group in optimizer.param_groups]
+    return out
+
+
+def test_dtensor_parameters_step_through_foreach_and_keep_it_after_a_load():
+    out = run_distributed(_optimizer_paths, world_size=1)[0]
+    # DTensors: the foreach path (one dispatch per op over the list); plain tensors: torch's
+    # default; a loaded state dict's choice does not stick.
+    assert out == {"plain": [None, None], "dtensor": [True, True]}
