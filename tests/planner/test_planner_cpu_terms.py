@@ -185,3 +185,29 @@ def test_chunk_runtime_overhead_splits_per_micro_batch_and_per_step():
     # Four layers at half a core: (m x 1 ms + 2 ms) x 4 / 0.5.
     assert one.breakdown["chunk_runtime"] == pytest.approx((1e-3 + 2e-3) * 4 / 0.5)
     assert two.breakdown["chunk_runtime"] == pytest.approx((2e-3 + 2e-3) * 4 / 0.5)
+
+
+def test_tensor_parallel_layer_overhead_is_charged_per_layer_micro_batch_and_step():
+    fixed = {"layer_fwd": 1e-4, "layer_bwd": 3e-4}
+    cluster = _cpu_cluster(0.5, {**fixed, "tp_layer": 2e-3, "tp_optim_layer": 1e-4})
+    bare = _cpu_cluster(0.5, fixed)
+    for text in ("dp=2,tp=2,mbs=4,gbs=8", "dp=2,tp=2,mbs=2,gbs=8"):
+        s = Strategy.parse(text)
+        got, base = estimate(MODEL, cluster, s), estimate(MODEL, bare, s)
+        m = s.grad_accum_steps
+        # 2 ms per 1D tp layer and micro-batch (a quarter forward, as the plain layer's fixed
+        # cost splits), 0.1 ms per layer and step for AdamW over DTensors; 4 layers at half
+        # a core.
+        assert (got.breakdown["compute"] - base.breakdown["compute"]
+                == pytest.approx(m * 4 * 2e-3 / 0.5))
+        assert (got.breakdown["optimizer"] - base.breakdown["optimizer"]
+                == pytest.approx(4 * 1e-4 / 0.5))
+    for text in ("dp=4,mbs=2,gbs=8", "tp=4,mbs=2,gbs=8,tp_mode=2d",
+                 "dp=2,tp=2,mbs=4,gbs=8,memory=chunk"):
+        s = Strategy.parse(text)
+        # Plain layers and 2D layers are not 1D tp layers; chunk memory steps its own Adam.
+        assert (estimate(MODEL, cluster, s).breakdown["optimizer"]
+                == pytest.approx(estimate(MODEL, bare, s).breakdown["optimizer"]))
+    plain = Strategy.parse("dp=4,mbs=2,gbs=8")
+    assert estimate(MODEL, cluster, plain).step_time == pytest.approx(
+        estimate(MODEL, bare, plain).step_time)

@@ -248,6 +248,12 @@ def layer_time(cluster: Cluster, model: ModelConfig, b: int, seq: int, tp: int, 
     fwd = core.forward + elem.forward + fixed.get("layer_fwd", KERNELS_FWD * device.kernel_overhead)
     bwd = core.backward + elem.backward + fixed.get("layer_bwd",
                                                     KERNELS_BWD * device.kernel_overhead)
+    if tp > 1 and tp_mode == "1d" and fixed.get("tp_layer"):
+        # Profiled as one figure per layer and micro-batch; split as the plain layer's
+        # fixed cost splits between forward and backward.
+        plain_fwd, plain_bwd = fixed.get("layer_fwd", 1.0), fixed.get("layer_bwd", 2.0)
+        fwd += fixed["tp_layer"] * plain_fwd / (plain_fwd + plain_bwd)
+        bwd += fixed["tp_layer"] * plain_bwd / (plain_fwd + plain_bwd)
     return LayerTime(fwd / share, bwd / share)
 
 

@@ -20,6 +20,8 @@ What is measured, each with one thread per worker (as training workers run, OMP_
 - the fixed Python and kernel-launch seconds of a training step of a tiny reference
   transformer (per layer, per model, per optimizer step), where FLOPs are negligible, and
   what the memory=chunk runtime adds per layer (a one-worker Trainer, chunk against ddp);
+- what a 1D tensor-parallel layer adds per micro-batch and its AdamW step per step (two
+  workers, tp=2 with no-op collectives against dp=2; profile_tp.py);
 - the element-wise seconds per element of real reference transformer layers, and the seconds
   per score element of the sequence-parallel runtime's block attention
   (calibrate.py).
@@ -37,6 +39,7 @@ import torch
 import torch.nn.functional as F
 
 from tessera.planner.calibrate import calibrate_block_attention, calibrate_elementwise
+from tessera.planner.profile_tp import measure_tp_overheads
 from tessera.planner.cluster import Cluster
 from tessera.planner.hardware import local_cpu
 from tessera.planner.profile_comm import time_call, measure_collectives
@@ -210,6 +213,8 @@ def profile_cluster(workers: int | None = None, quick: bool = False,
     log("Trainer, memory=chunk and recomputation overheads (one worker, tiny reference "
         "transformer) ...")
     overheads.update(measure_runtime_overheads(overheads))
+    log("1D tensor-parallel layer overheads (two workers, tiny reference transformer) ...")
+    overheads.update(measure_tp_overheads())
     base = local_cpu(workers)
     device = dataclasses.replace(
         base, peak_flops={"fp32": peak, "bf16": peak}, memory_bandwidth=bandwidth,
