@@ -37,10 +37,11 @@ def test_profile_two_workers_round_trip(tmp_path):
     assert min(chunk) >= 0 and sum(chunk) > 0
     assert again.device.overheads["recompute_layer"] >= 0
     # A 1D tensor-parallel layer's own Python and dispatch beyond a plain layer's (tp=2 with
-    # no-op collectives against dp=2; ~2 ms per layer here, where a plain layer's fixed cost
-    # is ~0.4 ms): measured, never free. Its AdamW step over DTensors is clamped at >= 0.
-    assert again.device.overheads["tp_layer"] > 0
-    assert again.device.overheads["tp_optim_layer"] >= 0
+    # no-op collectives against dp=2; ~1.5-2 ms per layer and micro-batch here, where a plain
+    # layer's fixed cost is ~0.4 ms), and its clipping and AdamW over DTensors per step: both
+    # written and read back, each a clamped difference of fastest-of-12 timings (>= 0).
+    tp = [again.device.overheads[k] for k in ("tp_layer", "tp_optim_layer")]
+    assert min(tp) >= 0 and sum(tp) > 0
     # The Trainer's own work beyond a bare loop (collation, plan clipping, LR schedule) is
     # measured once per step and once per micro-batch. Each is a difference of median step
     # times of a tiny model and either may clamp at 0 when the machine is busy; together

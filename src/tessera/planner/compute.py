@@ -251,9 +251,10 @@ def layer_time(cluster: Cluster, model: ModelConfig, b: int, seq: int, tp: int, 
     if tp > 1 and tp_mode == "1d" and fixed.get("tp_layer"):
         # Profiled as one figure per layer and micro-batch; split as the plain layer's
         # fixed cost splits between forward and backward.
-        plain_fwd, plain_bwd = fixed.get("layer_fwd", 1.0), fixed.get("layer_bwd", 2.0)
-        fwd += fixed["tp_layer"] * plain_fwd / (plain_fwd + plain_bwd)
-        bwd += fixed["tp_layer"] * plain_bwd / (plain_fwd + plain_bwd)
+        plain_fwd, plain_bwd = fixed.get("layer_fwd", 0.0), fixed.get("layer_bwd", 0.0)
+        forward_share = plain_fwd / (plain_fwd + plain_bwd) if plain_fwd + plain_bwd else 1 / 3
+        fwd += fixed["tp_layer"] * forward_share
+        bwd += fixed["tp_layer"] * (1 - forward_share)
     return LayerTime(fwd / share, bwd / share)
 
 

@@ -2,10 +2,11 @@
 
 Two workers train a tiny reference transformer (arithmetic negligible) at tp=2 with the
 tensor-parallel collectives made no-ops (the numbers are wrong; the Python, the autograd
-functions and DTensor's dispatch are not), and the same model as plain dp=2, each at 1 and at
-5 layers. The per-layer differences give the tp layer's own overhead per micro-batch (its
-forward and backward) and per step (AdamW over DTensor parameters). The collectives
-themselves are priced from the measured fits, as for every other layout.
+functions and DTensor's dispatch are not), and the same model as plain dp=2 with DDP's
+all-reduce made a no-op too, each at 1 and at 5 layers. The per-layer differences give the tp
+layer's own overhead per micro-batch (the Engine's forward and backward) and per step (the
+plan's gradient clipping and AdamW over DTensor parameters). The collectives themselves are
+priced from the measured fits, as for every other layout.
 """
 
 from __future__ import annotations
@@ -18,26 +19,25 @@ DEPTHS = (1, 5)  # five layers against one: the per-layer part is a difference o
 
 def measure_tp_overheads(rounds: int = 12) -> dict[str, float]:
     """``tp_layer`` (seconds per 1D tp layer and micro-batch beyond a plain layer's forward
-    and backward) and ``tp_optim_layer`` (per layer and step, AdamW over its DTensor shards
-    beyond the plain layer's update), at a lone worker's rate: two workers, each on its own
-    core where the machine has two."""
+    and backward) and ``tp_optim_layer`` (per layer and step: clipping and AdamW over its
+    DTensor shards beyond the plain layer's), at a lone worker's rate: two workers, each on
+    its own core where the machine has two."""
     from tessera.testing import run_distributed
 
     best = run_distributed(_worker, world_size=2, args=(rounds,), timeout=600)[0]
     layers = DEPTHS[1] - DEPTHS[0]
 
-    def per_layer(kind: str, part: str) -> float:
-        return (best[(kind, DEPTHS[1], part)] - best[(kind, DEPTHS[0], part)]) / layers
+    def extra(part: str) -> float:  # tp over dp, per layer
+        return max(0.0, sum(sign * (best[(kind, DEPTHS[1], part)] - best[(kind, DEPTHS[0], part)])
+                            for kind, sign in (("tp", 1), ("dp", -1))) / layers)
 
-    optim = {kind: per_layer(kind, "optim") for kind in ("tp", "dp")}
-    passes = {kind: per_layer(kind, "step") - optim[kind] for kind in ("tp", "dp")}
-    return {"tp_layer": max(0.0, passes["tp"] - passes["dp"]),
-            "tp_optim_layer": max(0.0, optim["tp"] - optim["dp"])}
+    return {"tp_layer": extra("passes"), "tp_optim_layer": extra("tail")}
 
 
 def _worker(rank: int, world: int, rounds: int) -> dict:
-    """Fastest of ``rounds`` for each (kind, depth, part): a whole training step ("step")
-    and its AdamW update alone ("optim"); the Trainers are timed in alternation."""
+    """Fastest of ``rounds`` for each (kind, depth, part): the Engine's forward and backward
+    of one micro-batch ("passes") and the step's clipping, AdamW update and zeroing of the
+    gradients ("tail"); the Trainers are timed in alternation."""
     import torch
     import torch.distributed as dist
 
@@ -64,20 +64,33 @@ def _worker(rank: int, world: int, rounds: int) -> dict:
                 trainers[(kind, depth)] = Trainer(Transformer(config), args, data,
                                                   strategy=Strategy.parse(text))
         tp_comm.TPGroup.all_reduce = lambda self, tensor, op=None: tensor  # this process only
+        for (kind, _), trainer in trainers.items():
+            if kind == "dp":
+                trainer.plan.module.register_comm_hook(None, _no_all_reduce)
         best = {(kind, depth, part): float("inf") for kind, depth in trainers
-                for part in ("step", "optim")}
+                for part in ("passes", "tail")}
         for round_ in range(rounds + 2):  # two warm-up rounds
             for (kind, depth), trainer in trainers.items():
+                batch = trainer.data_collator([trainer.train_dataset[0]])
                 dist.barrier()
                 start = time.perf_counter()
-                trainer._train_step()
-                step = time.perf_counter() - start
-                for param in trainer.model.parameters():
-                    param.grad = torch.zeros_like(param)
+                trainer.engine.forward_backward([batch])
+                passes = time.perf_counter() - start
                 start = time.perf_counter()
+                trainer.plan.clip_grad_norm(trainer.model, 1.0)
                 trainer.optimizer.step()
-                optim = time.perf_counter() - start
+                trainer.optimizer.zero_grad(set_to_none=True)
+                tail = time.perf_counter() - start
                 if round_ >= 2:
-                    best[(kind, depth, "step")] = min(best[(kind, depth, "step")], step)
-                    best[(kind, depth, "optim")] = min(best[(kind, depth, "optim")], optim)
+                    for part, seconds in (("passes", passes), ("tail", tail)):
+                        best[(kind, depth, part)] = min(best[(kind, depth, part)], seconds)
     return best
+
+
+def _no_all_reduce(state, bucket):
+    """DDP communication hook that leaves each bucket as it is (a no-op all-reduce)."""
+    import torch
+
+    future = torch.futures.Future()
+    future.set_result(bucket.buffer())
+    return future
