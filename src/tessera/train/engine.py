@@ -62,7 +62,7 @@ class Engine:
             for i, batch in enumerate(micro_batches):
                 batch = {key: self._to_device(value) for key, value in batch.items()}
                 # DDP reads its sync flag during forward: both passes go inside no_sync.
-                with self._maybe_no_sync(sync=i == n - 1, key=tuple(batch["input_ids"].shape)):
+                with self._grad_sync_context(sync=i == n - 1, key=tuple(batch["input_ids"].shape)):
                     with self.autocast():
                         loss = self.plan.loss(batch)
                     scaled = loss / n
@@ -100,7 +100,7 @@ class Engine:
         # Pinned host memory lets the copy run asynchronously with the current kernels.
         return tensor.pin_memory().to(self.device, non_blocking=True)
 
-    def _maybe_no_sync(self, sync: bool, key=None):
+    def _grad_sync_context(self, sync: bool, key=None):
         """``no_sync()`` unless ``sync``; where gradients are synced, the module's
         ``grad_sync_step(key)`` if it has one (tensor-parallel shards' bucketed average)."""
         if sync:

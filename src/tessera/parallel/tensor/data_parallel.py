@@ -43,7 +43,7 @@ class ShardGradSync:
         if not self.enabled or self._in_step or param.grad is None:
             return
         grad = local_shard(param.grad)
-        dist.all_reduce(grad, group=self.group)  # gloo has no AVG here: sum, then divide
+        dist.all_reduce(grad, group=self.group)  # sum, then divide: the mean
         grad.div_(self.size)
 
     @contextlib.contextmanager
