@@ -17,6 +17,7 @@ from typing import TYPE_CHECKING
 import torch
 import torch.distributed as dist
 
+from tessera.distributed import reduce_scatter_flat
 from tessera.memory.chunk import Chunk, Kind
 from tessera.memory.tensor_state import TensorState
 from tessera.memory.tiers import DEVICE
@@ -70,21 +71,23 @@ class ZeroGroups:
         """Average the group's gradient chunks over ranks into each owner's chunk."""
         members = self.members(manager, index)
         own = members[self.rank]
-        inputs = []
-        for chunk in members:
+        # One flat (size, capacity) input (see reduce_scatter_flat for why); NCCL made the
+        # same copy inside its list form. Members of a group share one capacity, as the
+        # all-gather needs.
+        flat = torch.zeros(len(members), own.capacity, dtype=manager.dtype,
+                           device=manager.device.device)
+        for row, chunk in zip(flat, members):
             grad = chunk.payload.get(Kind.GRAD)
-            if grad is None:  # no gradient arrived here (padding chunk or unused parameters)
-                grad = torch.zeros(chunk.capacity, dtype=manager.dtype,
-                                   device=manager.device.device)
-            inputs.append(grad.to(manager.device.device))
-        out = torch.empty_like(inputs[self.rank])
+            if grad is not None:  # none: a padding chunk, or no gradient arrived here
+                row.copy_(grad)
+        out = torch.empty(own.capacity, dtype=manager.dtype, device=manager.device.device)
         # fp16: divide before summing, as DDP's default hook does. Loss-scaled fp16 gradients
         # sit close to fp16's largest value (65504), so the sum of dp of them can overflow
         # where their mean does not, and the step would be skipped at the dp=1 run's scale.
         divide_first = manager.dtype == torch.float16
         if divide_first:
-            inputs = [grad / self.size for grad in inputs]
-        dist.reduce_scatter(out, inputs, group=self.group)
+            flat.div_(self.size)
+        reduce_scatter_flat(out, flat, self.group)
         if not divide_first:
             out.div_(self.size)
         target = own.payload.get(Kind.GRAD)

@@ -22,6 +22,8 @@ from dataclasses import dataclass, field
 import torch
 import torch.distributed as dist
 
+from tessera.distributed import reduce_scatter_flat
+
 
 @dataclass
 class CommCounter:
@@ -75,10 +77,10 @@ class TPGroup:
         """Sum over ranks, then keep this rank's chunk of ``dim``."""
         if self.size == 1:
             return tensor
-        parts = [p.contiguous() for p in tensor.chunk(self.size, dim=dim)]
+        flat = torch.stack(tensor.chunk(self.size, dim=dim))  # (size, *part): one copy
         self._count("reduce_scatter", tensor)
-        out = torch.empty_like(parts[self.rank])
-        dist.reduce_scatter(out, parts, group=self.group)
+        out = torch.empty_like(flat[0])
+        reduce_scatter_flat(out, flat, self.group)
         return out
 
     def broadcast(self, tensor: torch.Tensor, src: int) -> torch.Tensor:
