@@ -188,6 +188,7 @@ def test_chunk_runtime_overhead_splits_per_micro_batch_and_per_step():
 
 
 def test_tensor_parallel_layer_overhead_is_charged_per_layer_micro_batch_and_step():
+    """1D and 2D layers each pay their own profiled figure; plain layers neither."""
     fixed = {"layer_fwd": 1e-4, "layer_bwd": 3e-4}
     cluster = _cpu_cluster(0.5, {**fixed, "tp_layer": 2e-3, "tp_optim_layer": 1e-4})
     bare = _cpu_cluster(0.5, fixed)
@@ -202,6 +203,14 @@ def test_tensor_parallel_layer_overhead_is_charged_per_layer_micro_batch_and_ste
                 == pytest.approx(m * 4 * 2e-3 / 0.5))
         assert (got.breakdown["optimizer"] - base.breakdown["optimizer"]
                 == pytest.approx(4 * 1e-4 / 0.5))
+    two_d = Strategy.parse("tp=4,mbs=2,gbs=8,tp_mode=2d")
+    with_2d = _cpu_cluster(0.5, {**fixed, "tp_layer": 2e-3, "tp2d_layer": 5e-3})
+    # A 2D layer pays its own figure (5 ms per layer and micro-batch), never the 1D one.
+    assert (estimate(MODEL, with_2d, two_d).breakdown["compute"]
+            - estimate(MODEL, bare, two_d).breakdown["compute"]
+            == pytest.approx(two_d.grad_accum_steps * 4 * 5e-3 / 0.5))
+    assert (estimate(MODEL, cluster, two_d).breakdown["compute"]
+            == pytest.approx(estimate(MODEL, bare, two_d).breakdown["compute"]))
     for text in ("dp=4,mbs=2,gbs=8", "tp=4,mbs=2,gbs=8,tp_mode=2d",
                  "dp=2,tp=2,mbs=4,gbs=8,memory=chunk"):
         s = Strategy.parse(text)

@@ -42,6 +42,10 @@ def test_profile_two_workers_round_trip(tmp_path):
     # written and read back, each a clamped difference of fastest-of-12 timings (>= 0).
     tp = [again.device.overheads[k] for k in ("tp_layer", "tp_optim_layer")]
     assert min(tp) >= 0 and sum(tp) > 0
+    # A 2D (SUMMA) layer's own overhead, its ranks timed one at a time on a 2 x 2 grid:
+    # each of its seven products is a Python loop over grid blocks (~2.5 ms per layer and
+    # micro-batch here), so it is never free.
+    assert again.device.overheads["tp2d_layer"] > 0
     # The Trainer's own work beyond a bare loop (collation, plan clipping, LR schedule) is
     # measured once per step and once per micro-batch. Each is a difference of median step
     # times of a tiny model and either may clamp at 0 when the machine is busy; together

@@ -248,13 +248,15 @@ def layer_time(cluster: Cluster, model: ModelConfig, b: int, seq: int, tp: int, 
     fwd = core.forward + elem.forward + fixed.get("layer_fwd", KERNELS_FWD * device.kernel_overhead)
     bwd = core.backward + elem.backward + fixed.get("layer_bwd",
                                                     KERNELS_BWD * device.kernel_overhead)
-    if tp > 1 and tp_mode == "1d" and fixed.get("tp_layer"):
-        # Profiled as one figure per layer and micro-batch; split as the plain layer's
-        # fixed cost splits between forward and backward.
+    tp_fixed = fixed.get("tp_layer" if tp_mode == "1d" else "tp2d_layer", 0.0) if tp > 1 else 0.0
+    if tp_fixed:
+        # Profiled as one figure per layer and micro-batch (planner/profile_tp.py, at tp=2
+        # for 1d and on a 2 x 2 grid for 2d); split as the plain layer's fixed cost splits
+        # between forward and backward.
         plain_fwd, plain_bwd = fixed.get("layer_fwd", 0.0), fixed.get("layer_bwd", 0.0)
         forward_share = plain_fwd / (plain_fwd + plain_bwd) if plain_fwd + plain_bwd else 1 / 3
-        fwd += fixed["tp_layer"] * forward_share
-        bwd += fixed["tp_layer"] * (1 - forward_share)
+        fwd += tp_fixed * forward_share
+        bwd += tp_fixed * (1 - forward_share)
     return LayerTime(fwd / share, bwd / share)
 
 

@@ -32,8 +32,8 @@ TF = 1e12
 OVERHEAD_KEYS = ("layer_fwd", "layer_bwd", "model_fwd", "model_bwd", "optim_fixed",
                  "optim_layer", "trainer_step", "trainer_micro_batch", "chunk_layer",
                  "chunk_step_layer", "recompute_layer",
-                 # a 1D tensor-parallel layer beyond a plain one (planner/profile_tp.py)
-                 "tp_layer", "tp_optim_layer",
+                 # a 1D / 2D tensor-parallel layer beyond a plain one (planner/profile_tp.py)
+                 "tp_layer", "tp_optim_layer", "tp2d_layer",
                  # seconds per element of a layer's element-wise work (planner/calibrate.py)
                  "elem_fwd_gelu", "elem_bwd_gelu", "elem_fwd_swiglu", "elem_bwd_swiglu",
                  # explicit sequence-parallel attention: c per call + E (a + b * head size)

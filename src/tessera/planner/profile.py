@@ -213,7 +213,8 @@ def profile_cluster(workers: int | None = None, quick: bool = False,
     log("Trainer, memory=chunk and recomputation overheads (one worker, tiny reference "
         "transformer) ...")
     overheads.update(measure_runtime_overheads(overheads))
-    log("1D tensor-parallel layer overheads (two workers, tiny reference transformer) ...")
+    log("1D and 2D tensor-parallel layer overheads (two and four workers, tiny reference "
+        "transformer) ...")
     overheads.update(measure_tp_overheads())
     base = local_cpu(workers)
     device = dataclasses.replace(
