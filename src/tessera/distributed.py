@@ -87,13 +87,18 @@ def _attempt_store(rank: int, world_size: int) -> dist.Store:
 def reduce_scatter_flat(out: torch.Tensor, flat: torch.Tensor, group=None) -> None:
     """Sum ``flat`` over ``group`` and keep this rank's part in ``out``.
 
-    ``flat`` is ``(group size, *out.shape)``, contiguous; rank r keeps part r. The flat form,
-    not the list form: on 4 gloo CPU workers the list form took 15-18 ms a call whatever the
-    size, the flat one 5-8 ms (NCCL flattens a list itself, a copy more). Gloo takes the
-    parts concatenated along the first dimension only, hence the view. The op's name changed
-    in torch 2.13 (``reduce_scatter_tensor`` warns there).
+    ``flat`` is ``(group size, *out.shape)``, contiguous, and scratch: gloo reduces it in
+    place, so its contents are undefined afterwards. Rank r keeps part r. The flat form, not
+    the list form: on 4 gloo CPU workers the list form took 15-18 ms a call whatever the size,
+    the flat one 5-8 ms (NCCL flattens a list itself, a copy more). Gloo takes the parts
+    concatenated along the first dimension only, hence the flatten. The op's name changed in
+    torch 2.13 (``reduce_scatter_tensor`` warns there).
     """
+    size = dist.get_world_size(group)
+    if flat.shape != (size, *out.shape):
+        raise ValueError(f"reduce_scatter_flat: input {tuple(flat.shape)} is not (group size "
+                         f"{size}, *output {tuple(out.shape)})")
     # (size, *out) -> (size * out[0], *out[1:]): the same memory, concatenated
-    concatenated = flat.view(-1, *out.shape[1:]) if out.dim() else flat.view(-1)
+    concatenated = flat.flatten(0, 1) if out.dim() else flat
     op = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
     op(out, concatenated, group=group)

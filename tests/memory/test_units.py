@@ -129,3 +129,19 @@ def test_memory_config_section_is_checked():
     ]:
         with pytest.raises(ConfigError, match=message):
             config_from_dict(raw)
+
+
+def test_reduce_scatter_reads_back_a_gradient_chunk_evicted_to_disk(tmp_path):
+    # A rank's own gradient chunk may be spilled to disk between its last gradient and the
+    # reduce-scatter (host budget full); it must be read back, not taken as zeros.
+    manager = ChunkManager(nn.Sequential(nn.Linear(8, 16), nn.Linear(16, 4)),
+                           MemoryOptions(disk_dir=str(tmp_path)), torch.device("cpu"),
+                           offload=("cpu", "disk"))
+    chunk = manager.chunks[0]
+    grad = manager.alloc(chunk, Kind.GRAD, "host", set())
+    grad.copy_(torch.arange(chunk.capacity, dtype=grad.dtype))
+    manager.place(chunk, Kind.GRAD, "disk", set())
+    assert Kind.GRAD not in chunk.payload  # on disk only
+    manager.zero.reduce_scatter(manager, chunk.index)  # one rank: the mean is the gradient
+    assert torch.equal(chunk.payload[Kind.GRAD],
+                       torch.arange(chunk.capacity, dtype=grad.dtype))

@@ -203,14 +203,20 @@ def test_tensor_parallel_layer_overhead_is_charged_per_layer_micro_batch_and_ste
                 == pytest.approx(m * 4 * 2e-3 / 0.5))
         assert (got.breakdown["optimizer"] - base.breakdown["optimizer"]
                 == pytest.approx(4 * 1e-4 / 0.5))
+    # A 2D layer pays its own figures (5 ms per layer and micro-batch, 0.3 ms per layer and
+    # step), never the 1D ones; a 1D layer never pays the 2D ones.
+    only_2d = _cpu_cluster(0.5, {**fixed, "tp2d_layer": 5e-3, "tp2d_optim_layer": 3e-4})
     two_d = Strategy.parse("tp=4,mbs=2,gbs=8,tp_mode=2d")
-    with_2d = _cpu_cluster(0.5, {**fixed, "tp_layer": 2e-3, "tp2d_layer": 5e-3})
-    # A 2D layer pays its own figure (5 ms per layer and micro-batch), never the 1D one.
-    assert (estimate(MODEL, with_2d, two_d).breakdown["compute"]
-            - estimate(MODEL, bare, two_d).breakdown["compute"]
+    got, base = estimate(MODEL, only_2d, two_d), estimate(MODEL, bare, two_d)
+    assert (got.breakdown["compute"] - base.breakdown["compute"]
             == pytest.approx(two_d.grad_accum_steps * 4 * 5e-3 / 0.5))
-    assert (estimate(MODEL, cluster, two_d).breakdown["compute"]
-            == pytest.approx(estimate(MODEL, bare, two_d).breakdown["compute"]))
+    assert (got.breakdown["optimizer"] - base.breakdown["optimizer"]
+            == pytest.approx(4 * 3e-4 / 0.5))
+    assert (estimate(MODEL, cluster, two_d).step_time
+            == pytest.approx(estimate(MODEL, bare, two_d).step_time))
+    one_d = Strategy.parse("dp=2,tp=2,mbs=4,gbs=8")
+    assert (estimate(MODEL, only_2d, one_d).step_time
+            == pytest.approx(estimate(MODEL, bare, one_d).step_time))
     for text in ("dp=4,mbs=2,gbs=8", "tp=4,mbs=2,gbs=8,tp_mode=2d",
                  "dp=2,tp=2,mbs=4,gbs=8,memory=chunk"):
         s = Strategy.parse(text)

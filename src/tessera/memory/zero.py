@@ -20,7 +20,7 @@ import torch.distributed as dist
 from tessera.distributed import reduce_scatter_flat
 from tessera.memory.chunk import Chunk, Kind
 from tessera.memory.tensor_state import TensorState
-from tessera.memory.tiers import DEVICE
+from tessera.memory.tiers import DEVICE, DISK, HOST
 
 if TYPE_CHECKING:
     from tessera.memory.manager import ChunkManager
@@ -71,23 +71,31 @@ class ZeroGroups:
         """Average the group's gradient chunks over ranks into each owner's chunk."""
         members = self.members(manager, index)
         own = members[self.rank]
+        protect = {(c.index, Kind.GRAD) for c in members}
         # One flat (size, capacity) input (see reduce_scatter_flat for why); NCCL made the
         # same copy inside its list form. Members of a group share one capacity, as the
         # all-gather needs.
-        flat = torch.zeros(len(members), own.capacity, dtype=manager.dtype,
+        flat = torch.empty(len(members), own.capacity, dtype=manager.dtype,
                            device=manager.device.device)
         for row, chunk in zip(flat, members):
+            if chunk.tier.get(Kind.GRAD) == DISK:  # own chunk, evicted since its last gradient
+                manager.place(chunk, Kind.GRAD, HOST, protect)
             grad = chunk.payload.get(Kind.GRAD)
-            if grad is not None:  # none: a padding chunk, or no gradient arrived here
+            if grad is None:  # a padding chunk, or no gradient arrived here
+                row.zero_()
+            else:
                 row.copy_(grad)
-        out = torch.empty(own.capacity, dtype=manager.dtype, device=manager.device.device)
         # fp16: divide before summing, as DDP's default hook does. Loss-scaled fp16 gradients
         # sit close to fp16's largest value (65504), so the sum of dp of them can overflow
         # where their mean does not, and the step would be skipped at the dp=1 run's scale.
         divide_first = manager.dtype == torch.float16
         if divide_first:
             flat.div_(self.size)
-        reduce_scatter_flat(out, flat, self.group)
+        if self.size == 1:
+            out = flat[0]
+        else:
+            out = torch.empty(own.capacity, dtype=manager.dtype, device=manager.device.device)
+            reduce_scatter_flat(out, flat, self.group)
         if not divide_first:
             out.div_(self.size)
         target = own.payload.get(Kind.GRAD)

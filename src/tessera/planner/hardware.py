@@ -33,7 +33,7 @@ OVERHEAD_KEYS = ("layer_fwd", "layer_bwd", "model_fwd", "model_bwd", "optim_fixe
                  "optim_layer", "trainer_step", "trainer_micro_batch", "chunk_layer",
                  "chunk_step_layer", "recompute_layer",
                  # a 1D / 2D tensor-parallel layer beyond a plain one (planner/profile_tp.py)
-                 "tp_layer", "tp_optim_layer", "tp2d_layer",
+                 "tp_layer", "tp_optim_layer", "tp2d_layer", "tp2d_optim_layer",
                  # seconds per element of a layer's element-wise work (planner/calibrate.py)
                  "elem_fwd_gelu", "elem_bwd_gelu", "elem_fwd_swiglu", "elem_bwd_swiglu",
                  # explicit sequence-parallel attention: c per call + E (a + b * head size)
@@ -108,8 +108,11 @@ class DeviceSpec:
             micro-batch for the memory=chunk runtime's hooks and copies, ``chunk_step_layer``
             per layer and step for its gradient reduction and chunked optimizer;
             ``recompute_layer`` per recomputed layer and micro-batch for the checkpoint's own
-            work beyond the repeated forward. Empty: ``kernel_overhead`` times a kernel count
-            is used instead.
+            work beyond the repeated forward; ``tp_layer`` / ``tp2d_layer`` per 1D / 2D
+            tensor-parallel layer and micro-batch beyond a plain layer, ``tp_optim_layer`` /
+            ``tp2d_optim_layer`` per such layer and step for clipping and AdamW over its
+            shards (``planner/profile_tp.py``). Empty: ``kernel_overhead`` times a kernel
+            count is used instead.
     """
 
     name: str

@@ -20,8 +20,9 @@ What is measured, each with one thread per worker (as training workers run, OMP_
 - the fixed Python and kernel-launch seconds of a training step of a tiny reference
   transformer (per layer, per model, per optimizer step), where FLOPs are negligible, and
   what the memory=chunk runtime adds per layer (a one-worker Trainer, chunk against ddp);
-- what a 1D tensor-parallel layer adds per micro-batch and its AdamW step per step (two
-  workers, tp=2 with no-op collectives against dp=2; profile_tp.py);
+- what a 1D tensor-parallel layer adds per micro-batch and its clipping and AdamW per step
+  (two workers, tp=2 with no-op collectives, against the unwrapped model), and a 2D layer
+  likewise (four workers on a 2 x 2 grid, timed in turn; profile_tp.py);
 - the element-wise seconds per element of real reference transformer layers, and the seconds
   per score element of the sequence-parallel runtime's block attention
   (calibrate.py).
@@ -213,9 +214,11 @@ def profile_cluster(workers: int | None = None, quick: bool = False,
     log("Trainer, memory=chunk and recomputation overheads (one worker, tiny reference "
         "transformer) ...")
     overheads.update(measure_runtime_overheads(overheads))
-    log("1D and 2D tensor-parallel layer overheads (two and four workers, tiny reference "
+    log("tensor-parallel layer overheads (1D on two workers, 2D on four; tiny reference "
         "transformer) ...")
-    overheads.update(measure_tp_overheads())
+    # A 2D layer needs tp=4: only a cluster of 4 or more workers can plan one.
+    layouts = ("tp", "tp2d") if workers >= 4 else ("tp",)
+    overheads.update(measure_tp_overheads(layouts=layouts))
     base = local_cpu(workers)
     device = dataclasses.replace(
         base, peak_flops={"fp32": peak, "bf16": peak}, memory_bandwidth=bandwidth,

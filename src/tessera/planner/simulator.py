@@ -449,8 +449,9 @@ def _data_parallel(model: ModelConfig, cl: Cluster, s: Strategy, groups, stages:
         optim = (p / shard) * cl.device.optimizer_bytes_per_param / HOST_ADAM_BANDWIDTH
     else:  # a CPU worker's offloaded update runs on its own cores, as profiled
         optim = optimizer_time(cl, p / shard, n_tensors)
-    if s.tp > 1 and s.tp_mode == "1d" and s.memory == "ddp":  # clip + AdamW over DTensors
-        optim += (cl.device.overheads.get("tp_optim_layer", 0.0) * stage_params[worst].layers
+    if s.tp > 1 and s.memory == "ddp":  # clip + AdamW over DTensors (chunks step their own)
+        key = "tp_optim_layer" if s.tp_mode == "1d" else "tp2d_optim_layer"
+        optim += (cl.device.overheads.get(key, 0.0) * stage_params[worst].layers
                   / cl.compute_share())
     return {"dp_comm": sync, "optimizer": optim, "offload": offload,
             "chunk_runtime": _chunk_runtime(cl, s, model), "trainer": _trainer_runtime(cl, s),
