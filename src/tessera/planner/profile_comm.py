@@ -18,6 +18,7 @@ from typing import Callable
 
 import torch
 
+from tessera.distributed import reduce_scatter_flat
 from tessera.planner.cluster import COLLECTIVES, CollectiveFit
 
 
@@ -95,8 +96,8 @@ def _collective_fn(dist, op: str, n: int, rank: int, group, members: list[int]):
         part = x[: x.numel() // g]
         return lambda: dist.all_gather_into_tensor(x, part, group=group)
     if op == "reduce_scatter":
-        out = torch.empty(x.numel() // g)
-        return lambda: dist.reduce_scatter_tensor(out, x, group=group)
+        out = torch.empty(x.numel() // g)  # the runtime's call (chunk ZeRO, Megatron-SP)
+        return lambda: reduce_scatter_flat(out, x.view(g, -1), group)
     if op == "all_to_all":
         out = torch.empty_like(x)
         return lambda: dist.all_to_all_single(out, x, group=group)
