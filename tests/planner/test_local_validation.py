@@ -139,11 +139,12 @@ def test_pick_gap_comes_from_the_side_by_side_rematch(capsys):
         lines = [json.loads(line) for line in capsys.readouterr().out.splitlines()]
         return {line["name"]: line for line in lines}
 
-    slower = emitted({"pick_s": 0.103, "best_s": 0.100, "rounds": 9})
+    # The gap is the median of the per-round ratios, not the ratio of the two medians.
+    slower = emitted({"ratio": 1.03, "pick_s": 0.104, "best_s": 0.100, "rounds": 30})
     assert slower["local_best_pick_gap"]["value"] == 1.03
     assert slower["local_pick/4w"]["sweep_gap"] == 1.1
-    faster = emitted({"pick_s": 0.099, "best_s": 0.100, "rounds": 9})  # the pick wins: 1.0
-    assert faster["local_best_pick_gap"]["value"] == 1.0
+    faster = emitted({"ratio": 0.99, "pick_s": 0.101, "best_s": 0.100, "rounds": 30})
+    assert faster["local_best_pick_gap"]["value"] == 1.0  # the pick wins side by side: 1.0
     assert emitted(None)["local_best_pick_gap"]["value"] == 1.1  # no rematch: the sweep's
 
 
@@ -154,3 +155,25 @@ def test_scatter_plot_is_written(tmp_path):
     path = tmp_path / "scatter.png"
     bench.write_scatter(rows, str(path), "test")
     assert path.stat().st_size > 5000
+
+
+def test_rematch_ratio_is_the_median_of_per_round_ratios(monkeypatch):
+    import tessera.planner.validation as validation
+
+    bench = _bench()
+    # Load drifts between rounds (round 3 twice as slow for both); within a round the pick
+    # is 2% slower. The medians returned are made far apart (9 vs 1 s): a gap computed from
+    # them instead of from the rounds would show.
+    pick_steps, best_steps = [1.02, 1.02, 2.04, 1.02], [1.0, 1.0, 2.0, 1.0]
+
+    def measure(world, pair, steps, warmup, batch_size):
+        assert (world, steps, batch_size) == (4, 4, 2)
+        return [{"measured_s": 9.0, "steps_s": pick_steps},
+                {"measured_s": 1.0, "steps_s": best_steps}], {}
+
+    monkeypatch.setattr(validation, "measure_strategies", measure)
+    group = [dict(strategy="dp=4,mbs=2,gbs=8", measured_s=0.11, predicted_s=0.10),
+             dict(strategy="dp=2,pp=2,mbs=2,gbs=8", measured_s=0.10, predicted_s=0.11)]
+    rematch = bench._rematch(group, 4, steps=4, warmup=1)
+    assert rematch["ratio"] == pytest.approx(1.02)
+    assert bench._rematch(group[:1], 4, steps=4, warmup=1) is None  # pick is the fastest
