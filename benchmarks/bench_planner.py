@@ -138,8 +138,9 @@ def bench_local(quick: bool, out_dir: str | None, plot: str | None) -> None:
 
 
 # Rounds of the side-by-side rematch. With 9 (until 2026-11-24) the same two strategies,
-# dp=4 and dp=2 x pp=2 at mbs=2, read 1.034 and 1.071 in two runs, while 30 rounds read
-# 0.996 and 0.999 twice within the hour: a tie, which 9 rounds on this VM cannot resolve.
+# dp=4 and dp=2 x pp=2 at mbs=2, read 1.034 and 1.071 in two runs, while 30 rounds (the two
+# and pp=4 gpipe in one set of workers) read 0.996 and 0.999 within the hour: a tie, which
+# 9 rounds on this VM cannot resolve.
 REMATCH_ROUNDS = 30
 
 

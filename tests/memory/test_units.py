@@ -145,3 +145,4 @@ def test_reduce_scatter_reads_back_a_gradient_chunk_evicted_to_disk(tmp_path):
     manager.zero.reduce_scatter(manager, chunk.index)  # one rank: the mean is the gradient
     assert torch.equal(chunk.payload[Kind.GRAD],
                        torch.arange(chunk.capacity, dtype=grad.dtype))
+    assert chunk.tier[Kind.GRAD] == "host"  # read back, not a fresh zeroed payload

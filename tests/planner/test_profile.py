@@ -39,9 +39,10 @@ def test_profile_two_workers_round_trip(tmp_path):
     assert min(chunk) >= 0 and sum(chunk) > 0
     assert again.device.overheads["recompute_layer"] >= 0
     # A 1D tensor-parallel layer's own Python and dispatch beyond a plain layer's (tp=2 with
-    # no-op collectives against dp=2; ~1.5-2 ms per layer and micro-batch here, where a plain
-    # layer's fixed cost is ~0.4 ms), and its clipping and AdamW over DTensors per step: both
-    # written and read back, each a clamped difference of fastest-of-12 timings (>= 0).
+    # no-op collectives against the unwrapped model; ~1.5-2 ms per layer and micro-batch
+    # here, where a plain layer's fixed cost is ~0.4 ms), and its clipping and AdamW over
+    # DTensors per step: both written and read back, each a clamped difference of
+    # fastest-of-12 timings (>= 0).
     tp = [again.device.overheads[k] for k in ("tp_layer", "tp_optim_layer")]
     assert min(tp) >= 0 and sum(tp) > 0
     # Two workers cannot plan tp=4: no 2D figure is measured for them.
