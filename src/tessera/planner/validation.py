@@ -4,10 +4,11 @@
 a fresh set of ``world`` gloo worker processes on this machine. In it, every strategy of the
 batch gets a :class:`tessera.train.trainer.Trainer` for the reference transformer
 (:data:`VALIDATION_MODEL`) on synthetic tokens and ``warmup`` untimed steps; then they are
-timed round-robin, one step each per round. Each timed step starts at a barrier and lasts
-until the slowest rank has finished it (a MAX all-reduce of the per-rank seconds); the figure
-is the median over the rounds. In each round a strategy first takes SETTLE_STEPS untimed steps, so
-the timed one runs warm, as the steps of a training run do.
+timed round-robin, one step each per round, every other round in reverse order. Each timed
+step starts at a barrier and lasts until the slowest rank has finished it (a MAX all-reduce
+of the per-rank seconds); the figure is the median over the rounds. In each round a strategy
+first takes SETTLE_STEPS untimed steps, so the timed one runs warm, as the steps of a
+training run do.
 
 The machine may be shared with other programs whose load changes within minutes, and what
 CPU workers get from shared cores is the largest term of a small model's step. So the two
@@ -190,13 +191,16 @@ def _measure_worker(rank: int, world: int, model: dict[str, Any], texts: list[st
         groups = {g: partition_group(dist, rank, world, g) for g in sizes}
         times: list[list[float]] = [[] for _ in texts]
         probes = []
-        for _ in range(steps):
+        for round_ in range(steps):
             probes.append({"share": concurrent_share(dist, rank, world),
                            "penalty": {g: sync_penalty_of(dist, *groups[g], rounds=20,
                                                           repeats=1) for g in sizes},
                            # Equal tries per round: their mean over rounds is the mean of all.
                            "straggler": straggler_of(dist, rank, world, world, reps=8)})
-            for index, trainer in enumerate(trainers):
+            # Every other round in reverse, so no strategy always runs first after the
+            # probes (or right after the same neighbour).
+            order = list(enumerate(trainers))
+            for index, trainer in order[::-1] if round_ % 2 else order:
                 # Untimed steps first: a training run steps the same model again and again,
                 # so its caches, allocator and autograd state are warm; right after another
                 # strategy's step they are not (that cold step was ~20% slower).
