@@ -88,11 +88,11 @@ def reduce_scatter_flat(out: torch.Tensor, flat: torch.Tensor, group=None) -> No
     """Sum ``flat`` over ``group`` and keep this rank's part in ``out``.
 
     ``flat`` is ``(group size, *out.shape)`` and scratch: gloo reduces it in place, so its
-    contents are undefined afterwards (pass it contiguous, or it is copied first). Rank r keeps part r. The flat form, not
-    the list form: on 4 gloo CPU workers the list form took 15-18 ms a call whatever the size,
-    the flat one 5-8 ms (NCCL flattens a list itself, a copy more). Gloo takes the parts
-    concatenated along the first dimension only, hence the flatten. The op's name changed in
-    torch 2.13 (``reduce_scatter_tensor`` warns there).
+    contents are undefined afterwards (pass it contiguous, or it is copied first). Rank r
+    keeps part r. The flat form, not the list form: on 4 gloo CPU workers the list form took
+    15-18 ms a call whatever the size, the flat one 5-8 ms (NCCL flattens a list itself, a
+    copy more). Gloo takes the parts concatenated along the first dimension only, hence the
+    flatten. The op's name changed in torch 2.13 (``reduce_scatter_tensor`` warns there).
     """
     size = dist.get_world_size(group)
     if flat.shape != (size, *out.shape):
