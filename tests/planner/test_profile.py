@@ -2,11 +2,12 @@
 tensor-parallel overhead on 4 workers."""
 
 import pytest
+import torch
 
 from tessera.models.config import preset
 from tessera.planner import estimate, load_cluster, save_cluster
 from tessera.planner.compute import matmul_rate
-from tessera.planner.profile import profile_cluster
+from tessera.planner.profile import gpu_not_measured_note, profile_cluster
 from tessera.planner.profile_tp import _per_layer, measure_tp_overheads
 from tessera.strategy import Strategy
 
@@ -95,3 +96,13 @@ def test_per_layer_figure_is_the_slowest_rank_over_the_plain_model():
     assert _per_layer([rank(1.8, 0.9), rank(2.2, 0.9)], "tp2d", "passes") == pytest.approx(0.2)
     # A tp layer measured cheaper than a plain one is clamped at 0, never negative.
     assert _per_layer([rank(1.1, 0.9)], "tp2d", "passes") == 0.0
+
+
+def test_profile_says_it_does_not_measure_gpus(monkeypatch):
+    # A GPU user must not take the CPU cluster file for a profile of the GPUs.
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 8)
+    note = gpu_not_measured_note()
+    assert "8 CUDA device(s)" in note and "CPU workers over gloo only" in note
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    assert gpu_not_measured_note() is None

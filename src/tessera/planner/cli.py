@@ -184,7 +184,8 @@ def estimate_command(model_text, cluster_text, seq, tp_overlap, as_json, strateg
 @click.option("--quick", is_flag=True,
               help="Fewer shapes and sizes (about a minute on 2 cores, 2 workers).")
 def profile_command(out_path: str, workers: int | None, quick: bool) -> None:
-    """Measure this machine (matmul, memory, collectives over gloo) and write a cluster file."""
+    """Measure this machine's CPU workers (matmul, memory, collectives over gloo) and write a
+    cluster file. GPUs and NCCL are not measured yet: use a preset or YAML for them."""
     from tessera.planner.profile import profile_cluster
 
     cluster = profile_cluster(workers=workers, quick=quick,

@@ -186,9 +186,19 @@ def measure_runtime_overheads(plain_step: dict[str, float], n_layers: int = 4
                                    - plain_step["layer_fwd"])}
 
 
+def gpu_not_measured_note() -> str | None:
+    """What to tell a user profiling a machine with CUDA devices (None without any)."""
+    if not torch.cuda.is_available():
+        return None
+    return (f"note: this machine has {torch.cuda.device_count()} CUDA device(s); tessera "
+            "profile measures CPU workers over gloo only (timing GPUs and NCCL is not built "
+            "yet): for a GPU cluster use a preset (--cluster a100-80gb:8x1) or a YAML file")
+
+
 def profile_cluster(workers: int | None = None, quick: bool = False,
                     log: Callable[[str], None] = lambda msg: None) -> Cluster:
-    """Measure this machine and return a one-node CPU cluster of ``workers`` workers.
+    """Measure this machine's CPU and return a one-node CPU cluster of ``workers`` workers
+    (GPUs and NCCL are not measured: a GPU cluster is described by a preset or YAML).
 
     Args:
         workers: worker processes (default: CPU count, at least 2).
@@ -196,6 +206,9 @@ def profile_cluster(workers: int | None = None, quick: bool = False,
         log: receives one line per measurement stage.
     """
     workers = workers or max(2, os.cpu_count() or 1)
+    note = gpu_not_measured_note()
+    if note:  # say so: the file describes the CPU, not the GPUs
+        log(note)
     threads = torch.get_num_threads()
     torch.set_num_threads(1)
     try:
