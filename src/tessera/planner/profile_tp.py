@@ -126,6 +126,7 @@ def _tiny_trainers(folder: str, kind: str, strategy: str) -> dict:
     from tessera.config import TrainingArguments
     from tessera.models import Transformer
     from tessera.models.config import ModelConfig
+    from tessera.planner.validation import _synthetic_dataset
     from tessera.strategy import Strategy
     from tessera.train.trainer import Trainer
 
@@ -134,9 +135,7 @@ def _tiny_trainers(folder: str, kind: str, strategy: str) -> dict:
     trainers = {}
     for depth in DEPTHS:
         config = ModelConfig(n_layers=depth, d_model=8, n_heads=2, vocab_size=16, max_seq_len=4)
-        gen = torch.Generator().manual_seed(0)
-        rows = torch.randint(0, 16, (8, 5), generator=gen)
-        data = [{"input_ids": r[:-1], "labels": r[1:]} for r in rows]
+        data = _synthetic_dataset(8, config.max_seq_len, config.vocab_size)
         torch.manual_seed(0)
         trainers[(kind, depth)] = Trainer(Transformer(config), args, data,
                                           strategy=Strategy.parse(strategy))
