@@ -53,6 +53,8 @@ class Cluster:
         nodes: number of nodes.
         name: label for reports.
         matmul_table: measured ((m, n, k), FLOP/s) pairs; empty means use the device preset.
+        matmul_precision: the precision the table was measured in (fp32 for CPU workers,
+            bf16 or fp16 for GPUs); other precisions scale it by the ratio of their peaks.
         collectives: measured fits, ``{op: {group_size: CollectiveFit}}`` for groups inside a
             node; empty means alpha-beta from the device's links.
         compute_slots: cores that a node's workers share (CPU); None when each device computes
@@ -73,6 +75,7 @@ class Cluster:
     nodes: int = 1
     name: str = ""
     matmul_table: tuple[tuple[tuple[int, int, int], float], ...] = ()
+    matmul_precision: str = "fp32"
     collectives: Mapping[str, Mapping[int, CollectiveFit]] = field(default_factory=dict)
     compute_slots: int | None = None
     concurrency: Mapping[int, float] = field(default_factory=dict)
@@ -87,6 +90,10 @@ class Cluster:
         if not self.name:
             object.__setattr__(self, "name",
                                f"{self.device.name}:{self.devices_per_node}x{self.nodes}")
+        if self.matmul_table and self.matmul_precision not in self.device.peak_flops:
+            raise ClusterError(f"cluster.matmul_precision {self.matmul_precision!r} has no peak "
+                               f"on device {self.device.name!r} (it has "
+                               f"{', '.join(self.device.peak_flops)})")
         unknown = sorted(set(self.collectives) - set(COLLECTIVES))
         if unknown:
             raise ClusterError(f"cluster.collectives: unknown operation(s) {', '.join(unknown)}; "
@@ -138,6 +145,7 @@ class Cluster:
         if self.matmul_table:
             out["matmul"] = [{"m": m, "n": n, "k": k, "flops_per_s": float(v)}
                              for (m, n, k), v in self.matmul_table]
+            out["matmul_precision"] = self.matmul_precision
         if self.collectives:
             out["collectives"] = {op: {int(g): {"latency": f.latency, "bandwidth": f.bandwidth}
                                        for g, f in fits.items()}
@@ -149,7 +157,7 @@ class Cluster:
         """Build from a YAML mapping. ``device`` is a preset name or a full device mapping,
         optionally with ``device_overrides`` applied on top of a preset."""
         known = {"name", "devices_per_node", "nodes", "device", "device_overrides", "matmul",
-                 "collectives", "compute_slots", "concurrency", "sync_penalty", "straggler"}
+                 "matmul_precision", "collectives", "compute_slots", "concurrency", "sync_penalty", "straggler"}
         unknown = sorted(set(values) - known)
         if unknown:
             raise ClusterError(f"unknown cluster field(s) {', '.join(unknown)}; "
@@ -168,7 +176,9 @@ class Cluster:
         return cls(device=device,
                    devices_per_node=values.get("devices_per_node", device.devices_per_node),
                    nodes=values.get("nodes", 1), name=values.get("name", ""),
-                   matmul_table=matmul, collectives=collectives,
+                   matmul_table=matmul,
+                   matmul_precision=str(values.get("matmul_precision", "fp32")),
+                   collectives=collectives,
                    compute_slots=values.get("compute_slots"),
                    concurrency=_by_size(values, "concurrency"),
                    sync_penalty=_by_size(values, "sync_penalty"),

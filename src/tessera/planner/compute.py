@@ -65,14 +65,15 @@ def matmul_rate(cluster: Cluster, m: float, n: float, k: float, precision: str) 
     """Achieved FLOP/s of one ``(m, k) x (k, n)`` product.
 
     With a profiled table: log-linear interpolation of measured FLOP/s in the product's FLOPs,
-    scaled by the precision's peak relative to the table's (fp32). Without one: the device's
+    scaled by the precision's peak relative to the peak of the table's precision
+    (``cluster.matmul_precision``: fp32 for CPU workers, bf16 or fp16 for GPUs). Without one: the device's
     ``matmul_efficiency`` of peak. The per-kernel overhead is added by the caller.
     """
     device = cluster.device
     peak = device.peak(precision)
     if not cluster.matmul_table:
         return peak * device.matmul_efficiency
-    scale = peak / device.peak("fp32") if "fp32" in device.peak_flops else 1.0
+    scale = peak / device.peak(cluster.matmul_precision)
     flops = 2.0 * m * n * k
     points = sorted((2.0 * a * b * c, rate) for (a, b, c), rate in cluster.matmul_table)
     if flops <= points[0][0]:
