@@ -34,3 +34,31 @@ def _nccl_dp(rank, world_size, root):
 def test_dp2_over_nccl_matches_across_ranks(tmp_path):
     losses = run_distributed(_nccl_dp, world_size=2, args=(str(tmp_path),), backend="nccl")
     assert losses[0] == losses[1] and len(losses[0]) == 5
+
+
+@pytest.mark.gpu
+def test_gpu_profile_measures_this_node(tmp_path):
+    # tessera profile on CUDA: matmul by shape in bf16/fp16, attention, memory, pinned
+    # host copies on the first device; collectives over NCCL when there are two or more.
+    from tessera.planner import estimate, load_cluster, save_cluster
+    from tessera.planner.profile_gpu import profile_gpu_cluster
+    from tessera.models.config import preset
+    from tessera.strategy import Strategy
+
+    cluster = profile_gpu_cluster(quick=True)
+    assert cluster.matmul_precision in ("bf16", "fp16") and cluster.matmul_table
+    assert cluster.devices_per_node == torch.cuda.device_count()
+    assert cluster.device.memory_bytes == torch.cuda.get_device_properties(0).total_memory
+    best = max(rate for _, rate in cluster.matmul_table)
+    # Achieved rates cannot beat a matched preset's datasheet peak (5% for timer noise).
+    assert best <= 1.05 * cluster.device.peak(cluster.matmul_precision)
+    if torch.cuda.device_count() > 1:
+        fit = cluster.collectives["all_reduce"][torch.cuda.device_count()]
+        assert fit.latency > 0 and fit.bandwidth > 1e9
+    path = str(tmp_path / "gpu.yaml")
+    save_cluster(cluster, path)
+    again = load_cluster(path)
+    est = estimate(preset("tiny"), again, Strategy(dp=1, micro_batch_size=1,
+                                                   global_batch_size=1,
+                                                   precision=cluster.matmul_precision))
+    assert 0 < est.step_time < 1

@@ -103,6 +103,6 @@ def test_profile_says_it_does_not_measure_gpus(monkeypatch):
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     monkeypatch.setattr(torch.cuda, "device_count", lambda: 8)
     note = gpu_not_measured_note()
-    assert "8 CUDA device(s)" in note and "CPU workers over gloo only" in note
+    assert "8 CUDA device(s)" in note and "--device cuda" in note
     monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
     assert gpu_not_measured_note() is None

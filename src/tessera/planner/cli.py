@@ -179,20 +179,47 @@ def estimate_command(model_text, cluster_text, seq, tp_overlap, as_json, strateg
 @click.command("profile")
 @click.option("--out", "out_path", default="cluster.yaml", show_default=True,
               help="Cluster YAML to write.")
+@click.option("--device", "device_type", type=click.Choice(["auto", "cpu", "cuda"]),
+              default="auto", show_default=True,
+              help="What to measure: CPU workers over gloo, or the CUDA devices over NCCL "
+                   "(auto: CUDA when a device is visible).")
 @click.option("--workers", type=int, default=None,
-              help="Worker processes for collectives (default: the CPU count, at least 2).")
+              help="CPU worker processes for collectives (default: the CPU count, at least 2).")
 @click.option("--quick", is_flag=True,
               help="Fewer shapes and sizes (about a minute on 2 cores, 2 workers).")
-def profile_command(out_path: str, workers: int | None, quick: bool) -> None:
-    """Measure this machine's CPU workers (matmul, memory, collectives over gloo) and write a
-    cluster file. GPUs and NCCL are not measured yet: use a preset or YAML for them."""
-    from tessera.planner.profile import profile_cluster
+def profile_command(out_path: str, device_type: str, workers: int | None, quick: bool) -> None:
+    """Measure this machine (matmul by shape, memory, collectives by group size) and write a
+    cluster file the planner reads. On GPUs run it once per node, or under torchrun across
+    nodes (`torchrun --nnodes N --nproc-per-node G -m tessera.cli profile`) to measure the
+    cross-node link too."""
+    import torch
 
-    cluster = profile_cluster(workers=workers, quick=quick,
-                              log=lambda msg: click.echo(msg, err=True))
+    from tessera.planner.profile import profile_cluster
+    from tessera.planner.profile_gpu import ProfileError, profile_gpu_cluster, torchrun_layout
+
+    log = lambda msg: click.echo(msg, err=True)  # noqa: E731
+    if device_type == "auto":
+        device_type = "cuda" if torch.cuda.is_available() else "cpu"
+    if device_type == "cuda":
+        if workers is not None:
+            raise click.UsageError("--workers sets CPU worker processes; a GPU profile runs "
+                                   "one process per device")
+        try:
+            cluster = profile_gpu_cluster(quick=quick, log=log)
+        except ProfileError as err:
+            raise click.ClickException(str(err)) from None
+        if cluster is None:  # a torchrun rank other than 0: rank 0 writes the file
+            return
+    else:
+        if torchrun_layout() is not None:
+            raise click.UsageError("the CPU profile spawns its own workers: run it without "
+                                   "torchrun (torchrun is for profiling GPUs across nodes)")
+        cluster = profile_cluster(workers=workers, quick=quick, log=log)
     save_cluster(cluster, out_path)
-    click.echo(f"wrote {out_path}: {cluster.name}, peak "
-               f"{cluster.device.peak('fp32') / 1e9:.1f} GFLOP/s fp32 per worker, "
+    precision = cluster.matmul_precision
+    click.echo(f"wrote {out_path}: {cluster.name}, best matmul "
+               f"{max(rate for _, rate in cluster.matmul_table) / 1e9:.1f} GFLOP/s "
+               f"{precision} per {'worker' if cluster.device.is_host else 'device'}, "
                f"{len(cluster.collectives)} collectives measured")
 
 

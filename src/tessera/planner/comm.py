@@ -33,7 +33,8 @@ import math
 
 from dataclasses import dataclass
 
-from tessera.planner.cluster import Cluster
+from tessera.planner.cluster import Cluster, CollectiveFit
+from tessera.planner.hardware import Link
 
 _WIRE = {"all_reduce": lambda g: 2 * (g - 1) / g, "all_gather": lambda g: (g - 1) / g,
          "reduce_scatter": lambda g: (g - 1) / g, "all_to_all": lambda g: (g - 1) / g,
@@ -84,6 +85,15 @@ def collective_time(cluster: Cluster, op: str, nbytes: float, group: Group) -> f
         return _from_fits(fits, op, nbytes, g) + cluster.sync_seconds(g)
     link = cluster.device.intra if inside else cluster.device.inter
     return _STEPS[op](g) * link.latency + _WIRE[op](g) * nbytes / link.bandwidth
+
+
+def link_from_fit(name: str, op: str, g: int, fit: CollectiveFit) -> Link:
+    """The per-device link (alpha-beta) that a measured fit of ``op`` over ``g`` devices
+    implies: bus bandwidth = algorithm bandwidth x wire factor, latency per ring step. The
+    inverse of :func:`collective_time`'s formula, so the link prices ``op`` at ``g`` as
+    measured and other ops and sizes by the ring model."""
+    return Link(name, bandwidth=fit.bandwidth * _WIRE[op](g),
+                latency=fit.latency / max(_STEPS[op](g), 1))
 
 
 def _from_fits(fits, op: str, nbytes: float, g: int) -> float:

@@ -187,18 +187,19 @@ def measure_runtime_overheads(plain_step: dict[str, float], n_layers: int = 4
 
 
 def gpu_not_measured_note() -> str | None:
-    """What to tell a user profiling a machine with CUDA devices (None without any)."""
+    """What to tell a user profiling CPU workers on a machine with CUDA devices (None
+    without any)."""
     if not torch.cuda.is_available():
         return None
-    return (f"note: this machine has {torch.cuda.device_count()} CUDA device(s); tessera "
-            "profile measures CPU workers over gloo only (timing GPUs and NCCL is not built "
-            "yet): for a GPU cluster use a preset (--cluster a100-80gb:8x1) or a YAML file")
+    return (f"note: this machine has {torch.cuda.device_count()} CUDA device(s); this profile "
+            "measures CPU workers over gloo, not them: profile the GPUs with "
+            "`tessera profile --device cuda`")
 
 
 def profile_cluster(workers: int | None = None, quick: bool = False,
                     log: Callable[[str], None] = lambda msg: None) -> Cluster:
     """Measure this machine's CPU and return a one-node CPU cluster of ``workers`` workers
-    (GPUs and NCCL are not measured: a GPU cluster is described by a preset or YAML).
+    (GPUs are profiled by ``profile_gpu.py``).
 
     Args:
         workers: worker processes (default: CPU count, at least 2).
@@ -227,10 +228,10 @@ def profile_cluster(workers: int | None = None, quick: bool = False,
     log("Trainer, memory=chunk and recomputation overheads (one worker, tiny reference "
         "transformer) ...")
     overheads.update(measure_runtime_overheads(overheads))
-    log("tensor-parallel layer overheads (1D on two workers, 2D on four; tiny reference "
-        "transformer) ...")
     # A 2D layer needs tp=4: only a cluster of 4 or more workers can plan one.
     layouts = ("tp", "tp2d") if workers >= 4 else ("tp",)
+    log("tensor-parallel layer overheads (1D on two workers"
+        + (", 2D on four" if "tp2d" in layouts else "") + "; tiny reference transformer) ...")
     overheads.update(measure_tp_overheads(layouts=layouts))
     base = local_cpu(workers)
     device = dataclasses.replace(

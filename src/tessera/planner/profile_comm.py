@@ -62,7 +62,7 @@ def _worker(rank: int, world: int, port: int, quick: bool, out_dir: str) -> None
     results: dict[str, dict[int, list[tuple[int, float]]]] = {op: {} for op in COLLECTIVES}
     for g in _group_sizes(world):
         group, size = partition_group(dist, rank, world, g)
-        members = _members(world, g, rank)
+        members = members_of(world, g, rank)
         for nbytes in _sizes(quick):
             for op in COLLECTIVES:
                 t = _loaded_collective(dist, op, nbytes // 4, rank, group, members)
@@ -78,25 +78,27 @@ def _worker(rank: int, world: int, port: int, quick: bool, out_dir: str) -> None
     dist.destroy_process_group()
 
 
-def _members(world: int, g: int, rank: int) -> list[int]:
+def members_of(world: int, g: int, rank: int) -> list[int]:
     """The global ranks of this rank's group of ``g`` (consecutive ranks, as partition_group)."""
     start = rank - rank % g
     return list(range(start, min(start + g, world)))
 
 
-def _collective_fn(dist, op: str, n: int, rank: int, group, members: list[int]):
-    """One call of ``op`` on ``n`` fp32 elements in ``group``; None for a group of one."""
+def collective_fn(dist, op: str, n: int, rank: int, group, members: list[int],
+                  device: torch.device | None = None):
+    """One call of ``op`` on ``n`` fp32 elements in ``group``, on ``device`` (default the
+    CPU; a CUDA device for NCCL); None for a group of one or a rank without a p2p peer."""
     g = len(members)
     if g < 2:
         return None
-    x = torch.randn(max(g, n - n % g))
+    x = torch.randn(max(g, n - n % g), device=device)
     if op == "all_reduce":
         return lambda: dist.all_reduce(x, group=group)
     if op == "all_gather":  # the gathered output is n elements, as comm.py counts it
         part = x[: x.numel() // g]
         return lambda: dist.all_gather_into_tensor(x, part, group=group)
     if op == "reduce_scatter":
-        out = torch.empty(x.numel() // g)  # the runtime's call (chunk ZeRO, Megatron-SP)
+        out = x.new_empty(x.numel() // g)  # the runtime's call (chunk ZeRO, Megatron-SP)
         return lambda: reduce_scatter_flat(out, x.view(g, -1), group)
     if op == "all_to_all":
         out = torch.empty_like(x)
@@ -109,7 +111,8 @@ def _collective_fn(dist, op: str, n: int, rank: int, group, members: list[int]):
         # As the ring attention runtime sends a step: K and V (half the bytes each) and the
         # small token metadata, three messages in one batch (each message costs its own
         # hand-off: three took ~40% longer than one on 4 workers sharing 2 cores).
-        sent = [x[: x.numel() // 2], x[x.numel() // 2:], torch.zeros(64, dtype=torch.long)]
+        sent = [x[: x.numel() // 2], x[x.numel() // 2:],
+                torch.zeros(64, dtype=torch.long, device=device)]
         inbox = [torch.empty_like(t) for t in sent]
 
         def ring_step():
@@ -142,7 +145,7 @@ def _loaded_collective(dist, op: str, n: int, rank: int, group, members: list[in
     cores a call also waits for members to be scheduled again, and a member's copy competes
     with the others' compute; a fit measured on otherwise idle workers sees neither (it was
     2-4x low for the 3 MB gradient all-reduce of 4 workers on 2 cores)."""
-    fn = _collective_fn(dist, op, n, rank, group, members)
+    fn = collective_fn(dist, op, n, rank, group, members)
     rounds = 20 if n * 4 <= 1 << 18 else 6
     extra = _mean_over_ranks(dist, _extra_per_call(dist, fn, rounds, repeats=5))
     return extra / 2 if op == "p2p" else extra
@@ -332,7 +335,7 @@ def _agree(dist, value: float) -> float:
     return float(t.item())
 
 
-def _fit(points: list[tuple[int, float]]) -> CollectiveFit:
+def fit_latency_bandwidth(points: list[tuple[int, float]]) -> CollectiveFit:
     """Least-squares latency + bytes / bandwidth, with both kept positive."""
     n = len(points)
     xs = [p[0] for p in points]
@@ -355,7 +358,7 @@ def measure_collectives(workers: int, quick: bool
     with tempfile.TemporaryDirectory() as tmp:
         mp.spawn(_worker, args=(workers, _free_port(), quick, tmp), nprocs=workers, join=True)
         data = torch.load(os.path.join(tmp, "coll.pt"))
-    fits = {op: {g: _fit(points) for g, points in by_size.items()}
+    fits = {op: {g: fit_latency_bandwidth(points) for g, points in by_size.items()}
             for op, by_size in data["results"].items()}
     solo = data["concurrency"][1]
     shares = {g: min(1.0, rate / solo) for g, rate in data["concurrency"].items()}
