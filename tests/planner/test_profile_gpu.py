@@ -24,7 +24,9 @@ from tessera.models.config import preset
 from tessera.strategy import Strategy
 
 CPU = torch.device("cpu")
-TINY = LinkSizes(messages=(1 << 12, 1 << 15, 1 << 18), overlap_elements=1 << 16,
+# Up to 4 MiB: gloo moves ~1 GB/s here, so the largest message takes a few ms beyond the
+# ~1 ms latency of 4 processes on 2 cores and the fitted bandwidth is a real slope.
+TINY = LinkSizes(messages=(1 << 12, 1 << 17, 1 << 22), overlap_elements=1 << 16,
                  matmul_dim=128, ring_elements=1 << 12)
 
 
@@ -49,8 +51,9 @@ def test_device_measurements_run_on_any_device():
     assert all(rate > 1e6 for _, rate in table)
     assert attention_rate(CPU, torch.float32, batch=1, heads=2, seq=64, head_dim=16) > 1e6
     bandwidth, adam_bytes = memory_rates(CPU, elements=1 << 16)
-    # An AdamW step reads and writes at least p, g, m and v: well over 4 bytes per parameter.
-    assert bandwidth > 1e8 and adam_bytes > 4
+    # An AdamW step reads p, g, m, v and writes p, m, v: 28 bytes per fp32 parameter at
+    # the add's rate if it streamed as well; unfused kernels make it more.
+    assert bandwidth > 1e8 and adam_bytes > 16
 
 
 def test_presets_are_matched_by_name_and_memory():
@@ -132,10 +135,13 @@ def test_links_inside_and_across_two_pretend_nodes():
     links = measure_links(4, "cpu", "gloo", TINY, per_node=2)
     assert links.nodes == 2 and set(links.intra) == set(COLLECTIVES)
     assert all(set(fits) == {2} for fits in links.intra.values())
-    assert set(links.cross) == set(CROSS_NODE_OPS)
-    fits = [*links.cross.values(), *(f for by in links.intra.values() for f in by.values())]
-    assert all(f.latency > 0 and f.bandwidth > 0 for f in fits)
-    assert 0 <= links.overlap <= 1 and 0 <= links.ring_overlap <= 1
+    assert set(links.cross) == set(CROSS_NODE_OPS) == {"all_reduce"}
+    # A bigger message took longer: the fitted slope is real, not the fit's floor of 1e-15
+    # s/B (bandwidth 1e15), which a timing loop that did not wait for the calls would give.
+    for fit in (links.intra["all_reduce"][2], links.intra["all_gather"][2],
+                links.cross["all_reduce"]):
+        assert fit.bandwidth < 1e12
+    assert links.host_bandwidth is None  # CPU processes have no host link to time
 
 
 def test_processes_that_do_not_make_whole_nodes_are_refused():

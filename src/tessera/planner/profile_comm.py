@@ -95,7 +95,9 @@ def collective_fn(dist, op: str, n: int, rank: int, group, members: list[int],
     if op == "all_reduce":
         return lambda: dist.all_reduce(x, group=group)
     if op == "all_gather":  # the gathered output is n elements, as comm.py counts it
-        part = x[: x.numel() // g]
+        # in place: this member's part is its own slice of the output (NCCL's convention)
+        chunk = x.numel() // g
+        part = x.narrow(0, members.index(rank) * chunk, chunk)
         return lambda: dist.all_gather_into_tensor(x, part, group=group)
     if op == "reduce_scatter":
         out = x.new_empty(x.numel() // g)  # the runtime's call (chunk ZeRO, Megatron-SP)

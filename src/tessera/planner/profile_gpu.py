@@ -1,18 +1,19 @@
 """``tessera profile`` on CUDA devices: measure the GPUs of this node (or, under torchrun,
 of every node) and describe them as a cluster the planner reads.
 
-Measured on the first device, timed with device synchronisation:
+Measured on the first device (rank 0's under torchrun), timed with device synchronisation:
 
-- matmul throughput by shape in the training precision (bf16, fp16 where bf16 is missing);
+- matmul throughput by shape in the training precision (bf16; fp16 before Ampere);
 - fused causal attention (scaled_dot_product_attention) forward + backward as a fraction of
   the device's peak;
 - device memory bandwidth (an out-of-place add), one fused AdamW update's traffic per
-  parameter (the runtime's optimizer on CUDA), host <-> device copies from pinned memory (the
-  offload link), and the device's memory;
+  parameter (the runtime's optimizer on CUDA), and the device's memory;
 
 and between devices (``profile_links.py``, one process per device over NCCL): collective
-latency and bandwidth by operation and group size inside the node, the same across nodes
-under torchrun, and the overlap of communication with compute.
+latency and bandwidth by operation and group size inside the node, all_reduce across nodes
+under torchrun, the overlap of communication with compute, and pinned host <-> device copies
+(the offload link) with every device of the node copying at once (one device alone when it
+is the only one).
 
 Not measured on GPUs: the fixed host seconds of a step (Python, kernel launches; the CPU
 profile times them, but on a GPU they overlap the device's work and the simulator has no
@@ -25,7 +26,6 @@ from __future__ import annotations
 
 import dataclasses
 import os
-import time
 from typing import Callable
 
 import torch
@@ -35,7 +35,8 @@ from tessera.planner.cluster import Cluster
 from tessera.planner.comm import link_from_fit
 from tessera.planner.hardware import GB, DeviceSpec, Link, get_device
 from tessera.planner.profile_links import (GPU_FULL, GPU_QUICK, LinkFigures, device_sync,
-                                          figures_of, measure_links, run_link_worker)
+                                          figures_of, host_link_rate, measure_links,
+                                          run_link_worker, time_on_device)
 
 GPU_QUICK_SHAPES = [(512, 512, 512), (1024, 1024, 1024), (2048, 2048, 2048),
                     (4096, 4096, 4096), (8192, 8192, 8192)]
@@ -47,28 +48,6 @@ _ASSUMED_INTER = Link("not measured (assumed 100 Gb/s Ethernet)", 0.9 * 12.5 * G
 
 class ProfileError(RuntimeError):
     """The machine cannot be profiled as asked; the message says why."""
-
-
-def time_on_device(fn: Callable[[], object], sync: Callable[[], None], min_time: float = 0.05,
-                   repeat: int = 3) -> float:
-    """Best-of-``repeat`` seconds per call of ``fn``: calls are queued in doubling batches
-    until a batch, ended by ``sync``, lasts ``min_time`` (a GPU call returns before its
-    kernel has run, so only a synchronised batch measures the device)."""
-    fn()
-    sync()
-    best, calls = float("inf"), 1
-    for _ in range(repeat):
-        while True:
-            start = time.perf_counter()
-            for _ in range(calls):
-                fn()
-            sync()
-            elapsed = time.perf_counter() - start
-            if elapsed >= min_time:
-                break
-            calls *= 2
-        best = min(best, elapsed / calls)
-    return best
 
 
 def matmul_table(device: torch.device, dtype: torch.dtype, shapes: list[tuple[int, int, int]]
@@ -90,8 +69,9 @@ def attention_rate(device: torch.device, dtype: torch.dtype, batch: int = 2, hea
                            requires_grad=True) for _ in range(3))
     grad = torch.randn(batch, heads, seq, head_dim, device=device, dtype=dtype)
 
-    def step():
-        F.scaled_dot_product_attention(q, k, v, is_causal=True).backward(grad)
+    def step():  # gradients returned, not accumulated into .grad (no extra kernels)
+        torch.autograd.grad(F.scaled_dot_product_attention(q, k, v, is_causal=True),
+                            (q, k, v), grad)
 
     flops = 4.0 * batch * seq * seq * heads * head_dim * 0.5 * (1 + 2.5)
     return flops / time_on_device(step, device_sync(device))
@@ -120,16 +100,6 @@ def _adam_seconds(device: torch.device, elements: int) -> float:
     return time_on_device(opt.step, device_sync(device))
 
 
-def host_link_rate(device: torch.device, nbytes: int = 1 << 28) -> float:
-    """Bytes/s of the slower direction of a pinned host <-> device copy (the offload link)."""
-    sync = device_sync(device)
-    host = torch.empty(nbytes, dtype=torch.uint8, pin_memory=True)
-    on_device = torch.empty(nbytes, dtype=torch.uint8, device=device)
-    up = time_on_device(lambda: on_device.copy_(host, non_blocking=True), sync)
-    down = time_on_device(lambda: host.copy_(on_device, non_blocking=True), sync)
-    return nbytes / max(up, down)
-
-
 def match_preset(device_name: str, memory_bytes: float) -> str | None:
     """The preset of a CUDA device by its reported name and memory, None when unknown."""
     name = device_name.upper()
@@ -145,8 +115,10 @@ def match_preset(device_name: str, memory_bytes: float) -> str | None:
 
 
 def training_dtype() -> tuple[str, torch.dtype]:
-    """The half precision this GPU trains in: bf16 where supported, else fp16."""
-    if torch.cuda.is_bf16_supported():
+    """The half precision this GPU trains in: bf16 where the hardware has it (Ampere and
+    later), else fp16 (torch would otherwise report V100 and T4 as bf16-capable through
+    emulation)."""
+    if torch.cuda.is_bf16_supported(including_emulation=False):
         return "bf16", torch.bfloat16
     return "fp16", torch.float16
 
@@ -216,7 +188,10 @@ def device_spec(figures: DeviceFigures, links: LinkFigures | None) -> DeviceSpec
         memory_bandwidth=figures.memory_bandwidth, memory_efficiency=1.0,
         matmul_efficiency=min(1.0, best / peaks[figures.precision]),
         attention_efficiency=min(1.0, figures.attention_rate / peaks[figures.precision]),
-        optimizer_bytes_per_param=figures.adam_bytes, host_bandwidth=figures.host_bandwidth,
+        optimizer_bytes_per_param=figures.adam_bytes,
+        # all of a node's devices copying at once where measured, else the one device alone
+        host_bandwidth=(links.host_bandwidth if links and links.host_bandwidth
+                        else figures.host_bandwidth),
         intra=intra, inter=inter, overheads={}, **overlap)
 
 

@@ -29,9 +29,9 @@ import torch
 from tessera.planner.cluster import COLLECTIVES, CollectiveFit
 from tessera.planner.profile_comm import _free_port, collective_fn, fit_latency_bandwidth
 
-# Measured across nodes: what the planner's cross-node groups run (data-parallel gradients,
-# pipeline sends); all_to_all and the ring step stay inside a node in tessera's layouts.
-CROSS_NODE_OPS = ("all_reduce", "all_gather", "reduce_scatter", "p2p")
+# Measured across nodes: the cross-node link is the one that reproduces this fit (the planner
+# has one link per device between nodes, so other collectives would have nowhere to go).
+CROSS_NODE_OPS = ("all_reduce",)
 
 
 @dataclass(frozen=True)
@@ -40,21 +40,25 @@ class LinkSizes:
 
     Attributes:
         messages: bytes per device of each timed collective.
-        overlap_elements: fp32 elements of the all_reduce timed against a matmul.
-        matmul_dim: the square matmul run beside it.
-        ring_elements: fp32 elements of the ring step timed against that matmul.
+        overlap_elements: fp32 elements of the all_reduce timed against matmuls.
+        matmul_dim: the square matmul repeated beside it, in the training dtype; as many
+            as take about as long as the communication, so neither hides in the other's
+            noise.
+        ring_elements: fp32 elements of the ring step timed against such matmuls.
+        host_bytes: bytes of the host <-> device copies (CUDA only).
     """
 
     messages: tuple[int, ...]
     overlap_elements: int
     matmul_dim: int
     ring_elements: int
+    host_bytes: int = 1 << 28
 
 
 # NCCL's latency regime starts below 64 KiB and its bandwidth regime above a few MiB; 1 GiB
-# per device fits any GPU tessera plans for.
-GPU_QUICK = LinkSizes(tuple(2**p for p in range(16, 29, 3)), 1 << 26, 8192, 1 << 22)
-GPU_FULL = LinkSizes(tuple(2**p for p in range(12, 31, 2)), 1 << 26, 8192, 1 << 22)
+# per device fits any GPU tessera plans for. A 4096^3 bf16 matmul is ~0.2 ms on an H100.
+GPU_QUICK = LinkSizes(tuple(2**p for p in range(16, 29, 3)), 1 << 26, 4096, 1 << 22)
+GPU_FULL = LinkSizes(tuple(2**p for p in range(12, 31, 2)), 1 << 26, 4096, 1 << 22)
 
 
 @dataclass(frozen=True)
@@ -65,8 +69,11 @@ class LinkFigures:
         intra: fits inside a node, ``{op: {group size: fit}}``.
         cross: fits of a group with one device per node, ``{op: fit}``; empty for one node.
         nodes: nodes measured; ``cross`` fits are for a group of this size.
-        overlap: fraction of an all_reduce hidden under a concurrent matmul.
-        ring_overlap: the same for an asynchronous send/recv ring step.
+        overlap: fraction of an all_reduce hidden under concurrent matmuls.
+        ring_overlap: the same for an asynchronous send/recv ring step inside a node.
+        host_bandwidth: bytes/s of the slower direction of pinned host <-> device copies,
+            every device of a node copying at once (they share PCIe switches and host
+            memory), the slowest device's; None on CPU processes.
     """
 
     intra: Mapping[str, Mapping[int, CollectiveFit]]
@@ -74,6 +81,7 @@ class LinkFigures:
     nodes: int
     overlap: float
     ring_overlap: float
+    host_bandwidth: float | None = None
 
 
 def node_group_sizes(local_world: int) -> list[int]:
@@ -87,6 +95,38 @@ def device_sync(device: torch.device) -> Callable[[], None]:
     if device.type == "cuda":
         return lambda: torch.cuda.synchronize(device)
     return lambda: None
+
+
+def time_on_device(fn: Callable[[], object], sync: Callable[[], None], min_time: float = 0.05,
+                   repeat: int = 3) -> float:
+    """Best-of-``repeat`` seconds per call of ``fn``: calls are queued in doubling batches
+    until a batch, ended by ``sync``, lasts ``min_time`` (a GPU call returns before its
+    kernel has run, so only a synchronised batch measures the device)."""
+    fn()
+    sync()
+    best, calls = float("inf"), 1
+    for _ in range(repeat):
+        while True:
+            start = time.perf_counter()
+            for _ in range(calls):
+                fn()
+            sync()
+            elapsed = time.perf_counter() - start
+            if elapsed >= min_time:
+                break
+            calls *= 2
+        best = min(best, elapsed / calls)
+    return best
+
+
+def host_link_rate(device: torch.device, nbytes: int = 1 << 28) -> float:
+    """Bytes/s of the slower direction of a pinned host <-> device copy (the offload link)."""
+    sync = device_sync(device)
+    host = torch.empty(nbytes, dtype=torch.uint8, pin_memory=True)
+    on_device = torch.empty(nbytes, dtype=torch.uint8, device=device)
+    up = time_on_device(lambda: on_device.copy_(host, non_blocking=True), sync)
+    down = time_on_device(lambda: host.copy_(on_device, non_blocking=True), sync)
+    return nbytes / max(up, down)
 
 
 def _max_over_ranks(dist, value: float, device: torch.device) -> float:
@@ -138,43 +178,55 @@ def _time_ops(dist, ops, sizes: tuple[int, ...], rank: int, group, members: list
     return points
 
 
-def _overlap(dist, device: torch.device, sync, sizes: LinkSizes) -> float:
-    """Fraction of an all_reduce hidden under a matmul issued right after it."""
-    x = torch.randn(sizes.overlap_elements, device=device)
-    a = torch.randn(sizes.matmul_dim, sizes.matmul_dim, device=device)
-    t_comm = timed_on_devices(dist, lambda: dist.all_reduce(x), sync, device, 3)
-    t_mm = timed_on_devices(dist, lambda: a @ a, sync, device, 3)
+def _matmul(device: torch.device, dim: int) -> Callable[[], object]:
+    """One ``dim``-square matmul in the training dtype (bf16 on a GPU, fp32 on the CPU)."""
+    dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
+    a = torch.randn(dim, dim, device=device, dtype=dtype)
+    return lambda: a @ a
+
+
+def _beside(dist, comm: Callable[[], object], start: Callable[[], list], device, sync,
+            sizes: LinkSizes) -> float:
+    """Fraction of ``comm`` (timed blocking) hidden when ``start`` posts it asynchronously
+    (returning its works) before as many matmuls as take about as long."""
+    matmul = _matmul(device, sizes.matmul_dim)
+    t_comm = timed_on_devices(dist, comm, sync, device, 3)
+    t_mm = timed_on_devices(dist, matmul, sync, device, 3)
     reps = int(_max_over_ranks(dist, float(max(1, round(t_comm / t_mm))), device))
 
     def both():
-        work = dist.all_reduce(x, async_op=True)
+        works = start()
         for _ in range(reps):
-            a @ a
-        work.wait()
+            matmul()
+        for work in works:
+            work.wait()
     return _hidden(t_mm * reps, t_comm, timed_on_devices(dist, both, sync, device, 2))
 
 
-def _ring_overlap(dist, rank: int, world: int, device: torch.device, sync,
+def _overlap(dist, device: torch.device, sync, sizes: LinkSizes) -> float:
+    """Fraction of an all_reduce hidden under matmuls issued right after it."""
+    x = torch.randn(sizes.overlap_elements, device=device)
+    return _beside(dist, lambda: dist.all_reduce(x),
+                   lambda: [dist.all_reduce(x, async_op=True)], device, sync, sizes)
+
+
+def _ring_overlap(dist, rank: int, members: list[int], device: torch.device, sync,
                   sizes: LinkSizes) -> float:
-    """Fraction of a ring step (send to the next rank, receive from the previous, posted
-    asynchronously) hidden under a matmul."""
-    nxt, prv = (rank + 1) % world, (rank - 1) % world
+    """Fraction of a ring step inside the node (send to the next member, receive from the
+    previous, posted asynchronously as ring attention does) hidden under matmuls."""
+    index = members.index(rank)
+    nxt, prv = members[(index + 1) % len(members)], members[(index - 1) % len(members)]
     out = torch.randn(sizes.ring_elements, device=device)
     inbox = torch.empty_like(out)
-    a = torch.randn(sizes.matmul_dim, sizes.matmul_dim, device=device)
 
-    def step(compute: bool, send: bool):
-        def run():
-            reqs = dist.batch_isend_irecv([dist.P2POp(dist.isend, out, nxt),
-                                           dist.P2POp(dist.irecv, inbox, prv)]) if send else []
-            if compute:
-                a @ a
-            for req in reqs:
-                req.wait()
-        return run
-    t_mm, t_comm, both = (timed_on_devices(dist, step(c, s), sync, device, 3)
-                          for c, s in ((True, False), (False, True), (True, True)))
-    return _hidden(t_mm, t_comm, both)
+    def post():
+        return dist.batch_isend_irecv([dist.P2POp(dist.isend, out, nxt),
+                                       dist.P2POp(dist.irecv, inbox, prv)])
+
+    def blocking():
+        for work in post():
+            work.wait()
+    return _beside(dist, blocking, post, device, sync, sizes)
 
 
 def _hidden(compute: float, comm: float, both: float) -> float:
@@ -183,8 +235,10 @@ def _hidden(compute: float, comm: float, both: float) -> float:
 
 def _bind(device_type: str, local_rank: int) -> torch.device:
     if device_type == "cuda":
-        torch.cuda.set_device(local_rank)
-        return torch.device("cuda", local_rank)
+        # a launcher that shows each process only its own GPU leaves one visible device
+        index = local_rank % torch.cuda.device_count()
+        torch.cuda.set_device(index)
+        return torch.device("cuda", index)
     torch.set_num_threads(1)
     return torch.device("cpu")
 
@@ -197,7 +251,7 @@ def run_link_worker(rank: int, world: int, local_world: int, device_type: str, b
 
     if world % local_world:
         raise ValueError(f"{world} processes do not make whole nodes of {local_world}")
-    device = _bind(device_type, rank % local_world)
+    device = _bind(device_type, int(os.environ.get("LOCAL_RANK", rank % local_world)))
     # device_id binds NCCL's communicator to this rank's GPU (barriers included)
     bound = {"device_id": device} if device.type == "cuda" else {}
     dist.init_process_group(backend, init_method=init_method, rank=rank, world_size=world,
@@ -218,13 +272,20 @@ def run_link_worker(rank: int, world: int, local_world: int, device_type: str, b
             cross = _time_ops(dist, CROSS_NODE_OPS, sizes.messages, rank, group, members,
                               device, sync)
         overlap = _overlap(dist, device, sync, sizes)
-        ring = _ring_overlap(dist, rank, world, device, sync, sizes)
+        node = list(range(rank - rank % local_world, rank - rank % local_world + local_world))
+        ring = _ring_overlap(dist, rank, node, device, sync, sizes) if local_world > 1 \
+            else overlap
+        host = None
+        if device.type == "cuda":  # every device at once: the slowest one's rate
+            dist.barrier()
+            seconds = 1.0 / host_link_rate(device, sizes.host_bytes)
+            host = 1.0 / _max_over_ranks(dist, seconds, device)
     finally:
         dist.destroy_process_group()
     if rank:
         return None
     return {"intra": intra, "cross": cross, "nodes": world // local_world,
-            "overlap": overlap, "ring_overlap": ring}
+            "overlap": overlap, "ring_overlap": ring, "host_bandwidth": host}
 
 
 def _spawned(index: int, world: int, local_world: int, device_type: str, backend: str,
@@ -256,4 +317,5 @@ def figures_of(data: dict) -> LinkFigures:
              for op, by_size in data["intra"].items() if by_size}
     cross = {op: fit_latency_bandwidth(points) for op, points in data["cross"].items()}
     return LinkFigures(intra=intra, cross=cross, nodes=data["nodes"],
-                       overlap=data["overlap"], ring_overlap=data["ring_overlap"])
+                       overlap=data["overlap"], ring_overlap=data["ring_overlap"],
+                       host_bandwidth=data.get("host_bandwidth"))
