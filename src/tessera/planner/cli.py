@@ -189,9 +189,9 @@ def estimate_command(model_text, cluster_text, seq, tp_overlap, as_json, strateg
               help="Fewer shapes and sizes (about a minute on 2 cores, 2 workers).")
 def profile_command(out_path: str, device_type: str, workers: int | None, quick: bool) -> None:
     """Measure this machine (matmul by shape, memory, collectives by group size) and write a
-    cluster file the planner reads. On GPUs run it once per node, or under torchrun across
-    nodes (`torchrun --nnodes N --nproc-per-node G -m tessera.cli profile`) to measure the
-    cross-node link too."""
+    cluster file the planner reads. On GPUs run it on one node, or under torchrun across
+    nodes (`torchrun --no-python --nnodes N --nproc-per-node G tessera profile`) to measure
+    the cross-node link too."""
     import torch
 
     from tessera.planner.profile import profile_cluster

@@ -157,7 +157,8 @@ class Cluster:
         """Build from a YAML mapping. ``device`` is a preset name or a full device mapping,
         optionally with ``device_overrides`` applied on top of a preset."""
         known = {"name", "devices_per_node", "nodes", "device", "device_overrides", "matmul",
-                 "matmul_precision", "collectives", "compute_slots", "concurrency", "sync_penalty", "straggler"}
+                 "matmul_precision", "collectives", "compute_slots", "concurrency",
+                 "sync_penalty", "straggler"}
         unknown = sorted(set(values) - known)
         if unknown:
             raise ClusterError(f"unknown cluster field(s) {', '.join(unknown)}; "

@@ -66,8 +66,9 @@ def matmul_rate(cluster: Cluster, m: float, n: float, k: float, precision: str) 
 
     With a profiled table: log-linear interpolation of measured FLOP/s in the product's FLOPs,
     scaled by the precision's peak relative to the peak of the table's precision
-    (``cluster.matmul_precision``: fp32 for CPU workers, bf16 or fp16 for GPUs). Without one: the device's
-    ``matmul_efficiency`` of peak. The per-kernel overhead is added by the caller.
+    (``cluster.matmul_precision``: fp32 for CPU workers, bf16 or fp16 for GPUs). Without
+    one: the device's ``matmul_efficiency`` of peak. The per-kernel overhead is added by the
+    caller.
     """
     device = cluster.device
     peak = device.peak(precision)
