@@ -231,9 +231,9 @@ def _overlap(dist, quick: bool) -> float:
     for _ in range(3):
         comm()
     t_ar = (time.perf_counter() - start) / 3
-    t_ar = _agree(dist, t_ar)
+    t_ar = agree_max(dist, t_ar)
     reps = max(1, int(round(t_ar / t_mm)))
-    reps = int(_agree(dist, float(reps)))
+    reps = int(agree_max(dist, float(reps)))
     dist.barrier()
     start = time.perf_counter()
     work = dist.all_reduce(x, async_op=True)
@@ -305,12 +305,19 @@ def straggler_of(dist, rank: int, world: int, g: int, steps: int = 12, reps: int
 
 
 def partition_group(dist, rank: int, world: int, g: int):
-    """This rank's group when ranks are cut into consecutive groups of ``g`` (every rank
-    creates every group, as torch.distributed requires); returns (group, its size)."""
-    members = [list(range(s, min(s + g, world))) for s in range(0, world, g)]
-    groups = [dist.new_group(m) for m in members]
-    index = next(i for i, m in enumerate(members) if rank in m)
-    return groups[index], len(members[index])
+    """This rank's group when ranks are cut into consecutive groups of ``g``; returns
+    (group, its size)."""
+    group, members = partition(dist, rank, [list(range(s, min(s + g, world)))
+                                            for s in range(0, world, g)])
+    return group, len(members)
+
+
+def partition(dist, rank: int, groups: list[list[int]]):
+    """Create every group of ``groups`` (every rank must, as torch.distributed requires) and
+    return this rank's (group, members)."""
+    handles = [dist.new_group(members) for members in groups]
+    index = next(i for i, members in enumerate(groups) if rank in members)
+    return handles[index], groups[index]
 
 
 def sync_penalty_of(dist, group, size: int, rounds: int = 40, repeats: int = 3) -> float:
@@ -320,7 +327,7 @@ def sync_penalty_of(dist, group, size: int, rounds: int = 40, repeats: int = 3) 
     collective fits; the local validation probes it between rounds to see load drift."""
     flag = torch.zeros(1)
     fn = (lambda: dist.all_reduce(flag, group=group)) if size > 1 else None
-    return _agree(dist, _extra_per_call(dist, fn, rounds, repeats))
+    return agree_max(dist, _extra_per_call(dist, fn, rounds, repeats))
 
 
 def concurrent_share(dist, rank: int, world: int, windows: int = 3) -> float:
@@ -330,9 +337,10 @@ def concurrent_share(dist, rank: int, world: int, windows: int = 3) -> float:
                / _concurrent_rate(dist, rank, 1, windows))
 
 
-def _agree(dist, value: float) -> float:
-    """The largest of every rank's value (so all ranks take the same decisions)."""
-    t = torch.tensor([value], dtype=torch.float64)
+def agree_max(dist, value: float, device: torch.device | None = None) -> float:
+    """The largest of every rank's value (so all ranks take the same decisions); ``device``
+    is where the backend reduces (a CUDA device for NCCL)."""
+    t = torch.tensor([value], dtype=torch.float64, device=device)
     dist.all_reduce(t, op=dist.ReduceOp.MAX)
     return float(t.item())
 

@@ -27,7 +27,8 @@ from typing import Callable, Mapping
 import torch
 
 from tessera.planner.cluster import COLLECTIVES, CollectiveFit
-from tessera.planner.profile_comm import _free_port, collective_fn, fit_latency_bandwidth
+from tessera.planner.profile_comm import (_free_port, agree_max, collective_fn,
+                                          fit_latency_bandwidth, members_of, partition)
 
 # Measured across nodes: the cross-node link is the one that reproduces this fit (the planner
 # has one link per device between nodes, so other collectives would have nowhere to go).
@@ -129,12 +130,6 @@ def host_link_rate(device: torch.device, nbytes: int = 1 << 28) -> float:
     return nbytes / max(up, down)
 
 
-def _max_over_ranks(dist, value: float, device: torch.device) -> float:
-    t = torch.tensor([value], dtype=torch.float64, device=device)
-    dist.all_reduce(t, op=dist.ReduceOp.MAX)
-    return float(t.item())
-
-
 def timed_on_devices(dist, fn: Callable[[], object] | None, sync: Callable[[], None],
                      device: torch.device, calls: int, repeats: int = 5) -> float:
     """Seconds per call of ``fn``, from ``calls`` calls started together on every rank and
@@ -154,14 +149,7 @@ def timed_on_devices(dist, fn: Callable[[], object] | None, sync: Callable[[], N
                 fn()
         sync()
         samples.append((time.perf_counter() - start) / calls)
-    return _max_over_ranks(dist, statistics.median(samples), device)
-
-
-def _partition(dist, rank: int, groups: list[list[int]]):
-    """Create every group (every rank must) and return this rank's group and members."""
-    handles = [dist.new_group(members) for members in groups]
-    index = next(i for i, members in enumerate(groups) if rank in members)
-    return handles[index], groups[index]
+    return agree_max(dist, statistics.median(samples), device)
 
 
 def _time_ops(dist, ops, sizes: tuple[int, ...], rank: int, group, members: list[int],
@@ -192,7 +180,7 @@ def _beside(dist, comm: Callable[[], object], start: Callable[[], list], device,
     matmul = _matmul(device, sizes.matmul_dim)
     t_comm = timed_on_devices(dist, comm, sync, device, 3)
     t_mm = timed_on_devices(dist, matmul, sync, device, 3)
-    reps = int(_max_over_ranks(dist, float(max(1, round(t_comm / t_mm))), device))
+    reps = int(agree_max(dist, float(max(1, round(t_comm / t_mm))), device))
 
     def both():
         works = start()
@@ -260,26 +248,26 @@ def run_link_worker(rank: int, world: int, local_world: int, device_type: str, b
         sync = device_sync(device)
         intra: dict[str, dict[int, list]] = {op: {} for op in COLLECTIVES}
         for g in node_group_sizes(local_world):
-            group, members = _partition(dist, rank, [list(range(s, s + g))
+            group, members = partition(dist, rank, [list(range(s, s + g))
                                                      for s in range(0, world, g)])
             for op, points in _time_ops(dist, COLLECTIVES, sizes.messages, rank, group,
                                         members, device, sync).items():
                 intra[op][g] = points
         cross: dict[str, list] = {}
         if world > local_world:
-            group, members = _partition(dist, rank, [list(range(i, world, local_world))
+            group, members = partition(dist, rank, [list(range(i, world, local_world))
                                                      for i in range(local_world)])
             cross = _time_ops(dist, CROSS_NODE_OPS, sizes.messages, rank, group, members,
                               device, sync)
         overlap = _overlap(dist, device, sync, sizes)
-        node = list(range(rank - rank % local_world, rank - rank % local_world + local_world))
+        node = members_of(world, local_world, rank)
         ring = _ring_overlap(dist, rank, node, device, sync, sizes) if local_world > 1 \
             else overlap
         host = None
         if device.type == "cuda":  # every device at once: the slowest one's rate
             dist.barrier()
             seconds = 1.0 / host_link_rate(device, sizes.host_bytes)
-            host = 1.0 / _max_over_ranks(dist, seconds, device)
+            host = 1.0 / agree_max(dist, seconds, device)
     finally:
         dist.destroy_process_group()
     if rank:
