@@ -42,6 +42,16 @@ def _check_meshes(rank, world_size):
             assert sorted(members) == expected, (text, axis, members, expected)
             assert mesh.rank(axis) == expected.index(rank)
             checked += 1
+        for axis in mesh.axis_names:  # every group along the axis, ordered by coordinate
+            everyone = [None] * world_size
+            dist.all_gather_object(everyone, (mesh.rank(axis),
+                                              _expected_groups(strategy, rank)[axis]))
+            groups = mesh.groups_along(axis)
+            assert sorted(sorted(g) for g in groups) == sorted(
+                list(g) for g in {tuple(g) for _, g in everyone}), (text, axis)
+            for member, (coordinate, _) in enumerate(everyone):
+                (group,) = [g for g in groups if member in g]
+                assert group[coordinate] == member, (text, axis, member)
     try:
         Mesh(Strategy(dp=4, micro_batch_size=1, global_batch_size=4), "cpu")
     except StrategyError as err:

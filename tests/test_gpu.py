@@ -36,6 +36,30 @@ def test_dp2_over_nccl_matches_across_ranks(tmp_path):
     assert losses[0] == losses[1] and len(losses[0]) == 5
 
 
+def _nccl_pipeline(rank, world_size, root, schedule):
+    strategy = f"dp=1,pp={world_size},mbs=2,gbs=8,schedule={schedule}"
+    if world_size == 1:
+        strategy = "dp=1,pp=1,mbs=2,gbs=8"
+    result, _ = _train(f"{root}/{schedule}{world_size}", strategy, train={"device": "cuda"})
+    return result.losses
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs two CUDA devices")
+@pytest.mark.parametrize("schedule", ["gpipe", "1f1b", "interleaved", "scp"])
+def test_pp2_over_nccl_equals_one_gpu(tmp_path, schedule):
+    """Pipeline messages over NCCL, which matches sends to receives by order, not tag, and
+    runs a communicator's operations on one stream (comm.py's channels): every schedule
+    completes (a deadlock would hit the timeout) and trains as one GPU does. Tolerance 1e-4
+    on losses of about 5: the same fp32 arithmetic per micro-batch, summed in another order."""
+    one = run_distributed(_nccl_pipeline, world_size=1, args=(str(tmp_path), schedule),
+                          backend="nccl")[0]
+    pp = run_distributed(_nccl_pipeline, world_size=2, args=(str(tmp_path), schedule),
+                         backend="nccl", timeout=300)
+    assert pp[0] == pp[1]
+    assert max(abs(a - b) for a, b in zip(one, pp[0])) < 1e-4, (one, pp[0])
+
+
 @pytest.mark.gpu
 def test_gpu_profile_measures_this_node(tmp_path):
     # tessera profile on CUDA: matmul by shape in bf16/fp16, attention, memory, AdamW on the

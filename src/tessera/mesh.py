@@ -96,6 +96,16 @@ class Mesh:
             self._flat[name] = self.device_mesh[axes]._flatten(name)
         return self._flat[name].get_group()
 
+    def groups_along(self, axis: str) -> list[list[int]]:
+        """Global ranks of every group along ``axis`` (one of the mesh's named axes), each
+        ordered by its coordinate on ``axis``; the same list on every rank."""
+        self._check_axes((axis,))
+        if axis not in self.axis_names:
+            raise StrategyError(f"groups_along takes one of the mesh's own axes "
+                                f"{self.axis_names}, got {axis!r}")
+        grid = self.device_mesh.mesh.movedim(self.axis_names.index(axis), -1)
+        return grid.reshape(-1, grid.shape[-1]).tolist()
+
     def size(self, axis: str) -> int:
         """Number of ranks along ``axis``."""
         return self.submesh(axis).size()

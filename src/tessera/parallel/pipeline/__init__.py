@@ -25,6 +25,7 @@ from torch import nn
 from tessera.mesh import Mesh
 from tessera.models.materialize import DeferredInit, has_meta, parameter_aliases
 from tessera.parallel.pipeline.capture import CaptureError, ProxyGraph, capture, retarget
+from tessera.parallel.pipeline.comm import Channel, stage_channels
 from tessera.parallel.pipeline.engine import PipelineEngine
 from tessera.parallel.pipeline.head import head_slices_for, slice_head, sliced_head_loss
 from tessera.parallel.pipeline.kept import measured_under
@@ -57,6 +58,8 @@ class Pipeline:
     grad_sync: GradSync
     partition: Partition
     module: StageModule
+    # This rank's channels: one process group per directed pair of ranks (comm.py).
+    channels: dict[tuple[int, int], Channel]
     # (logits, labels); (per-token loss, labels) when the LM head is sliced (head.py)
     loss_fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor] = lm_loss
     # Under sp > 1: shards each micro-batch and computes the loss (sequence/staged.py).
@@ -158,14 +161,15 @@ def apply_pipeline(plan: Parallelized, strategy: Strategy, mesh: Mesh,
         program.cast_cache = lambda: torch.autocast(device_type, enabled=False)
     if on_meta:
         program.run_device = deferred.device
+    device = deferred.device if on_meta else _device_of(model)
     rows = None
     if shares:
-        rows = _row_holding(model, shares, mesh, pp_rank,
-                            deferred.device if on_meta else _device_of(model))
+        rows = _row_holding(model, shares, mesh, pp_rank, device)
         program.row_bindings = rows.bindings
         grad_sync.hold_back(rows.weights.values())  # holders' row gradients arrive after
+    channels = stage_channels(mesh.groups_along("pp"), stage_rank, device)
     pipe = Pipeline(program, strategy.schedule, mesh.group("pp"), stage_rank, local, ratios,
-                    grad_sync, part, module, loss_fn, inputs, rows)
+                    grad_sync, part, module, channels, loss_fn, inputs, rows)
     plan.module, plan.pipeline = module, pipe
     plan.clip_grad_norm = lambda _model, max_norm: grad_sync.clip(max_norm)
     base = plan.build_optimizer  # tensor parallelism's, when it adds state-dict hooks

@@ -1,11 +1,19 @@
 """Point-to-point messages between pipeline stages (the communication half of the pipeline).
 
 A message is every tensor crossing one stage boundary for one micro-batch, packed into one
-flat fp32 buffer: one send per boundary instead of one per tensor. Messages carry a tag made
-of (micro-batch, stage, direction), so a receive posted early matches exactly its send, in
-whatever order the two ranks reach them. Sends are asynchronous and waited at the end of the
-step; a rank only ever blocks in :meth:`Pending.wait`, for a message the schedule guarantees
-its neighbour sends without waiting on this rank first.
+flat fp32 buffer: one send per boundary instead of one per tensor. Sends are asynchronous and
+waited at the end of the step; a rank only ever blocks in :meth:`Pending.wait`, for a message
+the schedule guarantees its neighbour sends without waiting on this rank first.
+
+Every directed pair of ranks that exchanges messages gets a process group of its own (a
+*channel*, :func:`stage_channels`), carrying only that direction. NCCL ignores tags and
+matches the n-th send of a pair with the n-th receive, and it runs all operations of one
+communicator on one stream, where a receive blocks what was queued after it: with both
+directions on one communicator, a stage that posts its next receive before its next send
+(as the engine does, one action ahead) waits on a neighbour doing the same. On a channel the
+sender only sends and the receiver only receives, and both do so in the same order
+(:func:`message_plan`, pinned by tests for every schedule), so the n-th send is the n-th
+receive. Messages also carry a tag of (micro-batch, stage, direction), which gloo matches.
 """
 
 from __future__ import annotations
@@ -69,37 +77,121 @@ class Pending:
         return unpack(self.buffer, self.specs)
 
 
+Key = tuple[str, int, int]  # (kind "F"/"B", receiving stage, micro-batch) of one message
+
+
+@dataclass(frozen=True)
+class Step:
+    """What the engine communicates around one action: the receives it posts before running
+    the action (the action's own and the next one's, so a message is usually there when it
+    is needed) and the message it sends after it (None: nothing)."""
+
+    receives: tuple[Key, ...]
+    send: Key | None
+
+
+def message_plan(actions, n_stages: int) -> list[Step]:
+    """The engine's communication for one rank's ``actions``, one :class:`Step` per action.
+
+    A forward of stage s > 0 receives from s - 1 and one of s < n_stages - 1 sends to s + 1;
+    a backward receives from s + 1 and sends to s - 1, the other way."""
+    posted: set[Key] = set()
+    plan = []
+    for i, action in enumerate(actions):
+        receives = []
+        for ahead in actions[i:i + 2]:
+            key = (ahead.kind, ahead.stage, ahead.mb)
+            if key not in posted and source_stage(key, n_stages) is not None:
+                posted.add(key)
+                receives.append(key)
+        plan.append(Step(tuple(receives), _sent_after(action, n_stages)))
+    return plan
+
+
+def source_stage(key: Key, n_stages: int) -> int | None:
+    """The stage that sends message ``key`` (None: that action receives nothing)."""
+    kind, stage, _ = key
+    source = stage - 1 if kind == "F" else stage + 1
+    return source if 0 <= source < n_stages else None
+
+
+def _sent_after(action, n_stages: int) -> Key | None:
+    to = action.stage + 1 if action.kind == "F" else action.stage - 1
+    return (action.kind, to, action.mb) if 0 <= to < n_stages else None
+
+
+@dataclass(frozen=True)
+class Channel:
+    """The process group of one directed pair of ranks, and the other end's global rank."""
+
+    group: dist.ProcessGroup
+    peer: int
+
+
+def channel_pairs(stage_rank: list[int]) -> list[tuple[int, int]]:
+    """Directed (from, to) pairs of pp ranks that pipeline messages travel between."""
+    pairs = set()
+    for s in range(len(stage_rank) - 1):
+        a, b = stage_rank[s], stage_rank[s + 1]
+        pairs |= {(a, b), (b, a)}  # forward s -> s + 1, backward s + 1 -> s
+    return sorted(pairs)
+
+
+def stage_channels(pp_groups: list[list[int]], stage_rank: list[int],
+                   device: torch.device) -> dict[tuple[int, int], Channel]:
+    """One process group per directed pair of pp ranks that exchanges messages, in every
+    pipeline group; returns this rank's, keyed by (from pp rank, to pp rank).
+
+    A collective: every rank calls it with the same ``pp_groups`` (global ranks of each
+    pipeline group, ordered by pp rank). Each channel then carries one message of warm-up,
+    every rank taking its channels in the same global order, so that backends which connect
+    a pair on its first message (NCCL) do so here, where no schedule can interleave them.
+    """
+    me, mine = dist.get_rank(), {}
+    (ranks,) = [ranks for ranks in pp_groups if me in ranks]
+    pp_rank = {rank: i for i, rank in enumerate(ranks)}
+    order = [(ranks[a], ranks[b]) for ranks in pp_groups for a, b in channel_pairs(stage_rank)]
+    groups = [dist.new_group(sorted(pair)) for pair in order]  # all ranks, same order
+    for (src, dst), group in zip(order, groups):
+        if me not in (src, dst):
+            continue
+        probe = torch.zeros(1, device=device)
+        if me == src:
+            dist.send(probe, dst=dst, group=group)
+        else:
+            dist.recv(probe, src=src, group=group)
+        mine[(pp_rank[src], pp_rank[dst])] = Channel(group, dst if me == src else src)
+    return mine
+
+
 class StageLink:
-    """Sends and receives between virtual stages placed on the ranks of the pp group.
+    """Sends and receives between virtual stages placed on the ranks of a pipeline group.
 
     Args:
-        group: the pipeline process group (this rank's pp axis).
-        stage_rank: group rank that runs each virtual stage.
+        channels: this rank's channels (:func:`stage_channels`), by (from, to) pp rank.
+        stage_rank: pp rank that runs each virtual stage.
         device: where receive buffers live.
     """
 
-    def __init__(self, group: dist.ProcessGroup, stage_rank: list[int],
+    def __init__(self, channels: dict[tuple[int, int], Channel], stage_rank: list[int],
                  device: torch.device) -> None:
-        self.group, self.stage_rank, self.device = group, stage_rank, device
+        self.channels, self.stage_rank, self.device = channels, stage_rank, device
         self.n_stages = len(stage_rank)
         self.sends: list = []
 
-    def send(self, tensors: list[torch.Tensor], to_stage: int, micro_batch: int,
-             direction: int) -> None:
-        """Post an asynchronous send of ``tensors`` to ``to_stage``."""
+    def send(self, tensors: list[torch.Tensor], key: Key) -> None:
+        """Post an asynchronous send of ``tensors`` as message ``key``."""
         flat = pack(tensors).to(self.device)
-        tag = message_tag(micro_batch, to_stage, direction, self.n_stages)
-        work = dist.isend(flat, group=self.group, group_dst=self.stage_rank[to_stage], tag=tag)
+        channel = self._channel(key)
+        work = dist.isend(flat, dst=channel.peer, group=channel.group, tag=self._tag(key))
         self.sends.append((work, flat))  # keep the buffer alive until the send completes
 
-    def recv(self, specs: list[TensorSpec], from_stage: int, to_stage: int, micro_batch: int,
-             direction: int) -> Pending:
-        """Post a receive of tensors shaped ``specs`` coming from ``from_stage``."""
+    def recv(self, specs: list[TensorSpec], key: Key) -> Pending:
+        """Post a receive of message ``key``, tensors shaped ``specs``."""
         numel = sum(math.prod(s.shape) for s in specs)
         buffer = torch.empty(numel, dtype=torch.float32, device=self.device)
-        tag = message_tag(micro_batch, to_stage, direction, self.n_stages)
-        work = dist.irecv(buffer, group=self.group, group_src=self.stage_rank[from_stage],
-                          tag=tag)
+        channel = self._channel(key)
+        work = dist.irecv(buffer, src=channel.peer, group=channel.group, tag=self._tag(key))
         return Pending(work, buffer, specs)
 
     def flush(self) -> None:
@@ -108,3 +200,11 @@ class StageLink:
             if work is not None:
                 work.wait()
         self.sends.clear()
+
+    def _channel(self, key: Key) -> Channel:
+        source = source_stage(key, self.n_stages)
+        return self.channels[(self.stage_rank[source], self.stage_rank[key[1]])]
+
+    def _tag(self, key: Key) -> int:
+        kind, stage, mb = key
+        return message_tag(mb, stage, FORWARD if kind == "F" else BACKWARD, self.n_stages)

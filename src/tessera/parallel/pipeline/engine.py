@@ -4,7 +4,8 @@ Same interface as :class:`tessera.train.engine.Engine` (``forward_backward`` ret
 :class:`StepResult`, ``evaluate``), so the Trainer changes only in which engine it builds.
 Each rank walks its action list: a forward receives its inputs (posted one action ahead, so
 the message is usually there), runs, and sends its outputs on; a backward receives the output
-gradients, runs, and sends the input gradients back. Only the last stage sees the loss; it is
+gradients, runs, and sends the input gradients back (comm.message_plan, over one channel per
+directed pair of ranks). Only the last stage sees the loss; it is
 broadcast over the pp group so every rank reports the same value.
 """
 
@@ -17,7 +18,7 @@ import torch
 import torch.distributed as dist
 
 from tessera.loss_scale import GradLossScaler
-from tessera.parallel.pipeline.comm import BACKWARD, FORWARD, StageLink
+from tessera.parallel.pipeline.comm import StageLink, message_plan
 from tessera.parallel.pipeline.partition import in_flight
 from tessera.parallel.pipeline.schedules import Action, recompute_early, recomputes
 from tessera.parallel.plan import Parallelized
@@ -95,13 +96,15 @@ class PipelineEngine:
     # ---------------------------------------------------------------------------- private
     def _run(self, built, batches, actions: list[Action], train: bool) -> torch.Tensor:
         pipe, n = self.pipe, len(batches)
-        link = StageLink(pipe.pp_group, pipe.stage_rank, self.device)
+        link = StageLink(pipe.channels, pipe.stage_rank, self.device)
         last = pipe.n_stages - 1
         pending, states, total = {}, {}, torch.zeros((), device=self.device)
         self.timeline = Timeline(start=time.perf_counter())
-        for i, action in enumerate(actions):
-            for ahead in actions[i:i + 2]:  # post this action's and the next one's receive
-                self._post(link, built, ahead, pending)
+        for action, step in zip(actions, message_plan(actions, pipe.n_stages)):
+            for key in step.receives:
+                kind, s, _ = key
+                specs = built.in_specs[s] if kind == "F" else built.out_specs[s]
+                pending[key] = link.recv(specs, key)
             s, m = action.stage, action.mb
             runner = built.runners[s]
             if action.kind == "F":
@@ -117,7 +120,7 @@ class PipelineEngine:
                         state.loss = self.scaler.scale(state.loss)
                     total += loss.detach()
                 else:
-                    link.send(state.outputs, s + 1, m, FORWARD)
+                    link.send(state.outputs, step.send)
                 if train:
                     states[(s, m)] = state
                 continue
@@ -132,19 +135,9 @@ class PipelineEngine:
             input_grads = runner.backward(state, grads)
             self.timeline.add("B", s, m)
             if s > 0:
-                link.send(input_grads, s - 1, m, BACKWARD)
+                link.send(input_grads, step.send)
         link.flush()
         return total
-
-    def _post(self, link: StageLink, built, action: Action, pending: dict) -> None:
-        s, m, last = action.stage, action.mb, self.pipe.n_stages - 1
-        key = (action.kind, s, m)
-        if key in pending:
-            return
-        if action.kind == "F" and s > 0:
-            pending[key] = link.recv(built.in_specs[s], s - 1, s, m, FORWARD)
-        elif action.kind == "B" and s < last:
-            pending[key] = link.recv(built.out_specs[s], s + 1, s, m, BACKWARD)
 
     def _broadcast_loss(self, loss: torch.Tensor) -> torch.Tensor:
         pipe = self.pipe
