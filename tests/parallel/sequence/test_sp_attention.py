@@ -155,6 +155,8 @@ def _refusals(group):
             torch.zeros(1, 6, 4, 8), torch.zeros(1, 6, 4, 8), torch.zeros(1, 6, 4, 8),
             torch.zeros(1, 4, 2, dtype=torch.long), group),
         "ulysses_kv_heads": lambda: ulysses.check_heads(12, 3, 4),
+        "shard_not_in_layout": lambda: _contiguous_shard_as_zigzag(group),
+        "hf_sliding_window": lambda: _hf_sliding_window(group),
     }
     for name, attempt in attempts.items():
         try:
@@ -163,6 +165,30 @@ def _refusals(group):
         except SequenceParallelError as err:
             out[name] = str(err)
     return out
+
+
+def _contiguous_shard_as_zigzag(group):
+    """ring_attention told zigzag about a contiguous shard (its skips would be wrong)."""
+    sp, rank = dist.get_world_size(group), dist.get_rank(group)
+    index = local_indices(16, sp, rank, "contiguous")
+    meta = torch.stack((index, torch.zeros_like(index)), -1)[None]
+    q = torch.zeros(1, 2, len(index), 8)
+    ring.ring_attention(q, q, q, meta, group, causal=True, layout="zigzag")
+
+
+def _hf_sliding_window(group):
+    """A Hugging Face Mistral with a sliding window, whose attention the ring does not
+    compute: refused at its first attention call."""
+    from transformers import MistralConfig, MistralForCausalLM
+
+    config = MistralConfig(vocab_size=64, hidden_size=32, intermediate_size=64,
+                           num_hidden_layers=1, num_attention_heads=4, num_key_value_heads=2,
+                           sliding_window=4)
+    model = MistralForCausalLM(config)
+    sp = SequenceParallel(group, "ring")
+    apply_policy(model, sp)
+    ids = torch.randint(0, 64, (1, 17))
+    sp.forward_loss(model, {"input_ids": ids[:, :-1], "labels": ids[:, 1:]})
 
 
 def _model_case(group, mode, name, real):
@@ -292,6 +318,8 @@ def test_bad_input_is_refused_with_the_rule(runs):
     assert "padding is disabled" in msgs["no_padding"]
     assert "n_heads=6 must be divisible by sp=4" in msgs["ulysses_heads"]
     assert "n_kv_heads=3 must divide or be divisible by sp=4" in msgs["ulysses_kv_heads"]
+    assert "not the zigzag layout's" in msgs["shard_not_in_layout"]
+    assert "sliding attention window (sliding_window=4)" in msgs["hf_sliding_window"]
 
 
 @pytest.mark.slow

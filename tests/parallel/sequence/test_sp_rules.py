@@ -68,11 +68,17 @@ def test_strategy_rules_for_sequence_parallelism():
     Strategy(sp=2).require_available()  # the gate is open
 
 
-def test_block_numerics_stay_fp32_under_bf16_autocast():
+@pytest.mark.parametrize("path", ["fused", "explicit"])
+def test_block_numerics_stay_fp32_under_bf16_autocast(path, monkeypatch):
     # precision=bf16 runs the attention hook inside torch.autocast; without fp32_numerics the
-    # block matmuls were cast to bf16 and failed on their fp32 out= buffers.
+    # block matmuls were cast to bf16 and failed on their fp32 out= buffers. The explicit
+    # path (what GPUs run) is the one autocast reaches: CPU autocast leaves the fused aten
+    # kernel alone, so only the "explicit" case can catch a lost fp32_numerics.
+    from tessera.parallel.sequence import fused
     from tessera.parallel.sequence.blocks import block_backward, block_forward
 
+    if path == "explicit":
+        monkeypatch.setattr(fused, "available", lambda q: False)
     torch.manual_seed(0)
     q = torch.randn(2, 4, 8, 16).bfloat16()  # (B, nh, T, hs)
     k, v = torch.randn(2, 2, 8, 16).bfloat16(), torch.randn(2, 2, 8, 16).bfloat16()

@@ -28,8 +28,9 @@ In the example, step 1: rank 0 gets s=1 > 0: queries [6, 7] x keys [2, 3, 4, 5];
 s=0 < 1: queries [2, 3, 4, 5] x keys [0, 1]. Both compute c x 2c = 4 pairs.
 
 The skipping only saves work: every block's mask is still built from the tokens' real
-indices (blocks.block_mask), so a wrong skip would show up as a parity failure, not as
-silently wrong attention. Labels and position ids follow the same permutation (the model's
+indices (blocks.block_mask), so a wrong skip rule would show up as a parity failure. A shard
+in another layout than the one the ring is told would be skipped wrongly without an error:
+ring_attention refuses it (check_shard_layout). Labels and position ids follow the same permutation (the model's
 RoPE / learned positions use the real indices).
 
 A contiguous layout (rank r holds chunk r of sp) is used for non-causal attention (nothing to
@@ -88,6 +89,26 @@ def local_indices(length: int, sp: int, rank: int, layout: str) -> torch.Tensor:
     late = 2 * sp - 1 - rank
     early = torch.arange(rank * c, (rank + 1) * c)
     return torch.cat((early, torch.arange(late * c, (late + 1) * c)))
+
+
+def check_shard_layout(meta: torch.Tensor, sp: int, rank: int, layout: str) -> None:
+    """Refuse a shard whose token indices are not ``layout``'s for this rank: the ring skips
+    key blocks by layout (ring_step_slices), so a shard laid out otherwise would silently
+    attend to the wrong keys.
+
+    Args:
+        meta: (B, T/sp, 2) [index in the full sequence, segment] of this rank's tokens.
+
+    Raises:
+        SequenceParallelError: naming the layout and the indices found.
+    """
+    expected = local_indices(meta.shape[1] * sp, sp, rank, layout).to(meta.device)
+    if not bool((meta[..., 0] == expected).all()):
+        found = meta[0, :, 0].tolist()
+        raise SequenceParallelError(
+            f"rank {rank} of sp={sp} holds token indices {found[:4]}...{found[-2:]}, not the "
+            f"{layout} layout's {expected[:4].tolist()}...{expected[-2:].tolist()}: shard the "
+            f"batch with the same layout (SequenceParallel.shard) or pass layout= to match")
 
 
 def ring_step_slices(src: int, rank: int, local_len: int, causal: bool, layout: str

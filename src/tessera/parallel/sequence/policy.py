@@ -210,13 +210,37 @@ def hf_attention(module: nn.Module, query: torch.Tensor, key: torch.Tensor,
                  value: torch.Tensor, attention_mask: torch.Tensor | None,
                  scaling: float | None = None, dropout: float = 0.0, **kwargs
                  ) -> tuple[torch.Tensor, None]:
-    """transformers AttentionInterface entry: (B, nh, T, hs) in, (B, T, nh, hs) out."""
+    """transformers AttentionInterface entry: (B, nh, T, hs) in, (B, T, nh, hs) out.
+
+    Attention that differs from full causal softmax attention (a sliding window, logit
+    soft-capping, attention sinks, a non-causal module) is refused, not approximated."""
+    _refuse_attention_variants(module, kwargs)
     if attention_mask is not None:
         raise SequenceParallelError(
             "sequence parallelism builds its own masks: pass document_ids / attention_mask "
             "in the batch, not a 4D attention mask to the model")
     out = module.tessera_sequence_parallel.attention(query, key, value, dropout, scaling)
     return out.transpose(1, 2), None
+
+
+# Keyword arguments transformers passes to an attention function for variants the ring,
+# RSA and Ulysses do not compute (Mistral / Qwen2 / Gemma2 windows, Gemma2's soft-capping,
+# gpt-oss's sinks), each with what it would change.
+_VARIANTS = {"sliding_window": "a sliding attention window", "softcap": "logit soft-capping",
+             "s_aux": "attention sinks", "sinks": "attention sinks"}
+
+
+def _refuse_attention_variants(module: nn.Module, kwargs: dict) -> None:
+    for name, what in _VARIANTS.items():
+        if kwargs.get(name) is not None:
+            raise SequenceParallelError(
+                f"{type(module).__name__} uses {what} ({name}={kwargs[name]!r}), which "
+                "sequence parallelism does not compute: its attention is full causal "
+                "softmax attention. Train this model with sp=1")
+    if kwargs.get("is_causal", getattr(module, "is_causal", True)) is False:
+        raise SequenceParallelError(
+            f"{type(module).__name__} is not causal (is_causal=False): sequence "
+            "parallelism's Hugging Face policy covers causal language models only")
 
 
 def _apply_hugging_face(model: nn.Module, sp: SequenceParallel) -> None:

@@ -21,7 +21,8 @@ import torch.distributed as dist
 
 from tessera.parallel.sequence import comm
 from tessera.parallel.sequence.blocks import block_backward, block_forward, merge_into
-from tessera.parallel.sequence.layout import check_layout, ring_step_slices
+from tessera.parallel.sequence.layout import (check_layout, check_shard_layout,
+                                              ring_step_slices)
 
 
 def ring_forward(q, k, v, meta, group, causal: bool, scale: float, layout: str
@@ -103,8 +104,10 @@ def ring_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, meta: torc
         (B, nh, T/sp, hs) in q's dtype.
 
     Raises:
-        SequenceParallelError: for zigzag without a causal mask.
+        SequenceParallelError: for zigzag without a causal mask, or a ``meta`` whose token
+            indices are not ``layout``'s for this rank.
     """
     check_layout(layout, causal)
+    check_shard_layout(meta, dist.get_world_size(group), dist.get_rank(group), layout)
     scale = q.shape[-1] ** -0.5 if scale is None else scale
     return RingAttention.apply(q, k, v, meta, group, causal, scale, layout)
