@@ -7,7 +7,7 @@ import torch
 from transformers import GPT2Config, GPT2LMHeadModel, TrainerCallback
 
 from tessera import Trainer, TrainingArguments
-from tessera.strategy import StrategyError
+from tessera.strategy import Strategy, StrategyError
 from tessera.testing import run_distributed
 from tessera.train.hf_api import shift_for_next_token
 
@@ -65,7 +65,51 @@ def _script_and_callbacks(rank, world_size, root):
     result = trainer.train()
     return {"metrics": metrics, "losses": result.losses, "stopped_at": result.step,
             "seen": stopper.seen, "epoch_steps": epochs_steps, "n": len(data),
-            **_meta_model_at_pp2(root, data)}
+            **_meta_model_at_pp2(root, data), **_argument_mapping(root, data)}
+
+
+class Recorder(TrainerCallback):
+    """Passed as a class: the Trainer instantiates it, as Hugging Face does."""
+
+    def __init__(self):
+        self.events = []
+
+    def on_log(self, args, state, control, logs=None, **kwargs):
+        self.events.append(("log", dict(logs)))
+
+    def on_evaluate(self, args, state, control, metrics=None, **kwargs):
+        self.events.append(("evaluate", dict(metrics)))
+
+    def on_save(self, args, state, control, **kwargs):
+        self.events.append(("save", state.global_step))
+
+
+def _argument_mapping(root, data) -> dict:
+    """save_total_limit, save_strategy="no", report_to, on_save / on_log / on_evaluate, and
+    evaluation over the whole set, each sample once."""
+    evaluation = torch.utils.data.Subset(data, range(10))  # 10 samples: 8 + 2 at gbs 8
+    trainer = Trainer(model=_tiny_gpt2(), args=TrainingArguments(
+        output_dir=f"{root}/mapped", per_device_train_batch_size=4, max_steps=4,
+        logging_steps=1, save_steps=1, save_total_limit=2, eval_strategy="steps",
+        eval_steps=2, learning_rate=1e-3), train_dataset=data, eval_dataset=evaluation,
+        callbacks=[Recorder])
+    trainer.train()
+    evaluated = trainer.evaluate()["eval_loss"]
+    model = trainer._core.model.eval()  # DDP replicas: every rank holds the trained weights
+    with torch.no_grad():
+        per_sample = [torch.nn.functional.cross_entropy(
+            model(s["input_ids"][None, :-1]).logits[0], s["input_ids"][1:]).item()
+            for s in evaluation]
+    unsaved = Trainer(model=_tiny_gpt2(), args=TrainingArguments(
+        output_dir=f"{root}/unsaved", per_device_train_batch_size=4, max_steps=2,
+        save_strategy="no", report_to="jsonl"), train_dataset=data)
+    unsaved.train()
+    recorder = trainer._hf_callbacks[0]
+    return {"kept": sorted(p.name for p in Path(f"{root}/mapped/checkpoints").glob("step_*")),
+            "events": recorder.events, "evaluated": evaluated,
+            "per_sample_mean": sum(per_sample) / len(per_sample),
+            "mapped_files": sorted(p.name for p in Path(f"{root}/mapped").iterdir()),
+            "unsaved_files": sorted(p.name for p in Path(f"{root}/unsaved").iterdir())}
 
 
 def _meta_model_at_pp2(root, data) -> dict:
@@ -100,6 +144,25 @@ def test_hf_script_runs_on_two_workers(tmp_path):
     assert out["stage_recompute"] == [0.0, 0.0]  # a 1 GiB stage budget: nothing to recompute
     whole = GPT2LMHeadModel.from_pretrained(tmp_path / "meta_saved")
     assert sum(p.numel() for p in whole.parameters()) == out["meta_total"]
+    _check_argument_mapping(out)
+
+
+def _check_argument_mapping(out):
+    assert out["kept"] == ["step_00000003", "step_00000004"]  # save_total_limit=2
+    saves = [e[1] for e in out["events"] if e[0] == "save"]
+    assert saves == [1, 2, 3, 4]
+    logs = [e[1] for e in out["events"] if e[0] == "log"]
+    assert all("learning_rate" in r and "lr" not in r for r in logs if "loss" in r)
+    # An evaluation is logged, then reported to on_evaluate (at steps 2 and 4, and the
+    # explicit evaluate() after training).
+    kinds = [(e[0], "eval_loss" in e[1]) for e in out["events"] if e[0] != "save"]
+    evals = [i for i, k in enumerate(kinds) if k == ("log", True)]
+    assert len(evals) == 3 and all(kinds[i + 1] == ("evaluate", True) for i in evals)
+    # The whole evaluation set, each sample once: the mean of the samples' own losses
+    # (equal lengths; fp32 sums in another order, 1e-5 on losses near 5).
+    assert abs(out["evaluated"] - out["per_sample_mean"]) < 1e-5
+    assert "metrics.jsonl" not in out["mapped_files"]  # report_to="none" (the default)
+    assert out["unsaved_files"] == ["metrics.jsonl"]  # save_strategy="no": no checkpoint
 
 
 def test_script_differs_from_its_hf_original_in_two_lines():
@@ -116,6 +179,30 @@ def test_script_differs_from_its_hf_original_in_two_lines():
 def test_bad_arguments_are_refused(kwargs, fragment):
     with pytest.raises(ValueError, match=fragment):
         TrainingArguments(**kwargs)
+
+
+@pytest.mark.parametrize("kwargs, fragment", [
+    (dict(per_device_train_batch_size=8), "per_device_train_batch_size=8 disagrees"),
+    (dict(gradient_accumulation_steps=3), "gradient_accumulation_steps=3 disagrees"),
+    (dict(per_device_eval_batch_size=4), "per_device_eval_batch_size=4 disagrees"),
+])
+def test_batch_arguments_the_strategy_overrides_are_refused(kwargs, fragment):
+    from tessera.train.hf_api import check_batch_arguments
+
+    strategy = Strategy.parse("pp=2,mbs=2,gbs=8")
+    args = TrainingArguments(strategy="pp=2,mbs=2,gbs=8", **kwargs)
+    with pytest.raises(StrategyError, match=fragment):
+        check_batch_arguments(args, strategy)
+    agreeing = dict(per_device_train_batch_size=2, gradient_accumulation_steps=4,
+                    per_device_eval_batch_size=2)
+    check_batch_arguments(TrainingArguments(strategy="pp=2,mbs=2,gbs=8", **agreeing), strategy)
+    check_batch_arguments(TrainingArguments(strategy="pp=2,mbs=2,gbs=8"), strategy)  # unset
+
+
+def test_evaluation_without_an_eval_dataset_is_refused():
+    with pytest.raises(ValueError, match="eval_strategy='steps' needs an eval_dataset"):
+        Trainer(model=_tiny_gpt2(), args=TrainingArguments(eval_strategy="steps"),
+                train_dataset=[{"input_ids": torch.zeros(8, dtype=torch.long)}])
 
 
 def test_conflicting_precision_is_refused():

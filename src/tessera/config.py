@@ -111,8 +111,11 @@ class TrainingArguments(_Section):
     nonfinite: Literal["stop", "skip"] = "stop"  # on NaN/inf gradients: stop the run or skip
     logging_steps: int = 10
     eval_steps: int = 0
-    eval_batches: int = 4
+    eval_batches: int = 4  # global batches per evaluation; 0: the whole set, each sample once
     save_steps: int = 0
+    save_total_limit: int = 3  # newest checkpoints kept; 0 keeps all
+    save_final: bool = True  # a checkpoint when training ends (stopping early always writes one)
+    write_metrics: bool = True  # metrics.jsonl in output_dir
     seed: int = 1234
     resume: bool = False
     resume_from: str | None = None  # a checkpoint folder; default: the newest in output_dir
@@ -143,7 +146,7 @@ class TrainingArguments(_Section):
         return value
 
     @field_validator("warmup_steps", "lr_rescale_warmup_steps", "eval_steps", "eval_batches",
-                     "save_steps")
+                     "save_steps", "save_total_limit")
     @classmethod
     def _non_negative(cls, value: int) -> int:
         if value < 0:

@@ -149,14 +149,17 @@ class Trainer:
         self.args = args or TrainingArguments()
         self.state = TrainerState()
         self.control = TrainerControl()
+        # A callback class is instantiated, as Hugging Face does.
+        callbacks = [c() if isinstance(c, type) else c for c in callbacks]
         self._hf_callbacks = [c for c in callbacks if not callable(c)]
         plain = [c for c in callbacks if callable(c)]
-        self._core_args, strategy = self._translate(model, train_dataset)
+        self._core_args, strategy = self._translate(model, train_dataset, eval_dataset)
         self.state.max_steps = self._core_args.max_steps
         self._core = CoreTrainer(model, self._core_args, train_dataset, eval_dataset,
                                  strategy=strategy, callbacks=[self._dispatch, *plain],
                                  data_collator=hf_collator(data_collator, shift=not getattr(
                                      train_dataset, "labels_shifted", False)))
+        self._core.save_callbacks.append(lambda _path: self._each("on_save"))
         self.model = self._core.model
 
     # ------------------------------------------------------------------------------- API
@@ -173,8 +176,13 @@ class Trainer:
         return result
 
     def evaluate(self) -> dict[str, float]:
-        """``{"eval_loss": ...}`` over the evaluation set (all data-parallel ranks)."""
+        """``{"eval_loss": ...}`` over the whole evaluation set, each sample once (all
+        data-parallel ranks), logged as Hugging Face logs it (``on_log``, then
+        ``on_evaluate``)."""
         metrics = {"eval_loss": self._core.evaluate()}
+        record = {**metrics, "step": self.state.global_step}
+        self.state.log_history.append(record)
+        self._each("on_log", logs=record)
         self._each("on_evaluate", metrics=metrics)
         return metrics
 
@@ -185,14 +193,18 @@ class Trainer:
         return save_full_model(self._core, Path(output_dir or self.args.output_dir))
 
     # --------------------------------------------------------------------------- helpers
-    def _translate(self, model: nn.Module, train_dataset: Dataset
-                   ) -> tuple[CoreArguments, Strategy]:
+    def _translate(self, model: nn.Module, train_dataset: Dataset,
+                   eval_dataset: Dataset | None) -> tuple[CoreArguments, Strategy]:
         a = self.args
+        if a.eval_strategy != "no" and eval_dataset is None:
+            raise ValueError(f"eval_strategy={a.eval_strategy!r} needs an eval_dataset "
+                             "(or set eval_strategy='no')")
         world = dist.get_world_size() if dist.is_initialized() else _env_world_size()
         planned = a.strategy is not None and a.strategy.strip() == "auto"
         strategy = resolve_strategy(a.strategy, model, world, a.per_device_train_batch_size,
                                     a.gradient_accumulation_steps, a.precision,
                                     seq_len=_sample_length(train_dataset) if planned else None)
+        check_batch_arguments(a, strategy)
         steps_per_epoch = max(1, len(train_dataset) // strategy.global_batch_size)
         max_steps = a.max_steps if a.max_steps > 0 else math.ceil(
             a.num_train_epochs * steps_per_epoch)
@@ -209,14 +221,21 @@ class Trainer:
             eval_steps=(a.eval_steps or a.logging_steps) if eval_steps is None else eval_steps,
             save_steps=a.save_steps if save_steps is None else save_steps, seed=a.seed,
             progress="off" if a.disable_tqdm else "auto",
-            stage_memory_budget=a.stage_memory_budget)
+            stage_memory_budget=a.stage_memory_budget,
+            eval_batches=0,  # Hugging Face evaluates the whole set
+            save_total_limit=a.save_total_limit or 0, save_final=a.save_strategy != "no",
+            write_metrics="jsonl" in ([a.report_to] if isinstance(a.report_to, str)
+                                      else a.report_to))
         return core, strategy
 
     def _dispatch(self, record: dict[str, Any]) -> None:
-        self.state.log_history.append(record)
+        # Hugging Face's names: its logs say learning_rate where tessera's records say lr.
+        logs = {("learning_rate" if k == "lr" else k): v for k, v in record.items()}
+        self.state.log_history.append(logs)
         self.state.global_step = record["step"]
-        hook = "on_evaluate" if "eval_loss" in record else "on_log"
-        self._each(hook, **({"metrics": record} if hook == "on_evaluate" else {"logs": record}))
+        self._each("on_log", logs=logs)  # evaluations too, then on_evaluate, as HF does
+        if "eval_loss" in record:
+            self._each("on_evaluate", metrics=logs)
         if self.control.should_training_stop:
             self._core.stop_requested = True
 
@@ -243,6 +262,31 @@ class TrainerControl:
 
     def __init__(self) -> None:
         self.should_training_stop = False
+
+
+def check_batch_arguments(args: TrainingArguments, strategy: Strategy) -> None:
+    """Refuse batch arguments set explicitly that the run would not follow: with strategy
+    text the strategy's mbs and gbs decide the batch, and evaluation runs in the training
+    micro-batch size (the shape pipeline stages were captured for).
+
+    Raises:
+        StrategyError: naming the argument, its value and the strategy's.
+    """
+    given = args.model_fields_set
+    text = args.strategy is not None and args.strategy.strip() != "auto"
+    checks = [("per_device_eval_batch_size", strategy.micro_batch_size,
+               "evaluation runs in the training micro-batch size")]
+    if text:
+        checks += [("per_device_train_batch_size", strategy.micro_batch_size,
+                    "the strategy's mbs decides it"),
+                   ("gradient_accumulation_steps", strategy.grad_accum_steps,
+                    "the strategy's gbs / (mbs x dp) decides it")]
+    for name, expected, why in checks:
+        if name in given and getattr(args, name) != expected:
+            raise StrategyError(
+                f"{name}={getattr(args, name)} disagrees with strategy "
+                f"{strategy.to_text()} ({why}: {expected}); leave {name} unset or set it "
+                f"to {expected}")
 
 
 def resolve_strategy(text: str | None, model: nn.Module, world: int, per_device: int,

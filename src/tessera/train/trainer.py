@@ -32,6 +32,7 @@ from tessera.parallel.pipeline.recompute import strategy_text
 from tessera.strategy import Strategy
 from tessera.train import checkpoint as ckpt
 from tessera.train.engine import Engine
+from tessera.train.evaluation import eval_micro_batches
 from tessera.train.export import load_safetensors_weights
 from tessera.train.metrics import MetricsWriter, Throughput, peak_flops
 from tessera.train.optim import PeakRamp, build_optimizer, build_scheduler
@@ -104,6 +105,7 @@ class Trainer:
         self.data_collator = data_collator or collate
         self.stop_requested = False  # set on rank 0 (e.g. by a callback) to pause like PAUSE
         self.run_info, self.callbacks = run_info or {}, list(callbacks)
+        self.save_callbacks: list[Callable[[Path], None]] = []  # rank 0, after each save
         self.strategy.require_available()
         self.ctx: WorkerContext = init_distributed(
             args.device, timeout_s=args.collective_timeout_s)
@@ -167,7 +169,7 @@ class Trainer:
         progress = ProgressReporter(self.args.max_steps, self.step, self.args.progress,
                                     self.ctx.is_main)
         writer = MetricsWriter(Path(self.args.output_dir) / "metrics.jsonl"
-                               if self.ctx.is_main else None)
+                               if self.ctx.is_main and self.args.write_metrics else None)
         throughput = self._throughput()
         tokens_per_step = self.strategy.global_batch_size * self._seq_len()
         window: list[torch.Tensor] = []
@@ -183,14 +185,16 @@ class Trainer:
                     self._emit(record, writer, progress)
                     result.paused = self.step < stop and self._pause_requested()
                 progress.update(self.step)
-                self._maybe_evaluate(result, writer, progress)
+                if self._maybe_evaluate(result, writer, progress) and self.step < stop:
+                    # a callback may have asked to stop on the evaluation: agree on it now
+                    result.paused = result.paused or self._pause_requested()
                 if self.args.save_steps and self.step % self.args.save_steps == 0:
                     result.checkpoint = str(self.save())
                 if result.paused:
                     progress.message(f"pausing at step {self.step}: {PAUSE_FILE} found")
                     break
-            if result.checkpoint is None or not result.checkpoint.endswith(
-                    ckpt.step_dirname(self.step)):
+            saved = (result.checkpoint or "").endswith(ckpt.step_dirname(self.step))
+            if not saved and (self.args.save_final or self.step < self.args.max_steps):
                 result.checkpoint = str(self.save())
         except RuntimeError as err:
             if not _is_communication_failure(err):
@@ -223,7 +227,9 @@ class Trainer:
 
     def evaluate(self) -> float:
         """Mean loss over the first ``args.eval_batches`` global batches of the evaluation set
-        (``eval_batches * global_batch_size`` samples, wrapping around a shorter set).
+        (``eval_batches * global_batch_size`` samples, wrapping around a shorter set), or over
+        the whole set, each sample once, with ``eval_batches=0`` (micro-batch losses weighted
+        by their samples, as Hugging Face's evaluation weighs batches).
 
         The samples depend on the global batch size only, so strategies that differ in dp,
         micro-batch size or any other axis evaluate the same samples and report comparable
@@ -234,20 +240,24 @@ class Trainer:
             raise ValueError("evaluate() needs an eval_dataset")
         self.phase = "evaluation and its loss all-reduce"
         self.wrapped.eval()
-        dp_rank = self.mesh.rank("dp")
-        mbs = max(1, self.strategy.micro_batch_size)
-        per_rank = mbs * self.strategy.grad_accum_steps  # = global_batch_size / dp
-        losses = []
-        for b in range(self.args.eval_batches):
-            first = b * self.strategy.global_batch_size + dp_rank * per_rank
-            for start in range(first, first + per_rank, mbs):
-                indices = [(start + i) % len(self.eval_dataset) for i in range(mbs)]
-                batch = self.data_collator([self.eval_dataset[i] for i in indices])
-                losses.append(self.engine.evaluate(batch))
+        total = torch.zeros(2, dtype=torch.float64, device=self.ctx.device)  # sum w*loss, w
+        parts = eval_micro_batches(len(self.eval_dataset), self.strategy.global_batch_size,
+                                   self.mesh.size("dp"), self.mesh.rank("dp"),
+                                   max(1, self.strategy.micro_batch_size),
+                                   self.args.eval_batches)
+        for indices, real in parts:
+            batch = self.data_collator([self.eval_dataset[i] for i in indices])
+            if real < len(indices):  # wrapped-around fill: its labels do not count
+                batch["labels"] = batch["labels"].clone()
+                batch["labels"][real:] = -100
+            if real:  # a micro-batch of fill only still runs: every rank takes each step
+                total += torch.stack([self.engine.evaluate(batch).double() * real,
+                                      torch.tensor(float(real), device=total.device)])
+            else:
+                self.engine.evaluate(batch)
         self.wrapped.train()
-        loss = torch.stack(losses).mean()
-        dist.all_reduce(loss, op=dist.ReduceOp.AVG, group=self.plan.loss_group)
-        return float(loss)
+        dist.all_reduce(total, group=self.plan.loss_group)
+        return float(total[0] / total[1])
 
     def save(self) -> Path:
         """Write a checkpoint of the current step (all ranks call this)."""
@@ -258,8 +268,12 @@ class Trainer:
                 "peak_ramp": asdict(self.peak_ramp)}
         if self.engine.scaler is not None:  # fp16: a resume goes on with the same loss scale
             meta["loss_scale"] = self.engine.scaler.state_dict()
-        return ckpt.save_checkpoint(self.ckpt_root, self.step, self.wrapped, self.optimizer,
-                                    meta)
+        path = ckpt.save_checkpoint(self.ckpt_root, self.step, self.wrapped, self.optimizer,
+                                    meta, keep=self.args.save_total_limit)
+        if self.ctx.is_main:
+            for callback in self.save_callbacks:
+                callback(path)
+        return path
 
     def resume(self) -> bool:
         """Load ``args.resume_from``, else the newest complete checkpoint of ``output_dir``.
@@ -355,14 +369,16 @@ class Trainer:
                 "mfu": mfu, "time": time.time()}
 
     def _maybe_evaluate(self, result: TrainResult, writer: MetricsWriter,
-                        progress: ProgressReporter) -> None:
+                        progress: ProgressReporter) -> bool:
+        """Evaluate when ``args.eval_steps`` says so; returns whether it did."""
         every = self.args.eval_steps
         last = self.step == self.args.max_steps
         if self.eval_dataset is None or not (every and (self.step % every == 0 or last)):
-            return
+            return False
         loss = self.evaluate()
         result.eval_losses.append((self.step, loss))
         self._emit({"step": self.step, "eval_loss": loss}, writer, progress)
+        return True
 
     def _emit(self, record: dict[str, Any], writer: MetricsWriter,
               progress: ProgressReporter) -> None:
