@@ -242,8 +242,26 @@ def test_too_many_stages_are_refused_with_the_limit():
     with torch.device("meta"):
         model = Transformer(preset("tiny", n_layers=1))
     graph = capture(model, 1, 16)
-    with pytest.raises(PartitionError, match=r"pp=9 stages need 8 cuts.*use pp <= "):
+    with pytest.raises(PartitionError, match=r"9 stages need 8 cuts.*use at most \d+ stages"):
         partition(graph, 9)
+
+
+def test_too_many_interleaved_stages_name_the_pp_that_fits():
+    """Under interleaving each rank runs 2 virtual stages: the refusal counts ranks, not
+    virtual stages, and the pp it names partitions."""
+    from tessera.parallel.pipeline import _cut
+    from tessera.strategy import Strategy, StrategyError
+
+    with torch.device("meta"):
+        model = Transformer(preset("tiny", n_layers=1))
+    graph = capture(model, 1, 16)
+    with pytest.raises(PartitionError) as too_many:
+        partition(graph, 32)
+    fits = too_many.value.max_stages // 2
+    strategy = Strategy.parse(f"pp={fits + 1},mbs=1,gbs={2 * (fits + 1)},schedule=interleaved")
+    with pytest.raises(StrategyError, match=rf"2 virtual stages per rank.*use pp <= {fits}$"):
+        _cut(graph, 2 * (fits + 1), 2 * (fits + 1), strategy, [0.0] * 2 * (fits + 1), None)
+    assert len(partition(graph, 2 * fits, 2 * fits, "interleaved").bounds) == 2 * fits + 1
 
 
 class _DataDependent(nn.Module):

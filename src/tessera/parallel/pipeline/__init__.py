@@ -198,6 +198,11 @@ def _cut(graph: ProxyGraph, stages: int, micro_batches: int, strategy: Strategy,
                          recompute=None if budget is not None else tuple(ratios),
                          finer=strategy.tp == 1 and strategy.sp == 1)
     except PartitionError as err:
+        if err.max_stages is not None:  # too few cut points: say which pp would fit
+            chunks = chunks_for(strategy.schedule)
+            per = f" ({chunks} virtual stages per rank)" if chunks > 1 else ""
+            raise StrategyError(f"pp={strategy.pp}, schedule={strategy.schedule}{per}: {err}; "
+                                f"use pp <= {err.max_stages // chunks}") from None
         raise StrategyError(f"pp={strategy.pp}, schedule={strategy.schedule}: {err}"
                             + _least_need(graph, stages, micro_batches, strategy, budget)
                             ) from None

@@ -41,7 +41,12 @@ ROWS_FACTOR = 2  # rows held for row-slice reads: the rows and their gradient (r
 
 
 class PartitionError(ValueError):
-    """No partition satisfies the request; the message names the rule."""
+    """No partition satisfies the request; the message names the rule. ``max_stages``: the
+    most stages the graph's cut points allow, when too few of them were the reason."""
+
+    def __init__(self, message: str, max_stages: int | None = None) -> None:
+        super().__init__(message)
+        self.max_stages = max_stages
 
 
 @dataclass
@@ -397,9 +402,9 @@ def partition(graph: ProxyGraph, stages: int, micro_batches: int = 1, schedule: 
     table = CostTable(graph, rates)
     options = candidate_cuts(table) if cuts is None else sorted(cuts)
     if len(options) < stages - 1:
-        raise PartitionError(f"pp={stages} stages need {stages - 1} cuts, but the graph has only "
-                             f"{len(options)} places where few activations cross; use pp <= "
-                             f"{len(options) + 1}")
+        raise PartitionError(f"{stages} stages need {stages - 1} cuts, but the graph has only "
+                             f"{len(options)} places where few activations cross; use at most "
+                             f"{len(options) + 1} stages", max_stages=len(options) + 1)
     if recompute is None and memory_limit is None:
         raise PartitionError("recompute=None (stage-aware) needs a memory_limit to choose from")
     points = [0] + options + [len(graph.compute)]
