@@ -5,8 +5,9 @@ flat fp32 buffer: one send per boundary instead of one per tensor. Sends are asy
 waited at the end of the step; a rank only ever blocks in :meth:`Pending.wait`, for a message
 the schedule guarantees its neighbour sends without waiting on this rank first.
 
-Every directed pair of ranks that exchanges messages gets a process group of its own (a
-*channel*, :func:`stage_channels`), carrying only that direction. NCCL ignores tags and
+Every directed pair of ranks that exchanges messages talks on a *channel*
+(:func:`stage_channels`): a process group of that direction only (one per pair slot, shared
+by all pipelines, in which each pair is its own connection). NCCL ignores tags and
 matches the n-th send of a pair with the n-th receive, and it runs all operations of one
 communicator on one stream, where a receive blocks what was queued after it: with both
 directions on one communicator, a stage that posts its next receive before its next send
@@ -139,28 +140,36 @@ def channel_pairs(stage_rank: list[int]) -> list[tuple[int, int]]:
 
 def stage_channels(pp_groups: list[list[int]], stage_rank: list[int],
                    device: torch.device) -> dict[tuple[int, int], Channel]:
-    """One process group per directed pair of pp ranks that exchanges messages, in every
-    pipeline group; returns this rank's, keyed by (from pp rank, to pp rank).
+    """A process group per directed pair of pp ranks that exchanges messages; returns this
+    rank's channels, keyed by (from pp rank, to pp rank).
 
-    A collective: every rank calls it with the same ``pp_groups`` (global ranks of each
-    pipeline group, ordered by pp rank). Each channel then carries one message of warm-up,
-    every rank taking its channels in the same global order, so that backends which connect
-    a pair on its first message (NCCL) do so here, where no schedule can interleave them.
+    One group per pair *slot* (from, to), over that pair in every pipeline group: 2(pp - 1)
+    groups (2pp when interleaving wraps around), however many pipelines the job has. Inside
+    a group each pair is its own point-to-point connection, and the two directions of a pair
+    are different groups. A collective: every rank calls it with the same ``pp_groups``
+    (global ranks of each pipeline group, ordered by pp rank). Each channel then carries one
+    message of warm-up, every rank taking its channels in the same global order, so that
+    backends which connect a pair on its first message (NCCL) do so here, where no schedule
+    can interleave them.
     """
     me, mine = dist.get_rank(), {}
-    (ranks,) = [ranks for ranks in pp_groups if me in ranks]
-    pp_rank = {rank: i for i, rank in enumerate(ranks)}
-    order = [(ranks[a], ranks[b]) for ranks in pp_groups for a, b in channel_pairs(stage_rank)]
-    groups = [dist.new_group(sorted(pair)) for pair in order]  # all ranks, same order
-    for (src, dst), group in zip(order, groups):
-        if me not in (src, dst):
-            continue
-        probe = torch.zeros(1, device=device)
-        if me == src:
-            dist.send(probe, dst=dst, group=group)
-        else:
-            dist.recv(probe, src=src, group=group)
-        mine[(pp_rank[src], pp_rank[dst])] = Channel(group, dst if me == src else src)
+    (own,) = [ranks for ranks in pp_groups if me in ranks]
+    slots = channel_pairs(stage_rank)
+    groups = {slot: dist.new_group(sorted({r[i] for r in pp_groups for i in slot}))
+              for slot in slots}  # every rank, same order
+    for ranks in pp_groups:  # warm-up, in one global order
+        for a, b in slots:
+            src, dst = ranks[a], ranks[b]
+            if me not in (src, dst):
+                continue
+            probe = torch.zeros(1, device=device)
+            if me == src:
+                dist.send(probe, dst=dst, group=groups[(a, b)])
+            else:
+                dist.recv(probe, src=src, group=groups[(a, b)])
+    for a, b in slots:
+        if me in (own[a], own[b]):
+            mine[(a, b)] = Channel(groups[(a, b)], own[b] if me == own[a] else own[a])
     return mine
 
 
