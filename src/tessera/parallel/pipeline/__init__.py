@@ -201,8 +201,12 @@ def _cut(graph: ProxyGraph, stages: int, micro_batches: int, strategy: Strategy,
         if err.max_stages is not None:  # too few cut points: say which pp would fit
             chunks = chunks_for(strategy.schedule)
             per = f" ({chunks} virtual stages per rank)" if chunks > 1 else ""
+            fits = err.max_stages // chunks
+            advice = (f"use pp <= {fits}" if fits > 1 else
+                      f"the model cannot be cut into {chunks * 2} stages: use pp=1"
+                      + (" or another schedule" if chunks > 1 else ""))
             raise StrategyError(f"pp={strategy.pp}, schedule={strategy.schedule}{per}: {err}; "
-                                f"use pp <= {err.max_stages // chunks}") from None
+                                f"{advice}") from None
         raise StrategyError(f"pp={strategy.pp}, schedule={strategy.schedule}: {err}"
                             + _least_need(graph, stages, micro_batches, strategy, budget)
                             ) from None
