@@ -32,7 +32,7 @@ from tessera.models.config import preset
 from tessera.parallel.plan import lm_loss
 from tessera.parallel.sequence import SequenceParallel, SequenceParallelError
 from tessera.parallel.sequence.policy import apply_policy
-from tessera.parallel.sequence import blocks, ring, rsa, ulysses
+from tessera.parallel.sequence import blocks, fused, ring, rsa, ulysses
 from tessera.parallel.sequence.layout import local_indices, padded_length
 from tessera.testing import run_distributed
 
@@ -156,7 +156,8 @@ def _refusals(group):
             torch.zeros(1, 4, 2, dtype=torch.long), group),
         "ulysses_kv_heads": lambda: ulysses.check_heads(12, 3, 4),
         "shard_not_in_layout": lambda: _contiguous_shard_as_zigzag(group),
-        "hf_sliding_window": lambda: _hf_sliding_window(group),
+        "hf_sliding_window": lambda: _hf_sliding_window(group, 4),
+        "hf_window_longer_than_sequence": lambda: _hf_sliding_window(group, 16),
     }
     for name, attempt in attempts.items():
         try:
@@ -176,14 +177,15 @@ def _contiguous_shard_as_zigzag(group):
     ring.ring_attention(q, q, q, meta, group, causal=True, layout="zigzag")
 
 
-def _hf_sliding_window(group):
-    """A Hugging Face Mistral with a sliding window, whose attention the ring does not
-    compute: refused at its first attention call."""
+def _hf_sliding_window(group, window):
+    """A Hugging Face Mistral with a sliding window over 16 tokens: one shorter than the
+    sequence changes attention, which the ring does not compute (refused at the first
+    attention call); one as long changes nothing (runs)."""
     from transformers import MistralConfig, MistralForCausalLM
 
     config = MistralConfig(vocab_size=64, hidden_size=32, intermediate_size=64,
                            num_hidden_layers=1, num_attention_heads=4, num_key_value_heads=2,
-                           sliding_window=4)
+                           sliding_window=window)
     model = MistralForCausalLM(config)
     sp = SequenceParallel(group, "ring")
     apply_policy(model, sp)
@@ -230,6 +232,13 @@ OP_CASES = [("ring", True, torch.float32, 14, "padding", "zigzag"),
             ("ulysses", True, torch.float32, 16, "documents", "contiguous")]
 
 
+# The explicit fp32 block path, which GPUs run (CPU blocks take the fused kernel).
+EXPLICIT_CASES = [("ring", True, torch.float32, 14, "padding", "zigzag"),
+                  ("ring", False, torch.float32, 16, "documents", "contiguous"),
+                  ("ring", True, torch.float32, 16, "mostly_padding", "zigzag"),
+                  ("ulysses", True, torch.float32, 16, "documents", "contiguous")]
+
+
 MODEL_CASES = [(4, m, "tiny-llama", real) for m in ("ring", "rsa", "ulysses") for real in (13, 2)]
 MODEL_CASES += [(2, "ring", "tiny", 13), (2, "ulysses", "tiny", 5)]
 
@@ -249,8 +258,15 @@ def _all_cases(rank, world_size):
     ops = {(sp,) + case: _case(groups[sp], *case, exportable=True)
            for sp in (2, 4) for case in OP_CASES}
     models = {case: _model_case(groups[case[0]], *case[1:]) for case in MODEL_CASES}
+    fused_available = fused.available
+    fused.available = lambda q: False  # every block through blocks.explicit_*
+    try:
+        explicit = {(sp,) + case: _case(groups[sp], *case)
+                    for sp in (2, 4) for case in EXPLICIT_CASES}
+    finally:
+        fused.available = fused_available
     return {"results": results, "counts": counts, "refusals": _refusals(groups[4]),
-            "models": models, "ops": ops}
+            "models": models, "ops": ops, "explicit": explicit}
 
 
 @pytest.fixture(scope="module")
@@ -273,6 +289,12 @@ def test_outputs_and_gradients_match_full_attention(runs, sp):
 @pytest.mark.parametrize("sp", [2, 4])
 def test_custom_ops_of_pipeline_stages_match_full_attention(runs, sp):
     assert _check_errors(runs, "ops", sp) == 4 * len(OP_CASES)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("sp", [2, 4])
+def test_explicit_block_path_gpus_run_matches_full_attention(runs, sp):
+    assert _check_errors(runs, "explicit", sp) == 4 * len(EXPLICIT_CASES)
 
 
 def _check_errors(runs, kind, sp) -> int:
@@ -319,7 +341,9 @@ def test_bad_input_is_refused_with_the_rule(runs):
     assert "n_heads=6 must be divisible by sp=4" in msgs["ulysses_heads"]
     assert "n_kv_heads=3 must divide or be divisible by sp=4" in msgs["ulysses_kv_heads"]
     assert "not the zigzag layout's" in msgs["shard_not_in_layout"]
-    assert "sliding attention window (sliding_window=4)" in msgs["hf_sliding_window"]
+    assert "sliding attention window (sliding_window=4) over a sequence of 16" in \
+        msgs["hf_sliding_window"]
+    assert msgs["hf_window_longer_than_sequence"] is None
 
 
 @pytest.mark.slow

@@ -134,7 +134,9 @@ class SequenceParallel:
         """Make ``meta`` (B, T/sp, 2), this rank's token metadata, visible to :meth:`attention`.
 
         It stays set until the next call: activation recomputation re-runs attention during
-        backward, after the forward has returned.
+        backward, after the forward has returned. ``meta`` must be in this object's layout,
+        as :meth:`shard` makes it (it is not checked here: under pipeline capture it is a
+        graph input without values).
         """
         self._meta = meta
 
@@ -160,8 +162,9 @@ class SequenceParallel:
             return sp_attention(q, k, v, self._meta, self.group, self.mode, self.causal, scale,
                                 self.layout)
         if self.mode == "ring":
+            # shard() and staged inputs lay tokens out in self.layout already
             return ring_attention(q, k, v, self._meta, self.group, self.causal, scale,
-                                  self.layout)
+                                  self.layout, verify_layout=False)
         if self.mode == "rsa":
             return rsa_attention(q, k, v, self._meta, self.group, self.causal, scale)
         return ulysses_attention(q, k, v, self._meta, self.group, self.causal, scale)
@@ -214,12 +217,13 @@ def hf_attention(module: nn.Module, query: torch.Tensor, key: torch.Tensor,
 
     Attention that differs from full causal softmax attention (a sliding window, logit
     soft-capping, attention sinks, a non-causal module) is refused, not approximated."""
-    _refuse_attention_variants(module, kwargs)
+    sp = module.tessera_sequence_parallel
+    _refuse_attention_variants(module, kwargs, query.shape[2] * sp.size)
     if attention_mask is not None:
         raise SequenceParallelError(
             "sequence parallelism builds its own masks: pass document_ids / attention_mask "
             "in the batch, not a 4D attention mask to the model")
-    out = module.tessera_sequence_parallel.attention(query, key, value, dropout, scaling)
+    out = sp.attention(query, key, value, dropout, scaling)
     return out.transpose(1, 2), None
 
 
@@ -230,13 +234,18 @@ _VARIANTS = {"sliding_window": "a sliding attention window", "softcap": "logit s
              "s_aux": "attention sinks", "sinks": "attention sinks"}
 
 
-def _refuse_attention_variants(module: nn.Module, kwargs: dict) -> None:
+def _refuse_attention_variants(module: nn.Module, kwargs: dict, length: int) -> None:
+    """``length``: tokens of the whole (padded) sequence; a window at least that long
+    changes nothing (Mistral passes its window, 4096 by default, on every call)."""
     for name, what in _VARIANTS.items():
-        if kwargs.get(name) is not None:
+        value = kwargs.get(name)
+        if name == "sliding_window" and value is not None and value >= length:
+            continue
+        if value is not None:
             raise SequenceParallelError(
-                f"{type(module).__name__} uses {what} ({name}={kwargs[name]!r}), which "
-                "sequence parallelism does not compute: its attention is full causal "
-                "softmax attention. Train this model with sp=1")
+                f"{type(module).__name__} uses {what} ({name}={value!r}) over a sequence of "
+                f"{length} tokens, which sequence parallelism does not compute: its "
+                "attention is full causal softmax attention. Train this model with sp=1")
     if kwargs.get("is_causal", getattr(module, "is_causal", True)) is False:
         raise SequenceParallelError(
             f"{type(module).__name__} is not causal (is_causal=False): sequence "

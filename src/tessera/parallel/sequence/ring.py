@@ -89,7 +89,7 @@ class RingAttention(torch.autograd.Function):
 
 def ring_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, meta: torch.Tensor,
                    group, causal: bool = True, scale: float | None = None,
-                   layout: str = "zigzag") -> torch.Tensor:
+                   layout: str = "zigzag", verify_layout: bool = True) -> torch.Tensor:
     """Exact attention of this rank's queries against the whole sequence, by ring passes.
 
     Args:
@@ -99,6 +99,8 @@ def ring_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, meta: torc
         causal: causal mask by token index.
         scale: score multiplier (default hs ** -0.5).
         layout: how tokens were distributed, "zigzag" (causal only) or "contiguous".
+        verify_layout: check ``meta``'s token indices against ``layout`` (one host sync on a
+            GPU); SequenceParallel, whose shards are made in its own layout, skips it.
 
     Returns:
         (B, nh, T/sp, hs) in q's dtype.
@@ -108,6 +110,7 @@ def ring_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, meta: torc
             indices are not ``layout``'s for this rank.
     """
     check_layout(layout, causal)
-    check_shard_layout(meta, dist.get_world_size(group), dist.get_rank(group), layout)
+    if verify_layout:
+        check_shard_layout(meta, dist.get_world_size(group), dist.get_rank(group), layout)
     scale = q.shape[-1] ** -0.5 if scale is None else scale
     return RingAttention.apply(q, k, v, meta, group, causal, scale, layout)
