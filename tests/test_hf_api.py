@@ -86,12 +86,15 @@ class Recorder(TrainerCallback):
 
 def _argument_mapping(root, data) -> dict:
     """save_total_limit, save_strategy="no", report_to, on_save / on_log / on_evaluate, and
-    evaluation over the whole set, each sample once."""
-    evaluation = torch.utils.data.Subset(data, range(10))  # 10 samples: 8 + 2 at gbs 8
+    evaluation over the whole set, each sample once, at per_device_eval_batch_size."""
+    # 10 samples in micro-batches of 2 on 2 ranks: global batches 4 + 4 + 2, so one rank's
+    # last micro-batch is fill only.
+    evaluation = torch.utils.data.Subset(data, range(10))
     trainer = Trainer(model=_tiny_gpt2(), args=TrainingArguments(
         output_dir=f"{root}/mapped", per_device_train_batch_size=4, max_steps=4,
         logging_steps=1, save_steps=1, save_total_limit=2, eval_strategy="steps",
-        eval_steps=2, learning_rate=1e-3), train_dataset=data, eval_dataset=evaluation,
+        eval_steps=2, learning_rate=1e-3, per_device_eval_batch_size=2), train_dataset=data,
+        eval_dataset=evaluation,
         callbacks=[Recorder])
     trainer.train()
     evaluated = trainer.evaluate()["eval_loss"]
@@ -184,7 +187,6 @@ def test_bad_arguments_are_refused(kwargs, fragment):
 @pytest.mark.parametrize("kwargs, fragment", [
     (dict(per_device_train_batch_size=8), "per_device_train_batch_size=8 disagrees"),
     (dict(gradient_accumulation_steps=3), "gradient_accumulation_steps=3 disagrees"),
-    (dict(per_device_eval_batch_size=4), "per_device_eval_batch_size=4 disagrees"),
 ])
 def test_batch_arguments_the_strategy_overrides_are_refused(kwargs, fragment):
     from tessera.train.hf_api import check_batch_arguments
@@ -193,10 +195,20 @@ def test_batch_arguments_the_strategy_overrides_are_refused(kwargs, fragment):
     args = TrainingArguments(strategy="pp=2,mbs=2,gbs=8", **kwargs)
     with pytest.raises(StrategyError, match=fragment):
         check_batch_arguments(args, strategy)
-    agreeing = dict(per_device_train_batch_size=2, gradient_accumulation_steps=4,
-                    per_device_eval_batch_size=2)
+    agreeing = dict(per_device_train_batch_size=2, gradient_accumulation_steps=4)
     check_batch_arguments(TrainingArguments(strategy="pp=2,mbs=2,gbs=8", **agreeing), strategy)
     check_batch_arguments(TrainingArguments(strategy="pp=2,mbs=2,gbs=8"), strategy)  # unset
+
+
+def test_an_evaluation_micro_batch_the_layout_cannot_run_is_refused():
+    from tessera.train.trainer import check_eval_micro_batch
+
+    with pytest.raises(StrategyError, match="pipeline stages .pp=2. run the training"):
+        check_eval_micro_batch(4, Strategy.parse("pp=2,mbs=2,gbs=8"))
+    with pytest.raises(StrategyError, match="must be divisible by 2"):
+        check_eval_micro_batch(3, Strategy.parse("tp=4,tp_mode=2d,mbs=2,gbs=2"))
+    check_eval_micro_batch(2, Strategy.parse("pp=2,mbs=2,gbs=8"))  # the training size
+    check_eval_micro_batch(16, Strategy.parse("dp=2,mbs=2,gbs=8"))  # pp=1: any size
 
 
 def test_evaluation_without_an_eval_dataset_is_refused():

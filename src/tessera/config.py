@@ -112,6 +112,8 @@ class TrainingArguments(_Section):
     logging_steps: int = 10
     eval_steps: int = 0
     eval_batches: int = 4  # global batches per evaluation; 0: the whole set, each sample once
+    # Samples per evaluation micro-batch (0: the training mbs; another value needs pp=1).
+    eval_micro_batch_size: int = 0
     save_steps: int = 0
     save_total_limit: int = 3  # newest checkpoints kept; 0 keeps all
     save_final: bool = True  # a checkpoint when training ends (stopping early always writes one)
@@ -146,7 +148,7 @@ class TrainingArguments(_Section):
         return value
 
     @field_validator("warmup_steps", "lr_rescale_warmup_steps", "eval_steps", "eval_batches",
-                     "save_steps", "save_total_limit")
+                     "save_steps", "save_total_limit", "eval_micro_batch_size")
     @classmethod
     def _non_negative(cls, value: int) -> int:
         if value < 0:

@@ -159,7 +159,7 @@ class Trainer:
                                  strategy=strategy, callbacks=[self._dispatch, *plain],
                                  data_collator=hf_collator(data_collator, shift=not getattr(
                                      train_dataset, "labels_shifted", False)))
-        self._core.save_callbacks.append(lambda _path: self._each("on_save"))
+        self._core.save_callbacks.append(self._saved)
         self.model = self._core.model
 
     # ------------------------------------------------------------------------------- API
@@ -176,14 +176,15 @@ class Trainer:
         return result
 
     def evaluate(self) -> dict[str, float]:
-        """``{"eval_loss": ...}`` over the whole evaluation set, each sample once (all
-        data-parallel ranks), logged as Hugging Face logs it (``on_log``, then
-        ``on_evaluate``)."""
+        """``{"eval_loss": ...}`` over the whole evaluation set, each sample once (all ranks
+        call it), in micro-batches of ``per_device_eval_batch_size`` when set (pp=1), logged
+        on rank 0 as Hugging Face logs it (``on_log``, then ``on_evaluate``)."""
         metrics = {"eval_loss": self._core.evaluate()}
-        record = {**metrics, "step": self.state.global_step}
-        self.state.log_history.append(record)
-        self._each("on_log", logs=record)
-        self._each("on_evaluate", metrics=metrics)
+        if self._core.ctx.is_main:  # callbacks and the history live on rank 0, as in training
+            record = {**metrics, "step": self.state.global_step}
+            self.state.log_history.append(record)
+            self._each("on_log", logs=record)
+            self._each("on_evaluate", metrics=metrics)
         return metrics
 
     def save_model(self, output_dir: str | None = None) -> Path:
@@ -223,10 +224,16 @@ class Trainer:
             progress="off" if a.disable_tqdm else "auto",
             stage_memory_budget=a.stage_memory_budget,
             eval_batches=0,  # Hugging Face evaluates the whole set
+            eval_micro_batch_size=(a.per_device_eval_batch_size
+                                   if "per_device_eval_batch_size" in a.model_fields_set else 0),
             save_total_limit=a.save_total_limit or 0, save_final=a.save_strategy != "no",
             write_metrics="jsonl" in ([a.report_to] if isinstance(a.report_to, str)
                                       else a.report_to))
         return core, strategy
+
+    def _saved(self, _path: Path) -> None:
+        self.state.global_step = self._core.step  # saves need not fall on logging steps
+        self._each("on_save")
 
     def _dispatch(self, record: dict[str, Any]) -> None:
         # Hugging Face's names: its logs say learning_rate where tessera's records say lr.
@@ -266,21 +273,19 @@ class TrainerControl:
 
 def check_batch_arguments(args: TrainingArguments, strategy: Strategy) -> None:
     """Refuse batch arguments set explicitly that the run would not follow: with strategy
-    text the strategy's mbs and gbs decide the batch, and evaluation runs in the training
-    micro-batch size (the shape pipeline stages were captured for).
+    text the strategy's mbs and gbs decide the batch. (``per_device_eval_batch_size`` is
+    the core's ``eval_micro_batch_size``, which refuses what the layout cannot run.)
 
     Raises:
         StrategyError: naming the argument, its value and the strategy's.
     """
     given = args.model_fields_set
-    text = args.strategy is not None and args.strategy.strip() != "auto"
-    checks = [("per_device_eval_batch_size", strategy.micro_batch_size,
-               "evaluation runs in the training micro-batch size")]
-    if text:
-        checks += [("per_device_train_batch_size", strategy.micro_batch_size,
-                    "the strategy's mbs decides it"),
-                   ("gradient_accumulation_steps", strategy.grad_accum_steps,
-                    "the strategy's gbs / (mbs x dp) decides it")]
+    if args.strategy is None or args.strategy.strip() == "auto":
+        return  # the batch comes from these arguments
+    checks = [("per_device_train_batch_size", strategy.micro_batch_size,
+               "the strategy's mbs decides it"),
+              ("gradient_accumulation_steps", strategy.grad_accum_steps,
+               "the strategy's gbs / (mbs x dp) decides it")]
     for name, expected, why in checks:
         if name in given and getattr(args, name) != expected:
             raise StrategyError(

@@ -29,7 +29,7 @@ from tessera.models.hf import flops_per_token as generic_flops_per_token
 from tessera.parallel import parallelize
 from tessera.parallel.pipeline.engine import PipelineEngine
 from tessera.parallel.pipeline.recompute import strategy_text
-from tessera.strategy import Strategy
+from tessera.strategy import Strategy, StrategyError
 from tessera.train import checkpoint as ckpt
 from tessera.train.engine import Engine
 from tessera.train.evaluation import eval_micro_batches
@@ -107,6 +107,7 @@ class Trainer:
         self.run_info, self.callbacks = run_info or {}, list(callbacks)
         self.save_callbacks: list[Callable[[Path], None]] = []  # rank 0, after each save
         self.strategy.require_available()
+        check_eval_micro_batch(args.eval_micro_batch_size, self.strategy)
         self.ctx: WorkerContext = init_distributed(
             args.device, timeout_s=args.collective_timeout_s)
         self.phase = "set-up"  # what the ranks are doing together, for error messages
@@ -210,10 +211,12 @@ class Trainer:
         return result
 
     def _pause_requested(self) -> bool:
-        """Whether ``<output_dir>/PAUSE`` exists, agreed by all ranks (rank 0 decides).
+        """Whether ``<output_dir>/PAUSE`` exists or a callback asked to stop, agreed by all
+        ranks (rank 0 decides).
 
-        Checked at logging steps only, where the step already synchronises, so that a pause
-        costs nothing on the other steps. The file is consumed so a resume runs on.
+        Checked at logging and evaluation steps only, where the step already synchronises, so
+        that a pause costs nothing on the other steps. The file is consumed so a resume runs
+        on.
         """
         self.phase = "the pause-flag all-reduce of a logging step"
         pause_file = Path(self.args.output_dir) / PAUSE_FILE
@@ -241,10 +244,12 @@ class Trainer:
         self.phase = "evaluation and its loss all-reduce"
         self.wrapped.eval()
         total = torch.zeros(2, dtype=torch.float64, device=self.ctx.device)  # sum w*loss, w
-        parts = eval_micro_batches(len(self.eval_dataset), self.strategy.global_batch_size,
-                                   self.mesh.size("dp"), self.mesh.rank("dp"),
-                                   max(1, self.strategy.micro_batch_size),
-                                   self.args.eval_batches)
+        mbs, dp = max(1, self.strategy.micro_batch_size), self.mesh.size("dp")
+        eval_mbs = self.args.eval_micro_batch_size or mbs
+        # Another micro-batch size: global batches of one micro-batch per dp rank.
+        global_batch = self.strategy.global_batch_size if eval_mbs == mbs else eval_mbs * dp
+        parts = eval_micro_batches(len(self.eval_dataset), global_batch, dp,
+                                   self.mesh.rank("dp"), eval_mbs, self.args.eval_batches)
         for indices, real in parts:
             batch = self.data_collator([self.eval_dataset[i] for i in indices])
             if real < len(indices):  # wrapped-around fill: its labels do not count
@@ -400,6 +405,25 @@ class Trainer:
             flops = generic_flops_per_token(self.model, self._seq_len())
         peak, _ = peak_flops(self.ctx.device, self.strategy.precision)
         return Throughput(flops, peak, self.ctx.world_size)
+
+
+def check_eval_micro_batch(size: int, strategy: Strategy) -> None:
+    """Refuse an evaluation micro-batch size the layout cannot run (0: the training one).
+
+    Raises:
+        StrategyError: naming the size and the rule.
+    """
+    if not size or size == strategy.micro_batch_size:
+        return
+    if strategy.pp > 1:
+        raise StrategyError(f"train.eval_micro_batch_size={size} differs from mbs="
+                            f"{strategy.micro_batch_size}, but pipeline stages (pp="
+                            f"{strategy.pp}) run the training micro-batch shape: leave it 0")
+    q = strategy.tp_grid[0]
+    if strategy.tp_mode == "2d" and size % q:
+        raise StrategyError(f"train.eval_micro_batch_size={size}: 2D tensor parallelism "
+                            f"splits each micro-batch over {q} grid rows, so it must be "
+                            f"divisible by {q}")
 
 
 def describe_model(model: nn.Module) -> dict[str, Any]:
