@@ -92,6 +92,22 @@ def test_tier_budget_is_enforced_and_accounted():
     assert tier.peak <= 4096 and tier.used == 2048
 
 
+def test_a_payload_handed_out_for_use_waits_for_its_prefetch(monkeypatch):
+    """On CUDA a prefetch copies a chunk in on a side stream; a later place() of the same
+    chunk to the same tier (the ZeRO all-gather, the optimizer) must join that copy before
+    the payload is read, or NCCL sends a half-copied buffer. CPU copies are synchronous, so
+    this checks the call the join rides on: place() waits unless it is itself a prefetch."""
+    manager = _manager()
+    chunk = manager.chunks[0]
+    waited = []
+    monkeypatch.setattr(manager, "wait", lambda c, kind: waited.append((c.index, kind)))
+    here = chunk.tier[Kind.PARAM]
+    manager.place(chunk, Kind.PARAM, here, set(), prefetch=True)
+    assert waited == []  # a prefetch does not block on another
+    assert manager.place(chunk, Kind.PARAM, here, set()) is chunk.payload[Kind.PARAM]
+    assert waited == [(chunk.index, Kind.PARAM)]
+
+
 def test_disk_dir_missing_read_only_or_too_small_is_refused(tmp_path):
     for directory, message in [(tmp_path / "missing", "does not exist"),
                                (Path("/proc"), "not writable")]:

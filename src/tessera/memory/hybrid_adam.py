@@ -138,6 +138,7 @@ class HybridAdam(torch.optim.Optimizer):
         m = self.runtime.manager
         if chunk.tier.get(Kind.PARAM) == "disk":
             m.place(chunk, Kind.PARAM, "host", protect)
+        m.wait(chunk, Kind.PARAM)  # a prefetch still copying in would land after the update
         param = chunk.payload[Kind.PARAM]
         param.copy_(master.to(param.device, non_blocking=param.is_cuda))
         if chunk.tier[Kind.PARAM] != tier:

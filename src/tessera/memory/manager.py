@@ -283,9 +283,16 @@ class ChunkManager:
 
     def place(self, chunk: Chunk, kind: Kind, dest: str, protect: set,
               prefetch: bool = False) -> torch.Tensor | None:
-        """Move the payload of ``(chunk, kind)`` to tier ``dest``; returns it (None on disk)."""
+        """Move the payload of ``(chunk, kind)`` to tier ``dest``; returns it (None on disk).
+
+        A payload returned for use (``prefetch`` False) is complete on the current stream:
+        one already at ``dest`` may still be arriving there from an earlier prefetch (a side
+        stream on CUDA), and a collective or an optimizer reading it at once would see the
+        buffer half copied."""
         src = chunk.tier.get(kind)
         if src == dest:
+            if not prefetch:
+                self.wait(chunk, kind)
             return chunk.payload.get(kind)
         if src is None:
             raise RuntimeError(f"chunk {chunk.index} {kind.value} has no payload to move")

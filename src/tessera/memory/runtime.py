@@ -188,6 +188,7 @@ class ChunkRuntime:
             return None
         if tier == DISK:
             return self.manager.place(chunk, kind, HOST, set())
+        self.manager.wait(chunk, kind)  # a prefetch may still be writing it (CUDA)
         return chunk.payload[kind]
 
     # ------------------------------------------------------------- full tensors, all ranks
