@@ -102,13 +102,16 @@ class GradLossScaler(DynamicLossScaler):
         params: the parameters whose gradients this rank holds (DTensors: their local shards
             are unscaled, the group covers the other shards).
         group: see :class:`DynamicLossScaler`.
+        device: where the overflow flag lives (default: the first parameter's device). A
+            rank with no parameters (a pipeline stage holding only rows of another stage's
+            weight) must still pass its accelerator: NCCL reduces device tensors only.
     """
 
     def __init__(self, params: Iterable[nn.Parameter], group: dist.ProcessGroup | None = None,
-                 **policy: Any) -> None:
+                 device: torch.device | None = None, **policy: Any) -> None:
         super().__init__(group, **policy)
         self.params = list(params)
-        self.device = self.params[0].device if self.params else torch.device("cpu")
+        self.device = device or (self.params[0].device if self.params else torch.device("cpu"))
 
     def _unscale_local(self, inv_scale: float) -> torch.Tensor:
         return unscale_tensors([getattr(p.grad, "_local_tensor", p.grad) for p in self.params

@@ -44,7 +44,8 @@ def save_full_model(trainer, output_dir: Path) -> Path:
     state = get_model_state_dict(trainer.wrapped, options=StateDictOptions(
         full_state_dict=True, cpu_offload=pipeline is None))
     if pipeline is not None:
-        state = _gather_stages({k: v.cpu() for k, v in state.items()}, pipeline.pp_group)
+        state = _gather_stages({k: v.cpu() for k, v in state.items()},
+                               _object_group(trainer.mesh, pipeline.pp_group))
     if dist.get_rank() == 0:
         output_dir.mkdir(parents=True, exist_ok=True)
         model = trainer.model
@@ -54,6 +55,16 @@ def save_full_model(trainer, output_dir: Path) -> Path:
             _save_reference(model, state, output_dir)
     dist.barrier()
     return output_dir
+
+
+def _object_group(mesh, pp_group):
+    """The pp group rank 0 gathers over, on gloo (all ranks call this): under NCCL,
+    gather_object pickles every share into a device buffer and rank 0 would hold all of them
+    on its accelerator beside the model and optimizer."""
+    if dist.get_backend(pp_group) == "gloo":
+        return pp_group
+    (first,) = [ranks for ranks in mesh.groups_along("pp") if 0 in ranks]
+    return dist.new_group(first, backend="gloo")
 
 
 def _gather_stages(state: dict[str, torch.Tensor], pp_group) -> dict[str, torch.Tensor]:

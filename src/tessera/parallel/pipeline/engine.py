@@ -52,7 +52,7 @@ class PipelineEngine:
         self.schedule = strategy.schedule
         # fp16: one loss scale for all stages, which skip an overflowing step together. Chunk
         # memory replaces it with its own (the Trainer takes plan.grad_scaler).
-        self.scaler = (GradLossScaler(plan.module.parameters())
+        self.scaler = (GradLossScaler(plan.module.parameters(), device=device)
                        if strategy.precision == "fp16" else None)
         self.timeline = Timeline()
 

@@ -102,11 +102,14 @@ def make_clip_grad_norm(group: TPGroup):
 
     def clip_grad_norm(model: nn.Module, max_norm: float) -> torch.Tensor:
         grads = [p.grad for p in model.parameters() if p.grad is not None]
-        square = torch.zeros((), dtype=torch.float32)
+        # On the parameters' device even when this rank holds no gradient: NCCL reduces
+        # device tensors only.
+        device = next(model.parameters()).device
+        square = torch.zeros((), dtype=torch.float32, device=device)
         for g in grads:
             local = g.to_local() if isinstance(g, DTensor) else g
             copies = replica_count(g, group.size)
-            square = square.to(local.device) + local.float().pow(2).sum() / copies
+            square = square + local.float().pow(2).sum().to(device) / copies
         group.all_reduce(square)
         norm = square.sqrt()
         coef = torch.clamp(max_norm / (norm + 1e-6), max=1.0)
