@@ -69,6 +69,7 @@ class Mesh:
         self.axis_names = names
         self._flat_tp: DeviceMesh | None = None
         self._flat: dict[str, DeviceMesh] = {}
+        self._cpu_group: dist.ProcessGroup | None = None
         if strategy.tp_mode == "2d":
             # The whole grid as one group, for collectives over all tp ranks (e.g. loss).
             self._flat_tp = self.device_mesh["tp_row", "tp_col"]._flatten("tp")
@@ -95,6 +96,17 @@ class Mesh:
         if name not in self._flat:
             self._flat[name] = self.device_mesh[axes]._flatten(name)
         return self._flat[name].get_group()
+
+    def cpu_group(self) -> dist.ProcessGroup:
+        """Every rank on gloo, for CPU tensors and objects when the mesh runs NCCL (the world
+        group itself on CPU). Built on first use: a collective, every rank calls it. Every
+        rank is a member: torch's new_group under a device-bound NCCL world makes
+        non-members join a communicator split the members never start (a hang)."""
+        if self._cpu_group is None:
+            self._cpu_group = (dist.group.WORLD if dist.get_backend() == "gloo" else
+                               dist.new_group(list(range(dist.get_world_size())),
+                                              backend="gloo"))
+        return self._cpu_group
 
     def groups_along(self, axis: str) -> list[list[int]]:
         """Global ranks of every group along ``axis`` (one of the mesh's named axes), each

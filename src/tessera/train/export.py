@@ -44,8 +44,8 @@ def save_full_model(trainer, output_dir: Path) -> Path:
     state = get_model_state_dict(trainer.wrapped, options=StateDictOptions(
         full_state_dict=True, cpu_offload=pipeline is None))
     if pipeline is not None:
-        state = _gather_stages({k: v.cpu() for k, v in state.items()},
-                               _object_group(trainer.mesh, pipeline.pp_group))
+        state = _gather_stages({k: v.cpu() for k, v in state.items()}, pipeline.pp_group,
+                               trainer.mesh.cpu_group())
     if dist.get_rank() == 0:
         output_dir.mkdir(parents=True, exist_ok=True)
         model = trainer.model
@@ -57,23 +57,17 @@ def save_full_model(trainer, output_dir: Path) -> Path:
     return output_dir
 
 
-def _object_group(mesh, pp_group):
-    """The pp group rank 0 gathers over, on gloo (all ranks call this): under NCCL,
-    gather_object pickles every share into a device buffer and rank 0 would hold all of them
-    on its accelerator beside the model and optimizer."""
-    if dist.get_backend(pp_group) == "gloo":
-        return pp_group
-    (first,) = [ranks for ranks in mesh.groups_along("pp") if 0 in ranks]
-    return dist.new_group(first, backend="gloo")
+def _gather_stages(state: dict[str, torch.Tensor], pp_group, cpu_group
+                   ) -> dict[str, torch.Tensor]:
+    """Every stage's share of the state dict on global rank 0 (a weight two stages share is
+    equal on both); other ranks keep their own.
 
-
-def _gather_stages(state: dict[str, torch.Tensor], pp_group) -> dict[str, torch.Tensor]:
-    """Every stage's share of the state dict on global rank 0 (its pp group's ranks send
-    theirs; a weight two stages share is equal on both). Other ranks keep their own."""
-    if 0 not in dist.get_process_group_ranks(pp_group):
-        return state
-    shares = [None] * dist.get_world_size(pp_group) if dist.get_rank() == 0 else None
-    dist.gather_object(state, shares, dst=0, group=pp_group)
+    The shares travel over ``cpu_group`` (every rank, gloo; all call this): under NCCL,
+    gather_object over the pp group would pickle every share into device buffers on rank 0.
+    Ranks outside rank 0's pp group send nothing."""
+    mine = state if 0 in dist.get_process_group_ranks(pp_group) else {}
+    shares = [None] * dist.get_world_size(cpu_group) if dist.get_rank() == 0 else None
+    dist.gather_object(mine, shares, dst=0, group=cpu_group)
     if dist.get_rank() != 0:
         return state
     whole: dict[str, torch.Tensor] = {}

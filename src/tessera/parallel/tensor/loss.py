@@ -104,7 +104,7 @@ def make_clip_grad_norm(group: TPGroup):
         grads = [p.grad for p in model.parameters() if p.grad is not None]
         # On the parameters' device even when this rank holds no gradient: NCCL reduces
         # device tensors only.
-        device = next(model.parameters()).device
+        device = next(model.parameters(), torch.empty(0)).device
         square = torch.zeros((), dtype=torch.float32, device=device)
         for g in grads:
             local = g.to_local() if isinstance(g, DTensor) else g
