@@ -255,11 +255,10 @@ class Trainer:
             if real < len(indices):  # wrapped-around fill: its labels do not count
                 batch["labels"] = batch["labels"].clone()
                 batch["labels"][real:] = -100
-            if real:  # a micro-batch of fill only still runs: every rank takes each step
-                total += torch.stack([self.engine.evaluate(batch).double() * real,
-                                      torch.tensor(float(real), device=total.device)])
-            else:
-                self.engine.evaluate(batch)
+            loss = self.engine.evaluate(batch)  # fill only too: every rank takes each step
+            if real:
+                total[0] += loss.double() * real
+                total[1] += real
         self.wrapped.train()
         dist.all_reduce(total, group=self.plan.loss_group)
         return float(total[0] / total[1])
