@@ -128,6 +128,9 @@ class TrainingArguments(_Section):
     # the graph captured at the run's shape): each stage then recomputes the least that fits
     # (stage-aware recomputation), so leave the strategy's recompute unset. pp > 1 only.
     stage_memory_budget: int | None = None
+    # pp > 1: module names that each start a stage (e.g. [blocks.4, blocks.8]), instead of the
+    # partitioner's search; one per stage boundary (pp - 1, or 2pp - 1 under interleaving).
+    pipeline_split_points: list[str] | None = None
 
     @field_validator("stage_memory_budget", mode="before")
     @classmethod

@@ -24,7 +24,8 @@ __all__ = ["Parallelized", "parallelize"]
 
 def parallelize(model: nn.Module, strategy: Strategy, mesh: Mesh,
                 memory: Any = None, deferred: DeferredInit | None = None,
-                stage_budget: int | None = None, seq_len: int | None = None) -> Parallelized:
+                stage_budget: int | None = None, seq_len: int | None = None,
+                split_points: list[str] | None = None) -> Parallelized:
     """Lay ``model`` out under ``strategy`` on ``mesh``.
 
     The model's parameters must be on the mesh's device, or on the meta device with
@@ -38,11 +39,16 @@ def parallelize(model: nn.Module, strategy: Strategy, mesh: Mesh,
     (the config's ``memory:`` section) used when ``strategy.memory == "chunk"``.
     ``stage_budget`` (bytes, pp > 1 only) has each stage recompute the least that fits it.
     ``seq_len``, the run's sequence length, is the length pipeline stages are partitioned at.
+    ``split_points`` (pp > 1 only): module names that start the stages, instead of the
+    partitioner's search (pipeline/split_points.py).
     """
     strategy.require_available()
     if stage_budget is not None and strategy.pp == 1:
         raise StrategyError("train.stage_memory_budget chooses pipeline stages' recomputation "
                             "and needs pp > 1; at pp=1 give the strategy's recompute= instead")
+    if split_points and strategy.pp == 1:
+        raise StrategyError("train.pipeline_split_points places pipeline stage boundaries and "
+                            "needs pp > 1")
     if has_meta(model):
         if deferred is None:
             raise ValueError("the model has parameters on the meta device and no "
@@ -71,7 +77,8 @@ def parallelize(model: nn.Module, strategy: Strategy, mesh: Mesh,
         # stage-aware recomputation and dp gradient averaging run inside the PipelineEngine.
         from tessera.parallel.pipeline import apply_pipeline
 
-        apply_pipeline(plan, strategy, mesh, stage_inputs, deferred, stage_budget, seq_len)
+        apply_pipeline(plan, strategy, mesh, stage_inputs, deferred, stage_budget, seq_len,
+                       split_points)
         if strategy.memory == "chunk":
             # Chunk memory over this rank's stages (dp x pp): the stage pieces are the hooked
             # modules, the dp reduce-scatter runs after the pipeline drains (memory/stages.py).

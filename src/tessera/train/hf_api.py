@@ -38,7 +38,8 @@ from tessera.train.trainer import TrainResult
 
 
 class TrainingArguments(_Section):
-    """Hugging Face ``TrainingArguments`` names, plus ``strategy`` and ``stage_memory_budget``.
+    """Hugging Face ``TrainingArguments`` names, plus ``strategy``, ``stage_memory_budget``
+    and ``pipeline_split_points``.
 
     Unknown names are refused (naming the key) rather than ignored. ``max_steps=-1`` trains
     for ``num_train_epochs``. ``strategy`` is Strategy text, "auto" (the planner picks the
@@ -48,6 +49,7 @@ class TrainingArguments(_Section):
     output_dir: str = "runs/trainer"
     strategy: str | None = None
     stage_memory_budget: int | None = None  # pp > 1: bytes per stage, e.g. "12GiB"
+    pipeline_split_points: list[str] | None = None  # pp > 1: modules that start stages
     per_device_train_batch_size: int = 8
     per_device_eval_batch_size: int = 8
     gradient_accumulation_steps: int = 1
@@ -223,6 +225,7 @@ class Trainer:
             save_steps=a.save_steps if save_steps is None else save_steps, seed=a.seed,
             progress="off" if a.disable_tqdm else "auto",
             stage_memory_budget=a.stage_memory_budget,
+            pipeline_split_points=a.pipeline_split_points,
             eval_batches=0,  # Hugging Face evaluates the whole set
             eval_micro_batch_size=(a.per_device_eval_batch_size
                                    if "per_device_eval_batch_size" in a.model_fields_set else 0),

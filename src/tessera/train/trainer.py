@@ -124,7 +124,8 @@ class Trainer:
         self.model_meta = describe_model(self.model)
         budget = args.stage_memory_budget
         self.plan = parallelize(self.model, self.strategy, self.mesh, memory=memory,
-                                deferred=deferred, stage_budget=budget, seq_len=self._seq_len())
+                                deferred=deferred, stage_budget=budget, seq_len=self._seq_len(),
+                                split_points=args.pipeline_split_points)
         if budget and self.ctx.is_main:
             print(f"tessera: stage_memory_budget={budget:,} bytes: recomputation per "
                   f"stage {strategy_text(self.stage_recompute)}", flush=True)

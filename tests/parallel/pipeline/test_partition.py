@@ -264,6 +264,30 @@ def test_too_many_interleaved_stages_name_the_pp_that_fits():
     assert len(partition(graph, 2 * fits, 2 * fits, "interleaved").bounds) == 2 * fits + 1
 
 
+def test_split_points_name_the_modules_that_start_stages():
+    from tessera.parallel.pipeline.partition import candidate_cuts
+    from tessera.parallel.pipeline.split_points import cuts_at, module_path
+    from tessera.strategy import StrategyError
+
+    with torch.device("meta"):
+        model = Transformer(preset("tiny", n_layers=4))
+    graph = capture(model, 1, 16)
+    allowed = candidate_cuts(CostTable(graph, DeviceRates()))
+    cuts = cuts_at(graph, ["blocks.1", "blocks.3"], allowed, 3)
+    assert [module_path(graph, c) for c in cuts] == ["blocks.1.attn_norm", "blocks.3.attn_norm"]
+    assert [module_path(graph, c - 1).split(".")[:2] for c in cuts] == [["blocks", "0"],
+                                                                        ["blocks", "2"]]
+    part = partition(graph, 3, cuts=cuts)
+    assert part.bounds[1:-1] == cuts
+    for names, stages, fragment in (
+            (["blocks.1"], 3, "1 names for 3 stages"),
+            (["blocks.9"], 2, "'blocks.9' names no module"),
+            (["blocks.1.attn.q_proj"], 2, "more activations cross"),
+            (["blocks.3", "blocks.1"], 3, "must follow the model's order")):
+        with pytest.raises(StrategyError, match=fragment):
+            cuts_at(graph, names, allowed, stages)
+
+
 class _DataDependent(nn.Module):
     def __init__(self) -> None:
         super().__init__()

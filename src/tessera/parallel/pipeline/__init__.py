@@ -26,16 +26,19 @@ from tessera.mesh import Mesh
 from tessera.models.materialize import DeferredInit, has_meta, parameter_aliases
 from tessera.parallel.pipeline.capture import CaptureError, ProxyGraph, capture, retarget
 from tessera.parallel.pipeline.comm import Channel, stage_channels
+from tessera.parallel.pipeline.cost import DeviceRates
 from tessera.parallel.pipeline.engine import PipelineEngine
 from tessera.parallel.pipeline.head import head_slices_for, slice_head, sliced_head_loss
 from tessera.parallel.pipeline.kept import measured_under
 from tessera.parallel.pipeline.module import (GradSync, StageModule, local_shard,
                                               persistent_buffers)
-from tessera.parallel.pipeline.partition import Partition, PartitionError, partition
+from tessera.parallel.pipeline.partition import (CostTable, Partition, PartitionError,
+                                                candidate_cuts, partition)
 from tessera.parallel.pipeline.program import PipelineProgram, capture_for_partition
 from tessera.parallel.pipeline.recompute import stage_aware_ratios, strategy_text
 from tessera.parallel.pipeline.rows import RowHolding, RowShare, find_row_shares
 from tessera.parallel.pipeline.schedules import ScheduleError, build, check_sizes, chunks_for
+from tessera.parallel.pipeline.split_points import cuts_at
 from tessera.parallel.plan import Parallelized, lm_loss
 from tessera.parallel.pipeline.tp import (carry_permutations, grid_inputs, stage_batch,
                                           tp_group_of, tp_loss)
@@ -95,7 +98,8 @@ class Pipeline:
 
 def apply_pipeline(plan: Parallelized, strategy: Strategy, mesh: Mesh,
                    inputs: Any = None, deferred: DeferredInit | None = None,
-                   budget: int | None = None, seq_len: int | None = None) -> Pipeline:
+                   budget: int | None = None, seq_len: int | None = None,
+                   split_points: list[str] | None = None) -> Pipeline:
     """Partition ``plan.model`` into ``strategy.pp`` stages and keep this rank's share.
 
     A model on the meta device is captured and partitioned as it is; ``deferred`` then
@@ -138,7 +142,7 @@ def apply_pipeline(plan: Parallelized, strategy: Strategy, mesh: Mesh,
         graph = slice_head(graph, head_slices_for(graph, n_virtual))
         loss_fn = sliced_head_loss if graph.head_slices > 1 else lm_loss
     part = _cut(priced_under(graph, strategy, mesh.device_type), n_virtual, micro_batches,
-                strategy, ratios, budget)
+                strategy, ratios, budget, split_points)
     if budget is not None:
         ratios = list(part.recompute)  # chosen per stage for the budget
     pp_rank = mesh.rank("pp")
@@ -187,16 +191,21 @@ def priced_under(graph: ProxyGraph, strategy: Strategy, device_type: str) -> Pro
 
 
 def _cut(graph: ProxyGraph, stages: int, micro_batches: int, strategy: Strategy,
-         ratios: list[float], budget: int | None) -> Partition:
-    """The partition into ``stages`` (with each stage's ratio chosen under ``budget``);
-    refused as a StrategyError naming pp, the schedule and, under a budget, its need."""
+         ratios: list[float], budget: int | None, split_points: list[str] | None = None
+         ) -> Partition:
+    """The partition into ``stages`` (with each stage's ratio chosen under ``budget``), at
+    the modules ``split_points`` names when given; refused as a StrategyError naming pp, the
+    schedule and, under a budget, its need."""
+    cuts = None
+    if split_points:
+        cuts = cuts_at(graph, list(split_points), candidate_cuts(CostTable(graph, DeviceRates())), stages)
     try:
         # Cuts inside attention / MLP: checked without tp and sp only (their stage graphs
         # carry collectives and sharded activations across such a cut untested).
         return partition(graph, stages, micro_batches, strategy.schedule,
                          memory_limit=budget,
                          recompute=None if budget is not None else tuple(ratios),
-                         finer=strategy.tp == 1 and strategy.sp == 1)
+                         cuts=cuts, finer=strategy.tp == 1 and strategy.sp == 1)
     except PartitionError as err:
         if err.max_stages is not None:  # too few cut points: say which pp would fit
             chunks = chunks_for(strategy.schedule)

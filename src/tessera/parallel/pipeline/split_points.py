@@ -1,0 +1,61 @@
+"""Manual split points: stage boundaries named by module, instead of the partitioner's search.
+
+``train.pipeline_split_points: [blocks.4, blocks.8]`` starts a stage at each named module:
+the cut goes before the first graph node the module computes (torch.export records each
+node's module path). The cuts must be places where the partitioner itself may cut (few
+activations cross, partition.candidate_cuts), so that stages exchange what they exchange
+under the automatic partition; a name that lands elsewhere is refused with the nearest
+modules that would do.
+"""
+
+from __future__ import annotations
+
+from tessera.parallel.pipeline.capture import ProxyGraph
+from tessera.strategy import StrategyError
+
+
+def module_path(graph: ProxyGraph, index: int) -> str:
+    """The innermost module that computes compute node ``index`` ("" for the model's own
+    forward)."""
+    stack = graph.nodes[graph.compute[index]].node.meta.get("nn_module_stack") or {}
+    return list(stack.values())[-1][0] if stack else ""
+
+
+def _inside(path: str, name: str) -> bool:
+    return path == name or path.startswith(name + ".")
+
+
+def cuts_at(graph: ProxyGraph, names: list[str], allowed: list[int], stages: int) -> list[int]:
+    """Compute indices of the cuts before the modules ``names`` (one per stage boundary).
+
+    Args:
+        graph: the captured model (the partition's graph).
+        names: module paths, in model order, e.g. ``["blocks.4"]`` or ``["transformer.h.6"]``.
+        allowed: cut positions the partitioner accepts (partition.candidate_cuts).
+        stages: stages of the run (pp, times 2 under interleaving).
+
+    Raises:
+        StrategyError: naming the split point and what is wrong with it.
+    """
+    if len(names) != stages - 1:
+        raise StrategyError(f"pipeline_split_points has {len(names)} names for {stages} "
+                            f"stages: give {stages - 1} (each starts a stage)")
+    paths = [module_path(graph, i) for i in range(len(graph.compute))]
+    cuts = []
+    for name in names:
+        index = next((i for i, path in enumerate(paths) if _inside(path, name)), None)
+        if index is None:
+            known = sorted({p.rsplit(".", 1)[0] if p.count(".") > 1 else p for p in paths} - {""})
+            raise StrategyError(f"pipeline split point {name!r} names no module the captured "
+                                f"model computes; modules include {', '.join(known[:12])}")
+        if index not in allowed:
+            near = sorted(allowed, key=lambda c: abs(c - index))[:2]
+            raise StrategyError(
+                f"pipeline split point {name!r} would cut where more activations cross than "
+                f"at the model's narrowest points; start the stage at "
+                f"{' or '.join(repr(paths[c]) for c in sorted(near))} instead")
+        if cuts and index <= cuts[-1]:
+            raise StrategyError(f"pipeline split points must follow the model's order: "
+                                f"{name!r} does not come after {names[len(cuts) - 1]!r}")
+        cuts.append(index)
+    return cuts
