@@ -240,6 +240,7 @@ class RunConfig(_Section):
                              f"{model.vocab_size}")
         try:
             self.strategy.validate_for(model=model, seq_len=self.data.seq_len)
+            self.strategy.check_split_points(self.train.pipeline_split_points)
         except StrategyError as err:
             raise ValueError(f"strategy: {err}") from None
         self._check_memory()
@@ -310,6 +311,9 @@ def _plan(raw: dict[str, Any], text: str, world_size: int | None) -> str:
 
     if world_size is None:
         raise ConfigError("strategy=auto needs the number of workers (tessera train --nproc N)")
+    if (raw.get("train") or {}).get("pipeline_split_points"):
+        raise ConfigError("train.pipeline_split_points names stage boundaries for a pp the "
+                          "strategy fixes: give strategy text with pp > 1, not auto")
     probe = config_from_dict({**raw, "strategy": "dp=1,mbs=1,gbs=1"})  # validates the rest
     try:
         return resolve_auto_text(text, probe.model.build_config(), world_size).to_text()

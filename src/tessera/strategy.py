@@ -163,6 +163,25 @@ class Strategy:
         """Number of devices this strategy occupies: dp * tp * pp * sp."""
         return self.dp * self.tp * self.pp * self.sp
 
+    def check_split_points(self, names: list[str] | None) -> None:
+        """Refuse pipeline split points (module names that start stages) this layout cannot
+        take: one per boundary between its stages (virtual ones under interleaving), pp > 1.
+
+        Raises:
+            StrategyError: naming the rule.
+        """
+        if names is None:
+            return
+        if self.pp == 1:
+            raise StrategyError("pipeline_split_points places pipeline stage boundaries and "
+                                "needs pp > 1")
+        chunks = 2 if self.schedule == "interleaved" else 1  # schedules.chunks_for
+        stages = self.pp * chunks
+        if len(names) != stages - 1:
+            virtual = f" ({chunks} virtual stages per rank)" if chunks > 1 else ""
+            raise StrategyError(f"pipeline_split_points has {len(names)} names for {stages} "
+                                f"stages{virtual}: give {stages - 1} (each starts a stage)")
+
     @property
     def grad_accum_steps(self) -> int:
         """Micro-batches each data-parallel rank runs per optimizer step."""

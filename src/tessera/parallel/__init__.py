@@ -46,9 +46,7 @@ def parallelize(model: nn.Module, strategy: Strategy, mesh: Mesh,
     if stage_budget is not None and strategy.pp == 1:
         raise StrategyError("train.stage_memory_budget chooses pipeline stages' recomputation "
                             "and needs pp > 1; at pp=1 give the strategy's recompute= instead")
-    if split_points and strategy.pp == 1:
-        raise StrategyError("train.pipeline_split_points places pipeline stage boundaries and "
-                            "needs pp > 1")
+    strategy.check_split_points(split_points)
     if has_meta(model):
         if deferred is None:
             raise ValueError("the model has parameters on the meta device and no "

@@ -208,6 +208,10 @@ class Trainer:
                                     a.gradient_accumulation_steps, a.precision,
                                     seq_len=_sample_length(train_dataset) if planned else None)
         check_batch_arguments(a, strategy)
+        if planned and a.pipeline_split_points:
+            raise StrategyError("pipeline_split_points names stage boundaries for a pp the "
+                                "strategy fixes: give strategy text with pp > 1, not 'auto'")
+        strategy.check_split_points(a.pipeline_split_points)
         steps_per_epoch = max(1, len(train_dataset) // strategy.global_batch_size)
         max_steps = a.max_steps if a.max_steps > 0 else math.ceil(
             a.num_train_epochs * steps_per_epoch)

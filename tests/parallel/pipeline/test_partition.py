@@ -277,8 +277,13 @@ def test_split_points_name_the_modules_that_start_stages():
     assert [module_path(graph, c) for c in cuts] == ["blocks.1.attn_norm", "blocks.3.attn_norm"]
     assert [module_path(graph, c - 1).split(".")[:2] for c in cuts] == [["blocks", "0"],
                                                                         ["blocks", "2"]]
-    part = partition(graph, 3, cuts=cuts)
-    assert part.bounds[1:-1] == cuts
+    from tessera.strategy import Strategy
+
+    with pytest.raises(StrategyError, match=r"1 names for 4 stages \(2 virtual stages per"):
+        Strategy.parse("pp=2,mbs=1,gbs=4,schedule=interleaved").check_split_points(["blocks.1"])
+    with pytest.raises(StrategyError, match="needs pp > 1"):
+        Strategy.parse("dp=1,mbs=1,gbs=1").check_split_points([])
+    Strategy.parse("pp=3,mbs=1,gbs=3").check_split_points(["blocks.1", "blocks.3"])
     for names, stages, fragment in (
             (["blocks.1"], 3, "1 names for 3 stages"),
             (["blocks.9"], 2, "'blocks.9' names no module"),

@@ -2,8 +2,8 @@
 
 import pytest
 
+from tessera.config import ConfigError, load_config
 from tessera.parallel.pipeline.split_points import module_path
-from tessera.strategy import StrategyError
 from tessera.testing import run_distributed, train_tiny, tiny_trainer
 
 SPLIT = {"pipeline_split_points": ["blocks.1.mlp_norm"]}
@@ -14,7 +14,7 @@ def _run(rank, world, root):
         try:
             tiny_trainer(f"{root}/refused", "dp=1,mbs=2,gbs=8", 1, train=SPLIT)
             refusal = None
-        except StrategyError as err:
+        except ConfigError as err:  # refused with the config, before any work
             refusal = str(err)
         return {"losses": train_tiny(f"{root}/one", "dp=1,mbs=2,gbs=8")[0].losses,
                 "refusal": refusal}
@@ -34,3 +34,9 @@ def test_pp2_split_at_a_named_module_equals_one_device(tmp_path):
     assert pp["split_at"] == "blocks.1.mlp_norm" != pp["auto_at"]  # not the search's cut
     # fp32, the same arithmetic per micro-batch in another order: 1e-5 on losses near 5
     assert max(abs(a - b) for a, b in zip(one["losses"], pp["losses"])) < 1e-5, (one, pp)
+
+
+def test_split_points_with_a_planned_strategy_are_refused():
+    with pytest.raises(ConfigError, match="give strategy text with pp > 1, not auto"):
+        load_config(None, ["strategy=auto,gbs=8", "train.pipeline_split_points=[blocks.1]"],
+                    world_size=2)

@@ -138,7 +138,9 @@ def apply_pipeline(plan: Parallelized, strategy: Strategy, mesh: Mesh,
     local_len = -(-seq_len // strategy.sp) if seq_len else None  # sp: this rank's tokens
     graph = capture_for_partition(model, stage_batch(strategy), extra, local_len)
     loss_fn = tp_loss(strategy, mesh) or lm_loss
-    if strategy.tp == 1:  # whole logits per token (tp's are vocabulary-sharded): sliceable
+    # Whole logits per token (tp's are vocabulary-sharded) are sliceable; stages named by
+    # split points hold whole modules, the head included.
+    if strategy.tp == 1 and not split_points:
         graph = slice_head(graph, head_slices_for(graph, n_virtual))
         loss_fn = sliced_head_loss if graph.head_slices > 1 else lm_loss
     part = _cut(priced_under(graph, strategy, mesh.device_type), n_virtual, micro_batches,
@@ -198,7 +200,8 @@ def _cut(graph: ProxyGraph, stages: int, micro_batches: int, strategy: Strategy,
     schedule and, under a budget, its need."""
     cuts = None
     if split_points:
-        cuts = cuts_at(graph, list(split_points), candidate_cuts(CostTable(graph, DeviceRates())), stages)
+        allowed = candidate_cuts(CostTable(graph, DeviceRates()))
+        cuts = cuts_at(graph, list(split_points), allowed, stages)
     try:
         # Cuts inside attention / MLP: checked without tp and sp only (their stage graphs
         # carry collectives and sharded activations across such a cut untested).
@@ -217,7 +220,7 @@ def _cut(graph: ProxyGraph, stages: int, micro_batches: int, strategy: Strategy,
             raise StrategyError(f"pp={strategy.pp}, schedule={strategy.schedule}{per}: {err}; "
                                 f"{advice}") from None
         raise StrategyError(f"pp={strategy.pp}, schedule={strategy.schedule}: {err}"
-                            + _least_need(graph, stages, micro_batches, strategy, budget)
+                            + _least_need(graph, stages, micro_batches, strategy, budget, cuts)
                             ) from None
 
 
@@ -249,12 +252,14 @@ def _stage_optimizer(module: StageModule, base, *args):
 
 
 def _least_need(graph: ProxyGraph, stages: int, micro_batches: int, strategy: Strategy,
-                budget: int | None) -> str:
-    """What a refused budget would have to be: the fullest stage under full recomputation."""
+                budget: int | None, cuts: list[int] | None = None) -> str:
+    """What a refused budget would have to be: the fullest stage under full recomputation
+    (at the split points' ``cuts`` when given)."""
     if budget is None:
         return ""
     try:
-        full = partition(graph, stages, micro_batches, strategy.schedule, recompute=(1.0,))
+        full = partition(graph, stages, micro_batches, strategy.schedule, recompute=(1.0,),
+                         cuts=cuts)
     except PartitionError:  # refused for another reason (too few cuts): said already
         return ""
     return (f" (train.stage_memory_budget={budget:,} bytes; with full recomputation "

@@ -2,10 +2,11 @@
 
 ``train.pipeline_split_points: [blocks.4, blocks.8]`` starts a stage at each named module:
 the cut goes before the first graph node the module computes (torch.export records each
-node's module path). The cuts must be places where the partitioner itself may cut (few
-activations cross, partition.candidate_cuts), so that stages exchange what they exchange
-under the automatic partition; a name that lands elsewhere is refused with the nearest
-modules that would do.
+node's module path). The cuts must be places where the partitioner's search may cut (the
+fewest activations cross, partition.candidate_cuts; not its finer cuts inside attention and
+the MLP), so that stages exchange what they exchange under the automatic partition; a name
+that lands elsewhere is refused with the nearest modules that would do. Stages named this
+way hold whole modules: the LM head is not sliced over the last stages (head.py).
 """
 
 from __future__ import annotations
@@ -25,7 +26,8 @@ def _inside(path: str, name: str) -> bool:
     return path == name or path.startswith(name + ".")
 
 
-def cuts_at(graph: ProxyGraph, names: list[str], allowed: list[int], stages: int) -> list[int]:
+def cuts_at(graph: ProxyGraph, names: list[str], allowed: list[int], stages: int
+            ) -> list[int]:
     """Compute indices of the cuts before the modules ``names`` (one per stage boundary).
 
     Args:
@@ -37,25 +39,42 @@ def cuts_at(graph: ProxyGraph, names: list[str], allowed: list[int], stages: int
     Raises:
         StrategyError: naming the split point and what is wrong with it.
     """
-    if len(names) != stages - 1:
+    if len(names) != stages - 1:  # Strategy.check_split_points refuses this first
         raise StrategyError(f"pipeline_split_points has {len(names)} names for {stages} "
                             f"stages: give {stages - 1} (each starts a stage)")
     paths = [module_path(graph, i) for i in range(len(graph.compute))]
     cuts = []
     for name in names:
-        index = next((i for i, path in enumerate(paths) if _inside(path, name)), None)
+        index = _first(paths, name)
         if index is None:
-            known = sorted({p.rsplit(".", 1)[0] if p.count(".") > 1 else p for p in paths} - {""})
+            known = list(dict.fromkeys(p for p in paths if p))  # model order
+            shown = known[:6] + ["..."] + known[-6:] if len(known) > 12 else known
             raise StrategyError(f"pipeline split point {name!r} names no module the captured "
-                                f"model computes; modules include {', '.join(known[:12])}")
+                                f"model computes; modules include {', '.join(shown)}")
         if index not in allowed:
-            near = sorted(allowed, key=lambda c: abs(c - index))[:2]
             raise StrategyError(
                 f"pipeline split point {name!r} would cut where more activations cross than "
                 f"at the model's narrowest points; start the stage at "
-                f"{' or '.join(repr(paths[c]) for c in sorted(near))} instead")
+                f"{_nearest_names(paths, allowed, index)} instead")
         if cuts and index <= cuts[-1]:
             raise StrategyError(f"pipeline split points must follow the model's order: "
                                 f"{name!r} does not come after {names[len(cuts) - 1]!r}")
         cuts.append(index)
     return cuts
+
+
+def _first(paths: list[str], name: str) -> int | None:
+    """The first compute node inside module ``name`` (None: none)."""
+    return next((i for i, path in enumerate(paths) if _inside(path, name)), None)
+
+
+def _nearest_names(paths: list[str], allowed: list[int], index: int) -> str:
+    """Module names that start a stage at the allowed cuts nearest ``index``, one before and
+    one after, each a name that resolves back to its cut."""
+    names = []
+    for cuts in ([c for c in allowed if c < index][::-1], [c for c in allowed if c > index]):
+        for cut in cuts:
+            if paths[cut] and _first(paths, paths[cut]) == cut:
+                names.append(repr(paths[cut]))
+                break
+    return " or ".join(names) or "a block boundary"
