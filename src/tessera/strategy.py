@@ -46,6 +46,11 @@ def blocks_to_recompute(ratio: float, n_blocks: int) -> int:
         return 0
     return min(n_blocks, max(0, math.ceil(ratio * n_blocks - 0.5 - 1e-9)))
 
+def chunks_for(schedule: str) -> int:
+    """Virtual stages per rank: 2 under interleaving, else 1."""
+    return 2 if schedule == "interleaved" else 1
+
+
 class StrategyError(ValueError):
     """A Strategy value (or its text form) breaks a rule; the message names field and rule."""
 
@@ -175,7 +180,7 @@ class Strategy:
         if self.pp == 1:
             raise StrategyError("pipeline_split_points places pipeline stage boundaries and "
                                 "needs pp > 1")
-        chunks = 2 if self.schedule == "interleaved" else 1  # schedules.chunks_for
+        chunks = chunks_for(self.schedule)
         stages = self.pp * chunks
         if len(names) != stages - 1:
             virtual = f" ({chunks} virtual stages per rank)" if chunks > 1 else ""

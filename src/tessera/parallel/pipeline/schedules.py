@@ -25,6 +25,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from tessera.strategy import chunks_for  # noqa: F401  (the pipeline's name for it)
+
 SCHEDULE_NAMES = ("gpipe", "1f1b", "interleaved", "scp")
 
 
@@ -42,11 +44,6 @@ class Action:
 
     def __str__(self) -> str:
         return f"{self.stage}{self.kind}{self.mb}"
-
-
-def chunks_for(schedule: str) -> int:
-    """Virtual stages per rank: 2 under interleaving, else 1."""
-    return 2 if schedule == "interleaved" else 1
 
 
 def check_sizes(schedule: str, pp: int, micro_batches: int) -> None:
