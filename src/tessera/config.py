@@ -131,6 +131,10 @@ class TrainingArguments(_Section):
     # pp > 1: module names that each start a stage (e.g. [blocks.4, blocks.8]), instead of the
     # partitioner's search; one per stage boundary (pp - 1, or 2pp - 1 under interleaving).
     pipeline_split_points: list[str] | None = None
+    # pp > 1: modules captured as one opaque node each and run eagerly in their stage (names
+    # or fnmatch patterns, e.g. [blocks.*.moe]): the way to pipeline a model torch.export
+    # cannot capture whole (pipeline/leaves.py).
+    pipeline_leaf_modules: list[str] | None = None
 
     @field_validator("stage_memory_budget", mode="before")
     @classmethod
@@ -241,6 +245,7 @@ class RunConfig(_Section):
         try:
             self.strategy.validate_for(model=model, seq_len=self.data.seq_len)
             self.strategy.check_split_points(self.train.pipeline_split_points)
+            self.strategy.check_leaf_modules(self.train.pipeline_leaf_modules)
         except StrategyError as err:
             raise ValueError(f"strategy: {err}") from None
         self._check_memory()
@@ -311,9 +316,10 @@ def _plan(raw: dict[str, Any], text: str, world_size: int | None) -> str:
 
     if world_size is None:
         raise ConfigError("strategy=auto needs the number of workers (tessera train --nproc N)")
-    if (raw.get("train") or {}).get("pipeline_split_points"):
-        raise ConfigError("train.pipeline_split_points names stage boundaries for a pp the "
-                          "strategy fixes: give strategy text with pp > 1, not auto")
+    for key in ("pipeline_split_points", "pipeline_leaf_modules"):
+        if (raw.get("train") or {}).get(key):
+            raise ConfigError(f"train.{key} shapes the pipeline of a pp the strategy fixes: "
+                              "give strategy text with pp > 1, not auto")
     probe = config_from_dict({**raw, "strategy": "dp=1,mbs=1,gbs=1"})  # validates the rest
     try:
         return resolve_auto_text(text, probe.model.build_config(), world_size).to_text()

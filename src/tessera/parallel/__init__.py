@@ -25,7 +25,8 @@ __all__ = ["Parallelized", "parallelize"]
 def parallelize(model: nn.Module, strategy: Strategy, mesh: Mesh,
                 memory: Any = None, deferred: DeferredInit | None = None,
                 stage_budget: int | None = None, seq_len: int | None = None,
-                split_points: list[str] | None = None) -> Parallelized:
+                split_points: list[str] | None = None,
+                leaf_modules: list[str] | None = None) -> Parallelized:
     """Lay ``model`` out under ``strategy`` on ``mesh``.
 
     The model's parameters must be on the mesh's device, or on the meta device with
@@ -40,13 +41,16 @@ def parallelize(model: nn.Module, strategy: Strategy, mesh: Mesh,
     ``stage_budget`` (bytes, pp > 1 only) has each stage recompute the least that fits it.
     ``seq_len``, the run's sequence length, is the length pipeline stages are partitioned at.
     ``split_points`` (pp > 1 only): module names that start the stages, instead of the
-    partitioner's search (pipeline/split_points.py).
+    partitioner's search (pipeline/split_points.py). ``leaf_modules`` (pp > 1 only): modules
+    (names or patterns) captured as one opaque node each and run eagerly, for models
+    torch.export cannot capture whole (pipeline/leaves.py).
     """
     strategy.require_available()
     if stage_budget is not None and strategy.pp == 1:
         raise StrategyError("train.stage_memory_budget chooses pipeline stages' recomputation "
                             "and needs pp > 1; at pp=1 give the strategy's recompute= instead")
     strategy.check_split_points(split_points)
+    strategy.check_leaf_modules(leaf_modules)
     if has_meta(model):
         if deferred is None:
             raise ValueError("the model has parameters on the meta device and no "
@@ -74,7 +78,9 @@ def parallelize(model: nn.Module, strategy: Strategy, mesh: Mesh,
         # Pipeline (issue 6): the model is captured with torch.export and cut into stages;
         # stage-aware recomputation and dp gradient averaging run inside the PipelineEngine.
         from tessera.parallel.pipeline import apply_pipeline
+        from tessera.parallel.pipeline.leaves import mark_leaves
 
+        mark_leaves(model, leaf_modules)  # every capture of the model hides them
         apply_pipeline(plan, strategy, mesh, stage_inputs, deferred, stage_budget, seq_len,
                        split_points)
         if strategy.memory == "chunk":

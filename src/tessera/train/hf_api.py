@@ -38,8 +38,8 @@ from tessera.train.trainer import TrainResult
 
 
 class TrainingArguments(_Section):
-    """Hugging Face ``TrainingArguments`` names, plus ``strategy``, ``stage_memory_budget``
-    and ``pipeline_split_points``.
+    """Hugging Face ``TrainingArguments`` names, plus ``strategy``, ``stage_memory_budget``,
+    ``pipeline_split_points`` and ``pipeline_leaf_modules``.
 
     Unknown names are refused (naming the key) rather than ignored. ``max_steps=-1`` trains
     for ``num_train_epochs``. ``strategy`` is Strategy text, "auto" (the planner picks the
@@ -50,6 +50,7 @@ class TrainingArguments(_Section):
     strategy: str | None = None
     stage_memory_budget: int | None = None  # pp > 1: bytes per stage, e.g. "12GiB"
     pipeline_split_points: list[str] | None = None  # pp > 1: modules that start stages
+    pipeline_leaf_modules: list[str] | None = None  # pp > 1: modules run eagerly, uncaptured
     per_device_train_batch_size: int = 8
     per_device_eval_batch_size: int = 8
     gradient_accumulation_steps: int = 1
@@ -208,10 +209,12 @@ class Trainer:
                                     a.gradient_accumulation_steps, a.precision,
                                     seq_len=_sample_length(train_dataset) if planned else None)
         check_batch_arguments(a, strategy)
-        if planned and a.pipeline_split_points:
-            raise StrategyError("pipeline_split_points names stage boundaries for a pp the "
-                                "strategy fixes: give strategy text with pp > 1, not 'auto'")
+        for key in ("pipeline_split_points", "pipeline_leaf_modules"):
+            if planned and getattr(a, key):
+                raise StrategyError(f"{key} shapes the pipeline of a pp the strategy fixes: "
+                                    "give strategy text with pp > 1, not 'auto'")
         strategy.check_split_points(a.pipeline_split_points)
+        strategy.check_leaf_modules(a.pipeline_leaf_modules)
         steps_per_epoch = max(1, len(train_dataset) // strategy.global_batch_size)
         max_steps = a.max_steps if a.max_steps > 0 else math.ceil(
             a.num_train_epochs * steps_per_epoch)
@@ -230,6 +233,7 @@ class Trainer:
             progress="off" if a.disable_tqdm else "auto",
             stage_memory_budget=a.stage_memory_budget,
             pipeline_split_points=a.pipeline_split_points,
+            pipeline_leaf_modules=a.pipeline_leaf_modules,
             eval_batches=0,  # Hugging Face evaluates the whole set
             eval_micro_batch_size=(a.per_device_eval_batch_size
                                    if "per_device_eval_batch_size" in a.model_fields_set else 0),

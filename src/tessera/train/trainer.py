@@ -125,7 +125,8 @@ class Trainer:
         budget = args.stage_memory_budget
         self.plan = parallelize(self.model, self.strategy, self.mesh, memory=memory,
                                 deferred=deferred, stage_budget=budget, seq_len=self._seq_len(),
-                                split_points=args.pipeline_split_points)
+                                split_points=args.pipeline_split_points,
+                                leaf_modules=args.pipeline_leaf_modules)
         if budget and self.ctx.is_main:
             print(f"tessera: stage_memory_budget={budget:,} bytes: recomputation per "
                   f"stage {strategy_text(self.stage_recompute)}", flush=True)

@@ -29,6 +29,7 @@ from torch.fx.experimental.symbolic_shapes import GuardOnDataDependentSymNode
 
 from tessera.models.materialize import BLOCK_LISTS
 from tessera.parallel.pipeline.cost import VIEW_OPS, NodeCost, op_name, node_cost, value_bytes
+from tessera.parallel.pipeline.leaves import is_leaf_call, leaf_cost, opaque_leaves, suggest_leaves
 
 _BLOCK_INDEX = re.compile(rf"(?:^|\.)(?:{BLOCK_LISTS})\.(\d+)\.")
 
@@ -108,7 +109,8 @@ def capture(model: nn.Module, batch_size: int, seq_len: int, extra_inputs=None,
     ids = torch.zeros(batch_size, seq_len, dtype=torch.long, device=device)
     try:
         kwargs = extra_inputs(ids) if extra_inputs is not None else {}
-        program = torch.export.export(model, (ids,), kwargs, strict=False)
+        with opaque_leaves(model):  # modules marked as leaves trace as one node each
+            program = torch.export.export(model, (ids,), kwargs, strict=False)
     except Exception as err:  # export raises many types; all mean "not capturable"
         raise CaptureError(_capture_message(model, err, (batch_size, seq_len))) from err
     if head_slices > 1:
@@ -129,6 +131,7 @@ def build_proxy(program: ExportedProgram, more_inputs: tuple[str, ...] = (),
     kinds = {**{n: "param" for n in sig.inputs_to_parameters},
              **{n: "buffer" for n in sig.inputs_to_buffers},
              **{n: "const" for n in sig.inputs_to_lifted_tensor_constants},
+             **{n: "const" for n in sig.inputs_to_lifted_custom_objs},  # leaves' callables
              **{n: "input" for n in sig.user_inputs}}
     fqns = {**sig.inputs_to_parameters, **sig.inputs_to_buffers}
     nodes: dict[str, ProxyNode] = {}
@@ -155,8 +158,10 @@ def build_proxy(program: ExportedProgram, more_inputs: tuple[str, ...] = (),
                 nodes[node.name] = ProxyNode(node.name, "static", node)
                 continue
             block = _block_of(preds, block)
-            nodes[node.name] = ProxyNode(node.name, "compute", node, cost=node_cost(node),
-                                         block=block)
+            cost = (leaf_cost(node, sum(p.node.meta["val"].numel() for p in preds
+                                        if p.kind in ("param", "param_view")))
+                    if is_leaf_call(node) else node_cost(node))
+            nodes[node.name] = ProxyNode(node.name, "compute", node, cost=cost, block=block)
             for pred in preds:
                 if pred.kind in ("param", "param_view"):
                     param_users[roots.get(pred.name, pred.name)].append(len(compute))
@@ -252,16 +257,23 @@ def _capture_message(model: nn.Module, err: Exception, shape: tuple[int, int]) -
     where = f" at {frames[-1].filename}:{frames[-1].lineno} ({frames[-1].line})" if frames else ""
     head = (f"torch.export could not capture {type(model).__name__} for pipeline "
             f"partitioning: {type(err).__name__}: {first}{where}. ")
-    manual = ("train this model with pp=1, or split it by hand into stage modules for "
-              "torch.distributed.pipelining.")
+    leaves = suggest_leaves(model, err)
+    if leaves:  # the failing operation is inside a submodule: run that module eagerly
+        way_out = (f"The way out: mark the module that runs it as an opaque leaf, "
+                   f"pipeline_leaf_modules={leaves} (train.pipeline_leaf_modules in YAML): it "
+                   "then runs eagerly inside its stage, and stages are cut between whole "
+                   "leaves, by the partitioner or at the pipeline_split_points you name. "
+                   "Or train this model with pp=1.")
+    else:
+        way_out = ("It is in the model's own forward, which no leaf module can hide: make it "
+                   "traceable, or train this model with pp=1.")
     if _data_dependent(err):
         return (head + "Data-dependent control flow (a Python `if` on a tensor value) cannot "
-                "be traced: rewrite it with torch.cond or move it out of forward; Hugging Face "
-                "models need use_cache=False. Until then " + manual)
+                "be traced: rewrite it with torch.cond, or take the way out below (Hugging "
+                "Face models also need use_cache=False). " + way_out)
     return (head + f"It was traced with input_ids of shape {shape}: if the model rejects "
             "that input (a sequence longer than it accepts), run with a shape it takes; "
-            "if an operation cannot be traced, make it traceable (Hugging Face models need "
-            "use_cache=False) or " + manual)
+            "Hugging Face models need use_cache=False. " + way_out)
 
 
 def _data_dependent(err: BaseException | None) -> bool:

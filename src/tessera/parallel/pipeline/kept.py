@@ -157,7 +157,9 @@ def _fake_run(graph: ProxyGraph, device_type: str | None, dtype: torch.dtype | N
     state = params | set(sig.inputs_to_buffers) | set(sig.inputs_to_lifted_tensor_constants)
     placeholders = [n for n in module.graph.nodes if n.op == "placeholder"]
     with FakeTensorMode(allow_non_fake_inputs=True):
-        args = [_fake_like(n.meta.get("val"), device, requires_grad=n.name in params)
+        objs = sig.inputs_to_lifted_custom_objs  # leaf modules' callables (leaves.py)
+        args = [graph.program.constants[objs[n.name]] if n.name in objs
+                else _fake_like(n.meta.get("val"), device, requires_grad=n.name in params)
                 for n in placeholders]
         held = {_storage(a) for a, n in zip(args, placeholders)
                 if n.name in state and isinstance(a, torch.Tensor)}
@@ -184,6 +186,10 @@ _CONVERSIONS = {"to", "_to_copy", "type_as", "type", "float", "half", "bfloat16"
 class _CastWatch(TorchDispatchMode):
     """Tells the recorder which conversions copy a node's own value (autocast's casts reach
     the dispatcher as ``_to_copy``), so that stage inputs' shared casts can be priced."""
+
+    # Higher-order ops (an opaque leaf module's call, leaves.py) pass through as themselves:
+    # the fake mode below runs them.
+    supports_higher_order_operators = True
 
     def __init__(self, recorder: _Recorder) -> None:
         super().__init__()

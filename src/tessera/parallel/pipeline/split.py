@@ -183,4 +183,6 @@ def _state_value(graph: ProxyGraph, proxy, model: nn.Module):
         return model.get_buffer(proxy.fqn)
     if proxy.node.op == "get_attr":
         return getattr(graph.program.graph_module, proxy.node.target)
+    if proxy.name in sig.inputs_to_lifted_custom_objs:  # a leaf module's callable (leaves.py)
+        return graph.program.constants[sig.inputs_to_lifted_custom_objs[proxy.name]]
     return graph.program.constants[sig.inputs_to_lifted_tensor_constants[proxy.name]]
