@@ -9,6 +9,8 @@ from torch import nn
 from transformers import GPT2Config, GPT2LMHeadModel
 
 from tessera import Trainer, TrainingArguments
+from tessera.models.config import preset
+from tessera.models.transformer import Transformer
 from tessera.parallel.pipeline.capture import CaptureError, capture
 from tessera.parallel.pipeline.kept import kept_bytes, measured_under
 from tessera.parallel.pipeline.leaves import is_leaf_call, mark_leaves
@@ -149,7 +151,9 @@ def _train(rank, world, root):
 
     if world == 1:
         return {"one": run("one", "dp=1,mbs=2,gbs=8"),
-                "reference": train_tiny(f"{root}/ref_one", "dp=1,mbs=2,gbs=8", 3)[0].losses}
+                "reference": train_tiny(f"{root}/ref_one", "dp=1,mbs=2,gbs=8", 3)[0].losses,
+                "bf16": train_tiny(f"{root}/bf16_one", "dp=1,mbs=2,gbs=8,precision=bf16",
+                                   3)[0].losses}
     runs = {schedule: run(schedule, f"pp=2,mbs=2,gbs=8,schedule={schedule}{more}",
                           pipeline_leaf_modules=LEAVES, **extra)
             for schedule, more, extra in (
@@ -160,6 +164,8 @@ def _train(rank, world, root):
     trainer = tiny_trainer(f"{root}/ref_pp", "pp=2,mbs=2,gbs=8", 3, train={
         "pipeline_leaf_modules": ["blocks.*.attn"]})
     runs["reference"] = trainer.train().losses
+    runs["bf16"] = train_tiny(f"{root}/bf16_pp", "pp=2,mbs=2,gbs=8,precision=bf16", 3, train={
+        "pipeline_leaf_modules": ["blocks.*.attn"]})[0].losses
     graph = trainer.plan.pipeline.program.graph
     runs["leaf_calls"] = sum(is_leaf_call(graph.nodes[n].node) for n in graph.compute)
     return runs
@@ -171,8 +177,33 @@ def test_pp2_with_leaf_modules_equals_one_device(tmp_path):
     runs = run_distributed(_train, 2, args=(str(tmp_path),))[0]
     assert runs.pop("leaf_calls") == 2  # the reference model's two attentions, opaque
     for schedule, losses in runs.items():
-        want = one["reference" if schedule == "reference" else "one"]
-        # fp32, the same arithmetic per micro-batch summed in another order: 1e-5 on losses
-        # near 5.5 over 3 steps (Adam at lr 1e-2 amplifies a reordering a little)
+        want = one[schedule if schedule in ("reference", "bf16") else "one"]
+        # the same arithmetic per micro-batch (fp32, or bf16 autocast on the same kernels)
+        # summed in another order: 1e-5 on losses near 5.5 over 3 steps
         assert len(losses) == 3
         assert max(abs(a - b) for a, b in zip(want, losses)) < 1e-5, (schedule, want, losses)
+
+
+def test_leaves_under_bf16_autocast_compute_as_the_whole_model():
+    torch.manual_seed(0)
+    model = Transformer(preset("small", n_layers=2, vocab_size=64, max_seq_len=32,
+                               d_model=32, n_heads=2))
+    mark_leaves(model, ["blocks.*.attn"])  # their q, k and v read one input
+    graph = capture(model, 2, 16)
+    piece = split_graph(graph, [graph.compute], model)[0]
+    ids = torch.randint(0, 64, (2, 16))
+
+    def run(forward):
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            out = forward()
+        out.float().square().mean().backward()
+        grads = [p.grad.clone() for p in model.parameters()]
+        model.zero_grad()
+        return out, grads
+
+    out, grads = run(lambda: piece.module(ids)[0])
+    want, want_grads = run(lambda: model(ids))
+    # the same kernels on the same dtypes: bit for bit (a leaf whose input casts autocast
+    # cached and shared would sum the projections' gradients in bf16, off by ~3e-5)
+    assert torch.equal(out, want)
+    assert all(torch.equal(a, b) for a, b in zip(grads, want_grads))

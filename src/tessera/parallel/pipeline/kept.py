@@ -151,7 +151,9 @@ def _fake_run(graph: ProxyGraph, device_type: str | None, dtype: torch.dtype | N
     # The capture may be on the meta device, where autocast casts nothing and kernels are
     # not the run's: a copy of its module pointed at the run's device type (fake tensors
     # allocate nothing there).
-    module = point_at(copy.deepcopy(graph.program.graph_module), device)
+    with warnings.catch_warnings():  # torch deprecates a class its own leaf-call specs copy
+        warnings.filterwarnings("ignore", ".*LeafSpec.* is deprecated", FutureWarning)
+        module = point_at(copy.deepcopy(graph.program.graph_module), device)
     sig = graph.program.graph_signature
     params = set(sig.inputs_to_parameters)
     state = params | set(sig.inputs_to_buffers) | set(sig.inputs_to_lifted_tensor_constants)

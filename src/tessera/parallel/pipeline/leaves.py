@@ -27,6 +27,7 @@ from collections.abc import Iterator
 import torch
 from torch import fx, nn
 from torch._dynamo.decorators import leaf_function
+from torch.utils._pytree import tree_map_only
 
 from tessera.parallel.pipeline.cost import BWD_MATMUL, NodeCost, value_bytes
 from tessera.strategy import StrategyError
@@ -93,6 +94,11 @@ def _opaque_forward(module: nn.Module):
 @leaf_function
 def _run_leaf(module: nn.Module, args: tuple, kwargs: dict) -> torch.Tensor:
     # At run time the original forward: the instance attribute is gone (opaque_leaves).
+    # The leaf function hands its tensor arguments over as autograd leaves, whose casts
+    # autocast caches and shares (three projections of one input would then sum their
+    # gradients in 16 bits); views of them are not leaves, so the module runs as in the
+    # whole model.
+    args, kwargs = tree_map_only(torch.Tensor, _view_of_leaf, (args, kwargs))
     out = module(*args, **kwargs)
     like = _first_tensor(args, kwargs)
     if not isinstance(out, torch.Tensor) or out.shape != like.shape:
@@ -101,12 +107,18 @@ def _run_leaf(module: nn.Module, args: tuple, kwargs: dict) -> torch.Tensor:
         raise TypeError(f"pipeline leaf module {type(module).__name__} returned {got}; a "
                         f"leaf must return one tensor shaped like its first tensor argument "
                         f"{tuple(like.shape)} (pipeline/leaves.py): mark a module that does")
-    return out
+    # The capture saw the argument's dtype; a 16-bit output under autocast is widened to it,
+    # exactly (its readers would promote it alike), so the graph gets the dtype it traced.
+    return out.to(like.dtype) if out.is_floating_point() and like.is_floating_point() else out
 
 
 @_run_leaf.register_fake
 def _run_leaf_fake(module: nn.Module, args: tuple, kwargs: dict) -> torch.Tensor:
     return torch.empty_like(_first_tensor(args, kwargs))
+
+
+def _view_of_leaf(tensor: torch.Tensor) -> torch.Tensor:
+    return tensor.view_as(tensor) if tensor.requires_grad and tensor.is_leaf else tensor
 
 
 def _first_tensor(args: tuple, kwargs: dict) -> torch.Tensor:
