@@ -195,7 +195,7 @@ class Strategy:
         Raises:
             StrategyError: naming the rule.
         """
-        if names is None:
+        if not names:
             return
         if self.pp == 1:
             raise StrategyError("pipeline_leaf_modules marks modules the pipeline capture "

@@ -14,7 +14,9 @@ from tessera.models.transformer import Transformer
 from tessera.parallel.pipeline.capture import CaptureError, capture
 from tessera.parallel.pipeline.kept import kept_bytes, measured_under
 from tessera.parallel.pipeline.leaves import is_leaf_call, mark_leaves
-from tessera.parallel.pipeline.split import split_graph
+from tessera.parallel.pipeline.cost import DeviceRates
+from tessera.parallel.pipeline.partition import CostTable, candidate_cuts, partition
+from tessera.parallel.pipeline.split import boundaries, spec_of, split_graph
 from tessera.strategy import Strategy, StrategyError
 from tessera.testing import run_distributed, tiny_trainer, train_tiny
 
@@ -155,11 +157,12 @@ def _train(rank, world, root):
                 "bf16": train_tiny(f"{root}/bf16_one", "dp=1,mbs=2,gbs=8,precision=bf16",
                                    3)[0].losses}
     runs = {schedule: run(schedule, f"pp=2,mbs=2,gbs=8,schedule={schedule}{more}",
-                          pipeline_leaf_modules=LEAVES, **extra)
+                          **{"pipeline_leaf_modules": LEAVES, **extra})
             for schedule, more, extra in (
                 ("1f1b", "", {}),
                 ("gpipe", ",recompute=1", {"pipeline_split_points": ["transformer.h.1"]}),
-                ("interleaved", "", {}))}
+                # whole blocks as leaves, 4 virtual stages of one block each
+                ("interleaved", "", {"pipeline_leaf_modules": ["transformer.h.*"]}))}
     # the YAML path (train.pipeline_leaf_modules), the reference model's attention as leaves
     trainer = tiny_trainer(f"{root}/ref_pp", "pp=2,mbs=2,gbs=8", 3, train={
         "pipeline_leaf_modules": ["blocks.*.attn"]})
@@ -207,3 +210,111 @@ def test_leaves_under_bf16_autocast_compute_as_the_whole_model():
     # cached and shared would sum the projections' gradients in bf16, off by ~3e-5)
     assert torch.equal(out, want)
     assert all(torch.equal(a, b) for a, b in zip(grads, want_grads))
+
+
+def test_block_leaves_are_cut_only_where_tensors_cross():
+    model = moe_gpt2()
+    mark_leaves(model, ["transformer.h.*"])  # whole blocks: each call's value is a tuple
+    graph = capture(model, 2, 8)
+    allowed = candidate_cuts(CostTable(graph, DeviceRates()), finer=True)
+    assert allowed and all(not is_leaf_call(graph.nodes[graph.compute[c - 1]].node)
+                           for c in allowed)
+    part = partition(graph, 4)
+    groups = [graph.compute[lo:hi] for lo, hi in zip(part.bounds, part.bounds[1:])]
+    for entering in boundaries(graph, groups)[1:]:
+        assert [spec_of(graph, name).shape for name in entering] == [(2, 8, 32)]
+
+
+class _Noisy(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.drop = nn.Dropout(0.5)
+
+    def forward(self, x):
+        return self.drop(x)
+
+
+def _piece(model, mode: str):
+    getattr(model, mode)()
+    graph = capture(model, 2, 4)
+    return split_graph(graph, [graph.compute], model)[0]
+
+
+def test_a_leaf_runs_in_the_mode_it_was_captured_in_without_doubled_hooks():
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Embedding(8, 4), _Noisy(), nn.Linear(4, 8))
+    mark_leaves(model, ["1"])
+    patched = model[1].forward  # an instance-level forward (a hook library's) survives
+    model[1].forward = patched
+    model[1].register_forward_hook(lambda module, args, out: out * 10)
+    piece = _piece(model, "eval")
+    assert model[1].__dict__["forward"] is patched
+    model.train()  # under pipeline stages the user's modules stay in training mode
+    ids = torch.randint(0, 8, (2, 4))
+    with torch.no_grad():
+        got = piece.module(ids)[0]
+        assert torch.equal(got, piece.module(ids)[0])  # no dropout: evaluated in eval mode
+        assert torch.equal(got, model.eval()(ids))  # the hook applied once, as eagerly
+
+
+class _Identity(nn.Module):
+    def forward(self, x):
+        return x  # e.g. a layer that returns early
+
+
+class _Escapes(nn.Module):
+    def __init__(self, other: nn.Linear) -> None:
+        super().__init__()
+        self.other = [other]  # a plain reference: not one of this module's parameters
+
+    def forward(self, x):
+        return self.other[0](x)
+
+
+def test_leaves_pass_gradients_or_refuse_what_would_lose_them():
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Embedding(8, 4), _Identity(), nn.Linear(4, 8))
+    mark_leaves(model, ["1"])
+    piece = _piece(model, "train")
+    ids = torch.randint(0, 8, (2, 4))
+    piece.module(ids)[0].sum().backward()
+    got = model[0].weight.grad.clone()
+    model.zero_grad()
+    model(ids).sum().backward()
+    assert torch.equal(got, model[0].weight.grad)  # through a leaf returning its input
+    shared = nn.Linear(4, 4)
+    escaping = nn.Sequential(nn.Embedding(8, 4), _Escapes(shared), shared, nn.Linear(4, 8))
+    mark_leaves(escaping, ["1"])
+    with pytest.raises(RuntimeError, match="not passed as explicit inputs"):
+        _piece(escaping, "train").module(ids)[0].sum().backward()
+    tied = nn.Sequential(nn.Embedding(8, 4), nn.Sequential(nn.Linear(4, 4), nn.Linear(4, 4)))
+    tied[1][1].weight = tied[1][0].weight
+    with pytest.raises(StrategyError, match="holds a weight under two names"):
+        mark_leaves(tied, ["1"])
+
+
+class _Routed(nn.Module):
+    """Top-1 routing without a Python branch: torch.export captures it, with a row count
+    it cannot know (``nonzero``)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.experts = nn.ModuleList(nn.Linear(4, 4) for _ in range(2))
+
+    def forward(self, x):
+        flat = x.reshape(-1, 4)
+        choice = flat.sum(-1) > 0
+        out = torch.zeros_like(flat)
+        for e, expert in enumerate(self.experts):
+            rows = (choice == bool(e)).nonzero().squeeze(-1)
+            out = out.index_add(0, rows, expert(flat[rows]))
+        return out.reshape(x.shape)
+
+
+def test_a_captured_shape_that_depends_on_values_is_refused_with_the_leaf_way_out():
+    model = nn.Sequential(nn.Embedding(8, 4), nn.Sequential(_Routed()), nn.Linear(4, 8))
+    with pytest.raises(CaptureError, match=r"in module '1\.0' has a shape that depends on "
+                                           r"tensor values.*pipeline_leaf_modules=\['1\.0'\]"):
+        capture(model, 2, 4)
+    mark_leaves(model, ["1.0"])
+    assert len(capture(model, 2, 4).compute) > 0

@@ -29,7 +29,8 @@ from torch.fx.experimental.symbolic_shapes import GuardOnDataDependentSymNode
 
 from tessera.models.materialize import BLOCK_LISTS
 from tessera.parallel.pipeline.cost import VIEW_OPS, NodeCost, op_name, node_cost, value_bytes
-from tessera.parallel.pipeline.leaves import is_leaf_call, leaf_cost, opaque_leaves, suggest_leaves
+from tessera.parallel.pipeline.leaves import (is_leaf_call, leaf_cost, leaf_patterns, opaque_leaves,
+                                              suggest_leaves)
 
 _BLOCK_INDEX = re.compile(rf"(?:^|\.)(?:{BLOCK_LISTS})\.(\d+)\.")
 
@@ -158,9 +159,7 @@ def build_proxy(program: ExportedProgram, more_inputs: tuple[str, ...] = (),
                 nodes[node.name] = ProxyNode(node.name, "static", node)
                 continue
             block = _block_of(preds, block)
-            cost = (leaf_cost(node, sum(p.node.meta["val"].numel() for p in preds
-                                        if p.kind in ("param", "param_view")))
-                    if is_leaf_call(node) else node_cost(node))
+            cost = _priced(node, preds)
             nodes[node.name] = ProxyNode(node.name, "compute", node, cost=cost, block=block)
             for pred in preds:
                 if pred.kind in ("param", "param_view"):
@@ -169,6 +168,29 @@ def build_proxy(program: ExportedProgram, more_inputs: tuple[str, ...] = (),
     output = output or _logits_node(program, nodes)
     inputs = list(sig.user_inputs) + list(more_inputs)
     return ProxyGraph(program, nodes, compute, output, inputs, param_users)
+
+
+def _priced(node: fx.Node, preds: list[ProxyNode]) -> NodeCost:
+    """The node's cost; a shape that depends on tensor values (torch.export captures
+    ``nonzero`` with an unknown row count) is refused, naming the module, as a capture that
+    cannot be priced or cut."""
+    try:
+        if is_leaf_call(node):
+            return leaf_cost(node, sum(p.node.meta["val"].numel() for p in preds
+                                       if p.kind in ("param", "param_view")))
+        return node_cost(node)
+    except GuardOnDataDependentSymNode as err:
+        stack = node.meta.get("nn_module_stack") or {}
+        path = list(stack.values())[-1][0] if stack else ""
+        where = (node.meta.get("stack_trace") or "").strip().splitlines()
+        leaves = leaf_patterns([path])
+        way_out = (f"mark the module as an opaque leaf, pipeline_leaf_modules={leaves}"
+                   if path else "train this model with pp=1")
+        raise CaptureError(
+            f"{node.name} ({op_name(node)}) in module {path or 'the model itself'!r} has a "
+            f"shape that depends on tensor values ({str(err).splitlines()[0]}"
+            f"{'; ' + where[-1].strip() if where else ''}): stages cannot be priced or cut "
+            f"around it. The way out: {way_out}") from err
 
 
 def _viewed_param(node: fx.Node, preds: list[ProxyNode]) -> ProxyNode | None:

@@ -11,8 +11,8 @@ Built on torch's ``leaf_function`` (an ``invoke_leaf_function`` node whose input
 module's parameters and buffers, reparametrised into it at run time, so gradients reach the
 model's own parameters). Tracing cannot run the module, so it sees a stand-in output: **a
 leaf must return one tensor shaped like its first tensor argument** (a transformer block, an
-attention or MLP layer, a mixture-of-experts layer); a leaf returning anything else is
-refused at its first run, naming it. A leaf is priced as the matmuls of the weights it holds
+MLP or mixture-of-experts layer); a leaf returning anything else is
+refused at its first run, naming it. See docs/pipeline.md for the rules. A leaf is priced as the matmuls of the weights it holds
 (2 FLOPs per weight per token forward, twice that backward), and the activations it keeps
 inside are not seen by the memory estimate.
 """
@@ -21,7 +21,9 @@ from __future__ import annotations
 
 import contextlib
 import fnmatch
+import inspect
 import traceback
+import weakref
 from collections.abc import Iterator
 
 import torch
@@ -43,8 +45,27 @@ def mark_leaves(model: nn.Module, patterns: list[str] | None) -> list[str]:
         StrategyError: a pattern that matches no module, or that names the model itself.
     """
     names = resolve_leaves(model, patterns or [])
+    for name in names:
+        _refuse_aliased_weights(name, model.get_submodule(name))
     model.__dict__[_MARK] = tuple(names)  # not a parameter, buffer or submodule
+    if names:
+        # A leaf's module that reads a weight it does not hold (a plain reference to another
+        # module's parameter) would send that weight no gradient, silently: torch's check
+        # turns it into an error naming the tensor.
+        torch._dynamo.config.leaf_function_check_escaped_gradients = True
     return names
+
+
+def _refuse_aliased_weights(name: str, module: nn.Module) -> None:
+    """A weight held under two names in one leaf is swapped in under one only when it runs
+    (torch's reparametrisation): refuse it rather than fail in backward."""
+    every = [n for n, _ in module.named_parameters(remove_duplicate=False)]
+    unique = {n for n, _ in module.named_parameters()}
+    twice = [n for n in every if n not in unique]
+    if twice:
+        raise StrategyError(f"pipeline leaf module {name!r} holds a weight under two names "
+                            f"({', '.join(twice)} is tied to another of its parameters); "
+                            "mark its submodules as leaves instead")
 
 
 def marked_leaves(model: nn.Module) -> tuple[str, ...]:
@@ -75,31 +96,47 @@ def resolve_leaves(model: nn.Module, patterns: list[str]) -> list[str]:
 def opaque_leaves(model: nn.Module) -> Iterator[None]:
     """While open, the marked leaves of ``model`` trace as one opaque node each."""
     modules = [model.get_submodule(name) for name in marked_leaves(model)]
+    stored = _stored_modules()
+    saved = []  # a forward set on the instance before (a patch, a hook library's wrapper)
     for module in modules:
-        module.forward = _opaque_forward(module)  # an instance attribute shadows the class's
+        saved.append(module.__dict__.get("forward"))
+        module.forward = _opaque_forward(module)  # shadows the class's
     try:
         yield
     finally:
-        for module in modules:
-            module.__dict__.pop("forward", None)
+        for module, previous in zip(modules, saved):
+            if previous is None:
+                module.__dict__.pop("forward", None)
+            else:
+                module.forward = previous
+        _release_with(model, _stored_modules() - stored)
 
 
 def _opaque_forward(module: nn.Module):
-    def forward(*args, **kwargs):
-        return _run_leaf(module, args, kwargs)
+    def opaque(*args, **kwargs):
+        # The mode the capture saw: the graph of an evaluation runs the leaf in eval mode
+        # although the user's modules stay in training mode under pipeline stages.
+        return _run_leaf(module, args, kwargs, module.training)
 
-    return forward
+    return opaque
 
 
 @leaf_function
-def _run_leaf(module: nn.Module, args: tuple, kwargs: dict) -> torch.Tensor:
-    # At run time the original forward: the instance attribute is gone (opaque_leaves).
-    # The leaf function hands its tensor arguments over as autograd leaves, whose casts
-    # autocast caches and shares (three projections of one input would then sum their
-    # gradients in 16 bits); views of them are not leaves, so the module runs as in the
-    # whole model.
+def _run_leaf(module: nn.Module, args: tuple, kwargs: dict, training: bool) -> torch.Tensor:
+    # At run time ``module.forward`` is the original again (opaque_leaves put it back); not
+    # ``module(...)``: the module's hooks ran around the opaque call when it was traced, and
+    # are in the graph. The leaf function hands its tensor arguments
+    # over as autograd leaves, whose casts autocast caches and shares (three projections of
+    # one input would then sum their gradients in 16 bits); views of them are not leaves,
+    # so the module runs as in the whole model.
     args, kwargs = tree_map_only(torch.Tensor, _view_of_leaf, (args, kwargs))
-    out = module(*args, **kwargs)
+    modes = [(m, m.training) for m in module.modules()]
+    module.train(training)
+    try:
+        out = module.forward(*args, **kwargs)
+    finally:
+        for m, mode in modes:
+            m.training = mode
     like = _first_tensor(args, kwargs)
     if not isinstance(out, torch.Tensor) or out.shape != like.shape:
         got = (f"a tensor of shape {tuple(out.shape)}" if isinstance(out, torch.Tensor)
@@ -113,8 +150,29 @@ def _run_leaf(module: nn.Module, args: tuple, kwargs: dict) -> torch.Tensor:
 
 
 @_run_leaf.register_fake
-def _run_leaf_fake(module: nn.Module, args: tuple, kwargs: dict) -> torch.Tensor:
+def _run_leaf_fake(module: nn.Module, args: tuple, kwargs: dict, training: bool
+                   ) -> torch.Tensor:
     return torch.empty_like(_first_tensor(args, kwargs))
+
+
+def _stored_modules() -> set[int]:
+    """Keys of torch's store of the modules leaf calls run (a private table)."""
+    from torch._higher_order_ops import invoke_leaf_function as hop
+
+    return set(getattr(hop, "_makefx_module_storage", {}))
+
+
+def _release_with(model: nn.Module, keys: set[int]) -> None:
+    """Drop torch's references to a capture's leaf modules when ``model`` is collected
+    (torch never clears its store, which would keep every captured model alive)."""
+    from torch._higher_order_ops import invoke_leaf_function as hop
+
+    def forget(store=getattr(hop, "_makefx_module_storage", {}), keys=frozenset(keys)):
+        for key in keys:
+            store.pop(key, None)
+
+    if keys:
+        weakref.finalize(model, forget)
 
 
 def _view_of_leaf(tensor: torch.Tensor) -> torch.Tensor:
@@ -152,11 +210,15 @@ def leaf_cost(node: fx.Node, weights: int) -> NodeCost:
 def suggest_leaves(model: nn.Module, err: BaseException) -> list[str] | None:
     """Leaf patterns that would hide the operation ``err`` was raised at: the instances of
     the innermost module class whose forward is on the traceback (None: the failure is in
-    the model's own forward, which no leaf can hide)."""
+    the model's own forward, which no leaf can hide). A module holding most of the model's
+    weights (a backbone) is not suggested: it does not return its input's shape."""
+    total = sum(p.numel() for p in model.parameters())
     by_code: dict[tuple[str, str, int, int], list[str]] = {}
     for name, module in model.named_modules():
-        code = getattr(type(module).forward, "__code__", None)
-        if name and code is not None:
+        forward = inspect.unwrap(type(module).forward)  # under decorators' wrappers
+        code = getattr(forward, "__code__", None)
+        held = sum(p.numel() for p in module.parameters())
+        if name and code is not None and 2 * held <= total:
             lines = [line for _, _, line in code.co_lines() if line is not None]
             key = (code.co_filename, code.co_name, min(lines, default=0),
                    max(lines, default=0))
@@ -165,7 +227,7 @@ def suggest_leaves(model: nn.Module, err: BaseException) -> list[str] | None:
         for (filename, func, first, last), names in by_code.items():
             if (frame.filename == filename and frame.name == func
                     and frame.lineno is not None and first <= frame.lineno <= last):
-                return _patterns(names)
+                return leaf_patterns(names)
     return None
 
 
@@ -180,7 +242,7 @@ def _frames(err: BaseException | None) -> list[traceback.FrameSummary]:
     return frames
 
 
-def _patterns(names: list[str]) -> list[str]:
+def leaf_patterns(names: list[str]) -> list[str]:
     """``blocks.0.moe``, ``blocks.1.moe`` -> ``blocks.*.moe`` (indices become ``*``); a
     name that would become all wildcards (a ``Sequential``'s ``0``) stays as it is."""
     out = []

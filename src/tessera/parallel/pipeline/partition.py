@@ -26,6 +26,8 @@ import functools
 import math
 from dataclasses import dataclass
 
+import torch
+
 from tessera.parallel.pipeline.capture import ProxyGraph
 from tessera.parallel.pipeline.cost import DeviceRates, value_bytes
 from tessera.parallel.pipeline.kept import kept_bytes
@@ -355,9 +357,14 @@ def candidate_cuts(table: CostTable, finer: bool = False) -> list[int]:
     least = min(table.cross_bytes[c] for c in interior if table.cross_count[c] == fewest)
     allowed = table.graph.cut_after  # between LM head slices (head.py)
     count, size = (fewest + 1, FINER_BYTES * least) if finer else (fewest, least)
-    return [c for c in interior
-            if (table.cross_count[c] <= count and table.cross_bytes[c] <= size)
-            or table.graph.compute[c - 1] in allowed]
+    # A message is tensors: no cut right after a node whose value is a tuple (a leaf
+    # module's call, leaves.py, or a split) before its items are taken out.
+    nodes = table.graph.nodes
+    single = [isinstance(nodes[name].node.meta.get("val"), torch.Tensor)
+              for name in table.graph.compute]
+    return [c for c in interior if single[c - 1] and (
+            (table.cross_count[c] <= count and table.cross_bytes[c] <= size)
+            or table.graph.compute[c - 1] in allowed)]
 
 
 def in_flight(stage: int, stages: int, micro_batches: int, schedule: str) -> int:
