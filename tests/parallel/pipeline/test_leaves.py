@@ -1,7 +1,10 @@
 """pipeline_leaf_modules: a model torch.export cannot capture whole trains under pp > 1,
 its untraceable modules run eagerly inside their stages, equal to one device."""
 
+import gc
+import importlib
 import warnings
+import weakref
 
 import pytest
 import torch
@@ -318,3 +321,18 @@ def test_a_captured_shape_that_depends_on_values_is_refused_with_the_leaf_way_ou
         capture(model, 2, 4)
     mark_leaves(model, ["1.0"])
     assert len(capture(model, 2, 4).compute) > 0
+
+
+def test_torch_lets_go_of_a_captured_model_s_leaves():
+    store = importlib.import_module("torch._higher_order_ops.invoke_leaf_function"
+                                    )._makefx_module_storage
+    before = set(store)
+    model = moe_gpt2()
+    mark_leaves(model, LEAVES)
+    graph = capture(model, 2, 8)
+    added = set(store) - before
+    assert len(added) == 4  # torch keeps each leaf call's module
+    collected = weakref.ref(model)
+    del model, graph
+    gc.collect()
+    assert collected() is None and not added & set(store)

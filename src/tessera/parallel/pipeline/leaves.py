@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import contextlib
 import fnmatch
+import importlib
 import inspect
 import traceback
 import weakref
@@ -157,17 +158,19 @@ def _run_leaf_fake(module: nn.Module, args: tuple, kwargs: dict, training: bool
 
 def _stored_modules() -> set[int]:
     """Keys of torch's store of the modules leaf calls run (a private table)."""
-    from torch._higher_order_ops import invoke_leaf_function as hop
+    return set(_module_store())
 
-    return set(getattr(hop, "_makefx_module_storage", {}))
+
+def _module_store() -> dict:
+    # The module, not the op of the same name that torch._higher_order_ops exports.
+    hop = importlib.import_module("torch._higher_order_ops.invoke_leaf_function")
+    return getattr(hop, "_makefx_module_storage", {})
 
 
 def _release_with(model: nn.Module, keys: set[int]) -> None:
     """Drop torch's references to a capture's leaf modules when ``model`` is collected
     (torch never clears its store, which would keep every captured model alive)."""
-    from torch._higher_order_ops import invoke_leaf_function as hop
-
-    def forget(store=getattr(hop, "_makefx_module_storage", {}), keys=frozenset(keys)):
+    def forget(store=_module_store(), keys=frozenset(keys)):
         for key in keys:
             store.pop(key, None)
 
