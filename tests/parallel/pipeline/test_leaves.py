@@ -336,3 +336,20 @@ def test_torch_lets_go_of_a_captured_model_s_leaves():
     del model, graph
     gc.collect()
     assert collected() is None and not added & set(store)
+
+
+def test_hugging_face_checkpointing_inside_a_leaf_gives_way_to_the_pipeline():
+    model = moe_gpt2()
+    model.gradient_checkpointing_enable()  # its recomputation would fail inside a leaf
+    model.train()
+    mark_leaves(model, ["transformer.h.*"])
+    graph = capture(model, 2, 8)
+    piece = split_graph(graph, [graph.compute], model)[0]
+    ids = torch.randint(0, 256, (2, 8))
+    piece.module(ids)[0].square().mean().backward()
+    grads = [p.grad.clone() for p in model.parameters()]
+    model.zero_grad()
+    model(ids).logits.square().mean().backward()
+    for got, want in zip(grads, (p.grad for p in model.parameters())):
+        torch.testing.assert_close(got, want, rtol=0, atol=1e-6)  # fp32 reassociation
+    assert all(block.gradient_checkpointing for block in model.transformer.h)  # put back

@@ -29,8 +29,8 @@ from torch.fx.experimental.symbolic_shapes import GuardOnDataDependentSymNode
 
 from tessera.models.materialize import BLOCK_LISTS
 from tessera.parallel.pipeline.cost import VIEW_OPS, NodeCost, op_name, node_cost, value_bytes
-from tessera.parallel.pipeline.leaves import (is_leaf_call, leaf_cost, leaf_patterns, opaque_leaves,
-                                              suggest_leaves)
+from tessera.parallel.pipeline.leaves import (can_be_leaf, is_leaf_call, leaf_cost, leaf_patterns,
+                                              opaque_leaves, suggest_leaves)
 
 _BLOCK_INDEX = re.compile(rf"(?:^|\.)(?:{BLOCK_LISTS})\.(\d+)\.")
 
@@ -114,11 +114,20 @@ def capture(model: nn.Module, batch_size: int, seq_len: int, extra_inputs=None,
             program = torch.export.export(model, (ids,), kwargs, strict=False)
     except Exception as err:  # export raises many types; all mean "not capturable"
         raise CaptureError(_capture_message(model, err, (batch_size, seq_len))) from err
+    try:
+        graph = build_proxy(program)
+    except ValueShapeError as err:  # the way out depends on the module: a leaf, or not
+        leaf = err.path and can_be_leaf(model, err.path)
+        way_out = (f"mark the module as an opaque leaf, pipeline_leaf_modules="
+                   f"{leaf_patterns([err.path])}" if leaf else
+                   "make it traceable, or train this model with pp=1 (it is not in a "
+                   "module that can run as a leaf)")
+        raise CaptureError(f"{err} The way out: {way_out}") from err
     if head_slices > 1:
         from tessera.parallel.pipeline.head import slice_head  # head.py builds on this module
 
-        return slice_head(build_proxy(program), head_slices)
-    return build_proxy(program)
+        return slice_head(graph, head_slices)
+    return graph
 
 
 def build_proxy(program: ExportedProgram, more_inputs: tuple[str, ...] = (),
@@ -183,14 +192,19 @@ def _priced(node: fx.Node, preds: list[ProxyNode]) -> NodeCost:
         stack = node.meta.get("nn_module_stack") or {}
         path = list(stack.values())[-1][0] if stack else ""
         where = (node.meta.get("stack_trace") or "").strip().splitlines()
-        leaves = leaf_patterns([path])
-        way_out = (f"mark the module as an opaque leaf, pipeline_leaf_modules={leaves}"
-                   if path else "train this model with pp=1")
-        raise CaptureError(
+        raise ValueShapeError(
             f"{node.name} ({op_name(node)}) in module {path or 'the model itself'!r} has a "
             f"shape that depends on tensor values ({str(err).splitlines()[0]}"
             f"{'; ' + where[-1].strip() if where else ''}): stages cannot be priced or cut "
-            f"around it. The way out: {way_out}") from err
+            f"around it.", path) from err
+
+
+class ValueShapeError(CaptureError):
+    """A captured node whose shape depends on tensor values; ``path``: its module."""
+
+    def __init__(self, message: str, path: str) -> None:
+        super().__init__(message)
+        self.path = path
 
 
 def _viewed_param(node: fx.Node, preds: list[ProxyNode]) -> ProxyNode | None:

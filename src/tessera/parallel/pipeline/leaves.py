@@ -11,10 +11,10 @@ Built on torch's ``leaf_function`` (an ``invoke_leaf_function`` node whose input
 module's parameters and buffers, reparametrised into it at run time, so gradients reach the
 model's own parameters). Tracing cannot run the module, so it sees a stand-in output: **a
 leaf must return one tensor shaped like its first tensor argument** (a transformer block, an
-MLP or mixture-of-experts layer); a leaf returning anything else is
-refused at its first run, naming it. See docs/pipeline.md for the rules. A leaf is priced as the matmuls of the weights it holds
-(2 FLOPs per weight per token forward, twice that backward), and the activations it keeps
-inside are not seen by the memory estimate.
+MLP or mixture-of-experts layer); a leaf returning anything else is refused at its first
+run, naming it. A leaf is priced as the matmuls of the weights it holds (2 FLOPs per weight
+per token forward, twice that backward), and the activations it keeps inside are not seen
+by the memory estimate. The rules and limits: docs/pipeline.md.
 """
 
 from __future__ import annotations
@@ -115,15 +115,18 @@ def opaque_leaves(model: nn.Module) -> Iterator[None]:
 
 def _opaque_forward(module: nn.Module):
     def opaque(*args, **kwargs):
-        # The mode the capture saw: the graph of an evaluation runs the leaf in eval mode
-        # although the user's modules stay in training mode under pipeline stages.
-        return _run_leaf(module, args, kwargs, module.training)
+        # The modes the capture saw, per submodule: the graph of an evaluation runs the leaf
+        # in eval mode although the user's modules stay in training mode under pipeline
+        # stages, and a submodule frozen in eval mode stays so.
+        modes = tuple(m.training for m in module.modules())
+        return _run_leaf(module, args, kwargs, modes)
 
     return opaque
 
 
 @leaf_function
-def _run_leaf(module: nn.Module, args: tuple, kwargs: dict, training: bool) -> torch.Tensor:
+def _run_leaf(module: nn.Module, args: tuple, kwargs: dict, modes: tuple[bool, ...]
+              ) -> torch.Tensor:
     # At run time ``module.forward`` is the original again (opaque_leaves put it back); not
     # ``module(...)``: the module's hooks ran around the opaque call when it was traced, and
     # are in the graph. The leaf function hands its tensor arguments
@@ -131,13 +134,8 @@ def _run_leaf(module: nn.Module, args: tuple, kwargs: dict, training: bool) -> t
     # one input would then sum their gradients in 16 bits); views of them are not leaves,
     # so the module runs as in the whole model.
     args, kwargs = tree_map_only(torch.Tensor, _view_of_leaf, (args, kwargs))
-    modes = [(m, m.training) for m in module.modules()]
-    module.train(training)
-    try:
+    with _as_captured(module, modes):
         out = module.forward(*args, **kwargs)
-    finally:
-        for m, mode in modes:
-            m.training = mode
     like = _first_tensor(args, kwargs)
     if not isinstance(out, torch.Tensor) or out.shape != like.shape:
         got = (f"a tensor of shape {tuple(out.shape)}" if isinstance(out, torch.Tensor)
@@ -150,8 +148,28 @@ def _run_leaf(module: nn.Module, args: tuple, kwargs: dict, training: bool) -> t
     return out.to(like.dtype) if out.is_floating_point() and like.is_floating_point() else out
 
 
+@contextlib.contextmanager
+def _as_captured(module: nn.Module, modes: tuple[bool, ...]) -> Iterator[None]:
+    """The submodules in the modes the capture saw, and Hugging Face's own gradient
+    checkpointing off (its recomputation inside a leaf's local autograd graph fails in
+    backward; the pipeline's recomputation covers the leaf); put back after."""
+    modules = list(module.modules())
+    before = [(m.training, getattr(m, "gradient_checkpointing", None)) for m in modules]
+    try:
+        for m, mode in zip(modules, modes):
+            m.training = mode
+            if getattr(m, "gradient_checkpointing", False) is True:
+                m.gradient_checkpointing = False
+        yield
+    finally:
+        for m, (mode, checkpointing) in zip(modules, before):
+            m.training = mode
+            if checkpointing is not None:
+                m.gradient_checkpointing = checkpointing
+
+
 @_run_leaf.register_fake
-def _run_leaf_fake(module: nn.Module, args: tuple, kwargs: dict, training: bool
+def _run_leaf_fake(module: nn.Module, args: tuple, kwargs: dict, modes: tuple[bool, ...]
                    ) -> torch.Tensor:
     return torch.empty_like(_first_tensor(args, kwargs))
 
@@ -215,13 +233,11 @@ def suggest_leaves(model: nn.Module, err: BaseException) -> list[str] | None:
     the innermost module class whose forward is on the traceback (None: the failure is in
     the model's own forward, which no leaf can hide). A module holding most of the model's
     weights (a backbone) is not suggested: it does not return its input's shape."""
-    total = sum(p.numel() for p in model.parameters())
     by_code: dict[tuple[str, str, int, int], list[str]] = {}
     for name, module in model.named_modules():
         forward = inspect.unwrap(type(module).forward)  # under decorators' wrappers
         code = getattr(forward, "__code__", None)
-        held = sum(p.numel() for p in module.parameters())
-        if name and code is not None and 2 * held <= total:
+        if name and code is not None and can_be_leaf(model, name):
             lines = [line for _, _, line in code.co_lines() if line is not None]
             key = (code.co_filename, code.co_name, min(lines, default=0),
                    max(lines, default=0))
@@ -232,6 +248,14 @@ def suggest_leaves(model: nn.Module, err: BaseException) -> list[str] | None:
                     and frame.lineno is not None and first <= frame.lineno <= last):
                 return leaf_patterns(names)
     return None
+
+
+def can_be_leaf(model: nn.Module, name: str) -> bool:
+    """Whether to suggest submodule ``name`` as a leaf: not one holding most of the
+    model's weights (a backbone, which does not return its input's shape)."""
+    total = sum(p.numel() for p in model.parameters())
+    held = sum(p.numel() for p in model.get_submodule(name).parameters())
+    return 2 * held <= total
 
 
 def _frames(err: BaseException | None) -> list[traceback.FrameSummary]:

@@ -357,14 +357,24 @@ def candidate_cuts(table: CostTable, finer: bool = False) -> list[int]:
     least = min(table.cross_bytes[c] for c in interior if table.cross_count[c] == fewest)
     allowed = table.graph.cut_after  # between LM head slices (head.py)
     count, size = (fewest + 1, FINER_BYTES * least) if finer else (fewest, least)
-    # A message is tensors: no cut right after a node whose value is a tuple (a leaf
-    # module's call, leaves.py, or a split) before its items are taken out.
-    nodes = table.graph.nodes
-    single = [isinstance(nodes[name].node.meta.get("val"), torch.Tensor)
-              for name in table.graph.compute]
-    return [c for c in interior if single[c - 1] and (
+    blocked = _crossed_by_non_tensors(table.graph)
+    return [c for c in interior if c not in blocked and (
             (table.cross_count[c] <= count and table.cross_bytes[c] <= size)
             or table.graph.compute[c - 1] in allowed)]
+
+
+def _crossed_by_non_tensors(graph: ProxyGraph) -> set[int]:
+    """Cuts a value other than one tensor would cross: a message is tensors, so no cut
+    between a tuple (a leaf module's call, leaves.py, or a split) and its last item taken."""
+    index = graph.compute_index()
+    blocked: set[int] = set()
+    for i, name in enumerate(graph.compute):
+        node = graph.nodes[name].node
+        if isinstance(node.meta.get("val"), torch.Tensor):
+            continue
+        last = max((index[user.name] for user in node.users if user.name in index), default=i)
+        blocked.update(range(i + 1, last + 1))
+    return blocked
 
 
 def in_flight(stage: int, stages: int, micro_batches: int, schedule: str) -> int:
