@@ -54,6 +54,9 @@ with the machine's load average (os.getloadavg) beside timings.
 - subpipe_vs_plain_tp_step_ratio: tp=2 x pp=2 (4 processes) step time without sub-pipelined
   tensor parallelism over the time with it (``tp_overlap=subpipe``); > 1 means the overlap
   of one half's all-reduces with the other half's compute pays off.
+- leaf_blocks_vs_captured_step_ratio: pp=2 step time with every block captured over the
+  time with every block run eagerly as a leaf module (``pipeline_leaf_modules``, the way
+  out for models torch.export cannot capture); about 1.0 means leaves cost nothing extra.
 
 - dp_overlap_vs_after_drain_step_ratio: dp=2 x pp=2 (4 processes) step time with the dp
   average done after the pipeline drains (tessera before overlap.py, and what a user of
@@ -65,7 +68,7 @@ Timed sides alternate round by round in the same processes, and the best round o
 (the least disturbed by other load on a shared machine).
 
     python benchmarks/bench_pipeline.py [--quick]
-        [--only balance|timing|subpipe|dp_overlap|materialize]
+        [--only balance|timing|subpipe|dp_overlap|materialize|leaves]
 """
 
 from __future__ import annotations
@@ -179,14 +182,16 @@ def _batches(m: int, mbs: int) -> list[dict[str, torch.Tensor]]:
              "labels": torch.randint(0, 256, (mbs, SEQ), generator=g)} for _ in range(m)]
 
 
-def _tessera(strategy_text: str, n_layers: int, budget: int | None = None):
+def _tessera(strategy_text: str, n_layers: int, budget: int | None = None,
+             leaves: list[str] | None = None):
     from tessera.mesh import Mesh
     from tessera.parallel import parallelize
     from tessera.parallel.pipeline import PipelineEngine
     from tessera.strategy import Strategy
 
     strategy = Strategy.parse(strategy_text)
-    plan = parallelize(_model(n_layers), strategy, Mesh(strategy, "cpu"), stage_budget=budget)
+    plan = parallelize(_model(n_layers), strategy, Mesh(strategy, "cpu"), stage_budget=budget,
+                       leaf_modules=leaves)
     return plan, PipelineEngine(plan, strategy, torch.device("cpu"))
 
 
@@ -437,6 +442,40 @@ def subpipe_figures(quick: bool) -> None:
          loadavg_before=before, loadavg_after=load(), cpu_cores=os.cpu_count())
 
 
+LEAVES = dict(pp=2, m=4, mbs=4, n_layers=4, leaves="blocks.*")
+
+
+def _leaves_worker(rank, world, rounds):
+    c = LEAVES
+    text = f"dp=1,pp={c['pp']},mbs={c['mbs']},gbs={c['mbs'] * c['m']}"
+    batches = _batches(c["m"], c["mbs"])
+    sides = {"captured": _tessera(text, c["n_layers"])[1],
+             "leaves": _tessera(text, c["n_layers"], leaves=[c["leaves"]])[1]}
+    losses = {name: float(e.forward_backward(batches).loss) for name, e in sides.items()}
+    best = {name: float("inf") for name in sides}
+    for _ in range(rounds):  # alternate, best round of each
+        for name, engine in sides.items():
+            best[name] = min(best[name], _timed(lambda e=engine: e.forward_backward(batches)))
+    return {"best": best, "losses": losses}
+
+
+def leaves_figures(quick: bool) -> None:
+    """What running blocks eagerly as leaf modules (the way out for models torch.export
+    cannot capture) costs against the same blocks captured, at pp=2."""
+    c, before = LEAVES, load()
+    out = run_distributed(_leaves_worker, world_size=c["pp"], args=(2 if quick else 6,),
+                          timeout=900)[0]
+    best = out["best"]
+    emit("leaf_blocks_vs_captured_step_ratio", best["captured"] / best["leaves"], "ratio",
+         {"captured_step_s": round(best["captured"], 4),
+          "leaves_step_s": round(best["leaves"], 4),
+          "first_step_loss_captured": round(out["losses"]["captured"], 6),
+          "first_step_loss_leaves": round(out["losses"]["leaves"], 6)},
+         target="about 1.0 (overhead only)", **c, seq=SEQ,
+         model=f"small_{c['n_layers']}_layers", loadavg_before=before,
+         loadavg_after=load(), cpu_cores=os.cpu_count())
+
+
 DP_OVERLAP = dict(dp=2, pp=2, m=4, mbs=2, n_layers=8)
 
 
@@ -576,14 +615,15 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true", help="fewer rounds (under 3 minutes)")
     parser.add_argument("--only", choices=("balance", "timing", "subpipe", "dp_overlap",
-                                           "materialize"),
+                                           "materialize", "leaves"),
                         help="run one group of figures")
     args = parser.parse_args()
     torch.set_num_threads(1)
     groups = {"balance": balance_figures, "timing": lambda: timing_figures(args.quick),
               "subpipe": lambda: subpipe_figures(args.quick),
               "dp_overlap": lambda: dp_overlap_figures(args.quick),
-              "materialize": materialize_figures}
+              "materialize": materialize_figures,
+              "leaves": lambda: leaves_figures(args.quick)}
     for name, run in groups.items():
         if args.only in (None, name):
             run()
