@@ -415,18 +415,24 @@ def timing_figures(quick: bool) -> None:
 SUBPIPE = dict(tp=2, pp=2, m=4, mbs=4, n_layers=4)
 
 
-def _subpipe_worker(rank, world, rounds):
-    c = SUBPIPE
-    base = f"dp=1,tp={c['tp']},pp={c['pp']},mbs={c['mbs']},gbs={c['mbs'] * c['m']}"
-    batches = _batches(c["m"], c["mbs"])
-    sides = {"plain": _tessera(base, c["n_layers"])[1],
-             "subpipe": _tessera(base + ",tp_overlap=subpipe", c["n_layers"])[1]}
+def _race(sides: dict, batches, rounds: int) -> dict:
+    """Each side's first-step loss and best step time over ``rounds``, sides alternating
+    round by round."""
     losses = {name: float(e.forward_backward(batches).loss) for name, e in sides.items()}
     best = {name: float("inf") for name in sides}
     for _ in range(rounds):  # alternate, best round of each
         for name, engine in sides.items():
             best[name] = min(best[name], _timed(lambda e=engine: e.forward_backward(batches)))
     return {"best": best, "losses": losses}
+
+
+def _subpipe_worker(rank, world, rounds):
+    c = SUBPIPE
+    base = f"dp=1,tp={c['tp']},pp={c['pp']},mbs={c['mbs']},gbs={c['mbs'] * c['m']}"
+    batches = _batches(c["m"], c["mbs"])
+    sides = {"plain": _tessera(base, c["n_layers"])[1],
+             "subpipe": _tessera(base + ",tp_overlap=subpipe", c["n_layers"])[1]}
+    return _race(sides, batches, rounds)
 
 
 def subpipe_figures(quick: bool) -> None:
@@ -451,12 +457,7 @@ def _leaves_worker(rank, world, rounds):
     batches = _batches(c["m"], c["mbs"])
     sides = {"captured": _tessera(text, c["n_layers"])[1],
              "leaves": _tessera(text, c["n_layers"], leaves=[c["leaves"]])[1]}
-    losses = {name: float(e.forward_backward(batches).loss) for name, e in sides.items()}
-    best = {name: float("inf") for name in sides}
-    for _ in range(rounds):  # alternate, best round of each
-        for name, engine in sides.items():
-            best[name] = min(best[name], _timed(lambda e=engine: e.forward_backward(batches)))
-    return {"best": best, "losses": losses}
+    return _race(sides, batches, rounds)
 
 
 def leaves_figures(quick: bool) -> None:
