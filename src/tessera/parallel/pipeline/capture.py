@@ -189,14 +189,20 @@ def _priced(node: fx.Node, preds: list[ProxyNode]) -> NodeCost:
                                        if p.kind in ("param", "param_view")))
         return node_cost(node)
     except GuardOnDataDependentSymNode as err:
-        stack = node.meta.get("nn_module_stack") or {}
-        path = list(stack.values())[-1][0] if stack else ""
+        path = module_of(node)
         where = (node.meta.get("stack_trace") or "").strip().splitlines()
         raise ValueShapeError(
             f"{node.name} ({op_name(node)}) in module {path or 'the model itself'!r} has a "
             f"shape that depends on tensor values ({str(err).splitlines()[0]}"
             f"{'; ' + where[-1].strip() if where else ''}): stages cannot be priced or cut "
             f"around it.", path) from err
+
+
+def module_of(node: fx.Node) -> str:
+    """The innermost module that computes ``node`` ("" for the model's own forward), from
+    the module path torch.export records on every node."""
+    stack = node.meta.get("nn_module_stack") or {}
+    return list(stack.values())[-1][0] if stack else ""
 
 
 class ValueShapeError(CaptureError):

@@ -129,10 +129,10 @@ def _run_leaf(module: nn.Module, args: tuple, kwargs: dict, modes: tuple[bool, .
               ) -> torch.Tensor:
     # At run time ``module.forward`` is the original again (opaque_leaves put it back); not
     # ``module(...)``: the module's hooks ran around the opaque call when it was traced, and
-    # are in the graph. The leaf function hands its tensor arguments
-    # over as autograd leaves, whose casts autocast caches and shares (three projections of
-    # one input would then sum their gradients in 16 bits); views of them are not leaves,
-    # so the module runs as in the whole model.
+    # are in the graph. The leaf function hands its tensor arguments over as autograd
+    # leaves, whose casts autocast caches and shares (three projections of one input would
+    # then sum their gradients in 16 bits); views of them are not leaves, so the module
+    # runs as in the whole model.
     args, kwargs = tree_map_only(torch.Tensor, _view_of_leaf, (args, kwargs))
     with _as_captured(module, modes):
         out = module.forward(*args, **kwargs)

@@ -11,15 +11,14 @@ way hold whole modules: the LM head is not sliced over the last stages (head.py)
 
 from __future__ import annotations
 
-from tessera.parallel.pipeline.capture import ProxyGraph
+from tessera.parallel.pipeline.capture import ProxyGraph, module_of
 from tessera.strategy import StrategyError
 
 
 def module_path(graph: ProxyGraph, index: int) -> str:
     """The innermost module that computes compute node ``index`` ("" for the model's own
     forward)."""
-    stack = graph.nodes[graph.compute[index]].node.meta.get("nn_module_stack") or {}
-    return list(stack.values())[-1][0] if stack else ""
+    return module_of(graph.nodes[graph.compute[index]].node)
 
 
 def _inside(path: str, name: str) -> bool:
