@@ -12,6 +12,7 @@ from torch import nn
 from transformers import GPT2Config, GPT2LMHeadModel
 
 from tessera import Trainer, TrainingArguments
+from tessera.config import ConfigError, load_config
 from tessera.models.config import preset
 from tessera.models.transformer import Transformer
 from tessera.parallel.pipeline.capture import CaptureError, capture
@@ -353,3 +354,16 @@ def test_hugging_face_checkpointing_inside_a_leaf_gives_way_to_the_pipeline():
     for got, want in zip(grads, (p.grad for p in model.parameters())):
         torch.testing.assert_close(got, want, rtol=0, atol=1e-6)  # fp32 reassociation
     assert all(block.gradient_checkpointing for block in model.transformer.h)  # put back
+
+
+def test_leaves_with_a_planned_strategy_or_at_pp1_are_refused_with_the_config():
+    with pytest.raises(ConfigError, match="pipeline_leaf_modules shapes the pipeline"):
+        load_config(None, ["strategy=auto,gbs=8", "train.pipeline_leaf_modules=[blocks.*]"],
+                    world_size=2)
+    with pytest.raises(ConfigError, match="needs pp > 1"):
+        load_config(None, ["strategy=dp=1,mbs=1,gbs=1",
+                           "train.pipeline_leaf_modules=[blocks.*]"])
+    with pytest.raises(StrategyError, match="shapes the pipeline of a pp the strategy fixes"):
+        Trainer(model=moe_gpt2(), args=TrainingArguments(
+            output_dir="unused", strategy="auto", pipeline_leaf_modules=LEAVES),
+            train_dataset=[{"input_ids": torch.zeros(9, dtype=torch.long)}] * 8)
