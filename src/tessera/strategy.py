@@ -190,7 +190,7 @@ class Strategy:
     def check_leaf_modules(self, names: list[str] | None) -> None:
         """Refuse pipeline leaf modules (modules captured as one opaque node, run eagerly;
         pipeline/leaves.py) where this layout cannot take them: they need pp > 1, and are
-        not built with tensor or sequence parallelism or chunk memory.
+        not built with tensor or sequence parallelism.
 
         Raises:
             StrategyError: naming the rule.
@@ -201,12 +201,12 @@ class Strategy:
             raise StrategyError("pipeline_leaf_modules marks modules the pipeline capture "
                                 "runs eagerly and needs pp > 1 (at pp=1 nothing is captured)")
         others = [f"{name}={value}" for name, value, plain in (
-            ("tp", self.tp, 1), ("sp", self.sp, 1), ("memory", self.memory, "ddp"))
+            ("tp", self.tp, 1), ("sp", self.sp, 1))
             if value != plain]
         if others:
             raise StrategyError(f"pipeline_leaf_modules with {', '.join(others)} is not built: "
                                 "a leaf runs its module eagerly, outside the layers those "
-                                "layouts rewrite; use them with dp x pp only")
+                                "layouts rewrite; use them with dp x pp (chunk memory too)")
 
     @property
     def grad_accum_steps(self) -> int:
