@@ -196,17 +196,18 @@ def test_pp2_with_leaf_modules_equals_one_device(tmp_path):
         assert max(abs(a - b) for a, b in zip(want, losses)) < 1e-5, (schedule, want, losses)
 
 
-def test_leaves_under_bf16_autocast_compute_as_the_whole_model():
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)])
+def test_leaves_under_bf16_autocast_compute_as_the_whole_model(device):
     torch.manual_seed(0)
     model = Transformer(preset("small", n_layers=2, vocab_size=64, max_seq_len=32,
-                               d_model=32, n_heads=2))
+                               d_model=32, n_heads=2)).to(device)
     mark_leaves(model, ["blocks.*.attn"])  # their q, k and v read one input
     graph = capture(model, 2, 16)
     piece = split_graph(graph, [graph.compute], model)[0]
-    ids = torch.randint(0, 64, (2, 16))
+    ids = torch.randint(0, 64, (2, 16), device=device)
 
     def run(forward):
-        with torch.autocast("cpu", dtype=torch.bfloat16):
+        with torch.autocast(device, dtype=torch.bfloat16):
             out = forward()
         out.float().square().mean().backward()
         grads = [p.grad.clone() for p in model.parameters()]
@@ -215,10 +216,17 @@ def test_leaves_under_bf16_autocast_compute_as_the_whole_model():
 
     out, grads = run(lambda: piece.module(ids)[0])
     want, want_grads = run(lambda: model(ids))
-    # the same kernels on the same dtypes: bit for bit (a leaf whose input casts autocast
-    # cached and shared would sum the projections' gradients in bf16, off by ~3e-5)
-    assert torch.equal(out, want)
-    assert all(torch.equal(a, b) for a, b in zip(grads, want_grads))
+    if device == "cpu":
+        # the same kernels on the same dtypes: bit for bit (a leaf whose input casts
+        # autocast cached and shared would sum the projections' gradients in bf16, off by
+        # ~3e-5)
+        assert torch.equal(out, want)
+        assert all(torch.equal(a, b) for a, b in zip(grads, want_grads))
+        return
+    # GPU kernels may pick other algorithms per call: bf16 rounding, not bit equality
+    torch.testing.assert_close(out, want, rtol=1e-2, atol=1e-2)
+    for got, expected in zip(grads, want_grads):
+        torch.testing.assert_close(got, expected, rtol=1e-2, atol=1e-3)
 
 
 def test_block_leaves_are_cut_only_where_tensors_cross():
