@@ -172,7 +172,7 @@ class CostTable:
         # Crossings and logits in the captured dtypes: the cuts do not depend on precision,
         # a residual stream crossing a cut stays fp32 under autocast, and the loss upcasts
         # the logits to fp32 (lm_loss) whatever the head's output dtype.
-        self.cross_count, self.cross_bytes = _crossings(graph)
+        self.cross_count, self.cross_bytes, self.cross_non_tensor = _crossings(graph)
         self.block_bounds = _block_bounds(graph)
         self._activations: dict[tuple[int, int], float] = {}
         self.logits_bytes = value_bytes(graph.nodes[graph.output].node.meta.get("val"))
@@ -319,11 +319,13 @@ def _block_bounds(graph: ProxyGraph) -> list[tuple[int, int]]:
     return spans
 
 
-def _crossings(graph: ProxyGraph) -> tuple[list[int], list[int]]:
-    """Number and bytes of activations crossing each cut c (between compute c-1 and c)."""
+def _crossings(graph: ProxyGraph) -> tuple[list[int], list[int], list[int]]:
+    """Number and bytes of activations crossing each cut c (between compute c-1 and c), and
+    how many of them are not one tensor (a tuple: a leaf module's call, leaves.py, or a
+    split, before its last item is taken), which no message can carry."""
     n = len(graph.compute)
     index = graph.compute_index()
-    count, size = [0] * (n + 2), [0] * (n + 2)
+    count, size, untensored = [0] * (n + 2), [0] * (n + 2), [0] * (n + 2)
     for name in graph.compute:
         node = graph.nodes[name].node
         uses = [index[u.name] for u in node.users if u.name in index]
@@ -336,10 +338,14 @@ def _crossings(graph: ProxyGraph) -> tuple[list[int], list[int]]:
             count[hi + 1] -= 1
             size[lo] += nbytes
             size[hi + 1] -= nbytes
+            if not isinstance(node.meta.get("val"), torch.Tensor):
+                untensored[lo] += 1
+                untensored[hi + 1] -= 1
     for c in range(1, n + 1):
         count[c] += count[c - 1]
         size[c] += size[c - 1]
-    return count[:n + 1], size[:n + 1]
+        untensored[c] += untensored[c - 1]
+    return count[:n + 1], size[:n + 1], untensored[:n + 1]
 
 
 def candidate_cuts(table: CostTable, finer: bool = False) -> list[int]:
@@ -357,24 +363,9 @@ def candidate_cuts(table: CostTable, finer: bool = False) -> list[int]:
     least = min(table.cross_bytes[c] for c in interior if table.cross_count[c] == fewest)
     allowed = table.graph.cut_after  # between LM head slices (head.py)
     count, size = (fewest + 1, FINER_BYTES * least) if finer else (fewest, least)
-    blocked = _crossed_by_non_tensors(table.graph)
-    return [c for c in interior if c not in blocked and (
+    return [c for c in interior if table.cross_non_tensor[c] == 0 and (
             (table.cross_count[c] <= count and table.cross_bytes[c] <= size)
             or table.graph.compute[c - 1] in allowed)]
-
-
-def _crossed_by_non_tensors(graph: ProxyGraph) -> set[int]:
-    """Cuts a value other than one tensor would cross: a message is tensors, so no cut
-    between a tuple (a leaf module's call, leaves.py, or a split) and its last item taken."""
-    index = graph.compute_index()
-    blocked: set[int] = set()
-    for i, name in enumerate(graph.compute):
-        node = graph.nodes[name].node
-        if isinstance(node.meta.get("val"), torch.Tensor):
-            continue
-        last = max((index[user.name] for user in node.users if user.name in index), default=i)
-        blocked.update(range(i + 1, last + 1))
-    return blocked
 
 
 def in_flight(stage: int, stages: int, micro_batches: int, schedule: str) -> int:
