@@ -97,7 +97,7 @@ def resolve_leaves(model: nn.Module, patterns: list[str]) -> list[str]:
 def opaque_leaves(model: nn.Module) -> Iterator[None]:
     """While open, the marked leaves of ``model`` trace as one opaque node each."""
     modules = [model.get_submodule(name) for name in marked_leaves(model)]
-    stored = _stored_modules()
+    stored = set(_module_store())
     saved = []  # a forward set on the instance before (a patch, a hook library's wrapper)
     for module in modules:
         saved.append(module.__dict__.get("forward"))
@@ -110,7 +110,7 @@ def opaque_leaves(model: nn.Module) -> Iterator[None]:
                 module.__dict__.pop("forward", None)
             else:
                 module.forward = previous
-        _release_with(model, _stored_modules() - stored)
+        _release_with(model, set(_module_store()) - stored)
 
 
 def _opaque_forward(module: nn.Module):
@@ -174,12 +174,8 @@ def _run_leaf_fake(module: nn.Module, args: tuple, kwargs: dict, modes: tuple[bo
     return torch.empty_like(_first_tensor(args, kwargs))
 
 
-def _stored_modules() -> set[int]:
-    """Keys of torch's store of the modules leaf calls run (a private table)."""
-    return set(_module_store())
-
-
 def _module_store() -> dict:
+    """torch's store of the modules leaf calls run (a private table), by key."""
     # The module, not the op of the same name that torch._higher_order_ops exports.
     hop = importlib.import_module("torch._higher_order_ops.invoke_leaf_function")
     return getattr(hop, "_makefx_module_storage", {})
@@ -234,10 +230,11 @@ def suggest_leaves(model: nn.Module, err: BaseException) -> list[str] | None:
     the model's own forward, which no leaf can hide). A module holding most of the model's
     weights (a backbone) is not suggested: it does not return its input's shape."""
     by_code: dict[tuple[str, str, int, int], list[str]] = {}
+    total = sum(p.numel() for p in model.parameters())
     for name, module in model.named_modules():
         forward = inspect.unwrap(type(module).forward)  # under decorators' wrappers
         code = getattr(forward, "__code__", None)
-        if name and code is not None and can_be_leaf(model, name):
+        if name and code is not None and can_be_leaf(model, name, total):
             lines = [line for _, _, line in code.co_lines() if line is not None]
             key = (code.co_filename, code.co_name, min(lines, default=0),
                    max(lines, default=0))
@@ -250,10 +247,12 @@ def suggest_leaves(model: nn.Module, err: BaseException) -> list[str] | None:
     return None
 
 
-def can_be_leaf(model: nn.Module, name: str) -> bool:
+def can_be_leaf(model: nn.Module, name: str, total: int | None = None) -> bool:
     """Whether to suggest submodule ``name`` as a leaf: not one holding most of the
-    model's weights (a backbone, which does not return its input's shape)."""
-    total = sum(p.numel() for p in model.parameters())
+    model's weights (a backbone, which does not return its input's shape). ``total``: the
+    model's parameter count, when the caller has it."""
+    if total is None:
+        total = sum(p.numel() for p in model.parameters())
     held = sum(p.numel() for p in model.get_submodule(name).parameters())
     return 2 * held <= total
 
