@@ -1,8 +1,8 @@
 """dp x tp x pp (2 x 2 x 2 on 8 CPU workers) equals one device; its checkpoints are single-device.
 
 One launch of 8 ranks runs every check: the reference model (1f1b, and 1f1b sub-pipelined),
-Hugging Face GPT-2 (scp with recomputation, fused q|k|v, tied embedding across stages) and
-Llama (gpipe), then the checkpoint round trip.
+Hugging Face GPT-2 (scp with recomputation, fused q|k|v, tied embedding across stages; also
+sub-pipelined) and Llama (gpipe), then the checkpoint round trip.
 
 Each dp rank trains on its own micro-batches, one device on all of them (tp_pp_checks.parity),
 so the data-parallel average over DTensor shards is exercised.
@@ -40,6 +40,10 @@ CASES = {  # name: (model, strategy); dp=2 x tp=2 x pp=2, 2 micro-batches per dp
     "llama_gpipe": ("llama", "dp=2,tp=2,pp=2,mbs=2,gbs=8,schedule=gpipe"),
     # Sub-pipelined: each micro-batch of 2 runs as two interleaved halves of 1.
     "ref_1f1b_subpipe": ("ref", "dp=2,tp=2,pp=2,mbs=2,gbs=8,schedule=1f1b,tp_overlap=subpipe"),
+    # ... with recomputation (a no-grad forward, then the interleaved one again), the tied
+    # embedding across stages and the vocabulary-parallel loss.
+    "gpt2_scp_subpipe": ("gpt2", "dp=2,tp=2,pp=2,mbs=2,gbs=8,schedule=scp,recompute=full,"
+                                 "tp_overlap=subpipe"),
 }
 
 

@@ -1,8 +1,8 @@
 """Tensor-parallel collectives as graph nodes: export keeps them, the cost model prices them,
-sub-pipelining interleaves two halves around them, and the Strategy field that asks for it.
+and the Strategy field that asks for sub-pipelining around them.
 
-Single process: nothing here runs a collective (export traces on fake tensors; the
-interleaving is checked on the graph's node order). Numerical parity is in
+Single process: nothing here runs a collective (export traces on fake tensors). The
+sub-pipelined runner is in test_subpipe.py (2 ranks); numerical parity of whole runs is in
 test_tp_pipeline.py (8 ranks).
 """
 
@@ -11,12 +11,10 @@ from __future__ import annotations
 import pytest
 import torch
 import torch.nn.functional as F
-from torch import fx, nn
+from torch import nn
 
 from tessera.parallel.pipeline.capture import capture
 from tessera.parallel.pipeline.cost import DeviceRates
-from tessera.parallel.pipeline.split import Piece
-from tessera.parallel.pipeline.subpipe import subpipeline
 from tessera.parallel.tensor import ops
 from tessera.strategy import Strategy, StrategyError
 
@@ -55,44 +53,6 @@ def test_export_keeps_tp_collectives_as_single_priced_nodes():
     assert copy.cost.bwd_comm_bytes == 2 * payload and copy.cost.fwd_comm_bytes == 0
     assert copy.cost.saved_bytes == reduce.cost.saved_bytes == 0
     assert reduce.cost.fwd_time(rates) == pytest.approx(2 * payload / rates.collective_bw)
-
-
-def test_subpipeline_overlaps_one_halfs_all_reduce_with_the_others_compute():
-    gm = fx.symbolic_trace(_Stack())
-    piece = Piece(gm, ["x"], [], ["out"], [])
-    order = [n for n in subpipeline(piece).module.graph.nodes if n.op == "call_function"]
-    kinds = [_kind(n) for n in order]
-    starts = [i for i, k in enumerate(kinds) if k == "start"]
-    waits = [i for i, k in enumerate(kinds) if k == "wait"]
-    mms = [i for i, k in enumerate(kinds) if k == "linear"]
-    assert len(starts) == len(waits) == 4 and len(mms) == 4 and "reduce" not in kinds
-    # h0: linear, start | h1: linear, start | wait h0, linear, start | wait h1, linear, start
-    assert mms[0] < starts[0] < mms[1] < starts[1] < waits[0] < mms[2]
-    assert waits[1] > mms[2] and waits[2] > mms[3]  # each wait after the other half's matmul
-    assert kinds[-1] == "cat"
-
-
-class _Stack(nn.Module):
-    def __init__(self) -> None:
-        super().__init__()
-        self.a, self.b = nn.Linear(8, 8), nn.Linear(8, 8)
-
-    def forward(self, x):  # a piece returns a tuple
-        x = torch.ops.tessera.tp_reduce(F.linear(x, self.a.weight, self.a.bias), GROUP)
-        return (torch.ops.tessera.tp_reduce(F.linear(x, self.b.weight, self.b.bias), GROUP),)
-
-
-def _kind(node) -> str:
-    target = node.target
-    if target is ops.TP_REDUCE_START:
-        return "start"
-    if target is ops.TP_WAIT:
-        return "wait"
-    if target is ops.TP_REDUCE or target is torch.ops.tessera.tp_reduce:
-        return "reduce"
-    if target is torch.cat:
-        return "cat"
-    return "linear" if "linear" in str(target) else "other"
 
 
 def test_tp_overlap_field_text_form_and_rules():

@@ -31,7 +31,7 @@ VIEW_OPS = frozenset({
 
 # Tensor-parallel collectives (tensor/ops.py): which pass, forward or backward, all-reduces.
 # A ring all-reduce sends and receives about twice the payload, whatever the group size.
-TP_COMM_FWD = frozenset({"tp_reduce", "tp_reduce_start"})
+TP_COMM_FWD = frozenset({"tp_reduce"})
 TP_COMM_BWD = frozenset({"tp_copy"})
 ALL_REDUCE_TRAFFIC = 2.0
 # Sequence-parallel attention as one custom op each (sequence/staged.py): priced by

@@ -1,29 +1,152 @@
-"""Sub-pipelined tensor parallelism (Merak, section 4.3): one half's all-reduce under the other
-half's compute.
+"""Sub-pipelined tensor parallelism (Merak, section 4.3): one half's all-reduces under the
+other half's compute, in the forward and in the backward.
 
-A stage piece captured at half the micro-batch (B/2, T) is run twice in one fx graph, on the
-two halves of the micro-batch, interleaved: every forward all-reduce of tensor parallelism
-(``tp_reduce``, Megatron's g) is split into ``tp_reduce_start`` (asynchronous; gloo and NCCL
-run it on their own thread / stream) and ``tp_wait``, and the two halves take turns between
-them, half 1 one segment behind half 0::
+A stage piece captured at half the micro-batch (B/2, T) is cut at its tensor-parallel
+collectives (:func:`cut_at_collectives`): Megatron's g (``tp_reduce``, an all-reduce in the
+forward) and f (``tp_copy``, an all-reduce in the backward). :class:`SubPipelined` runs the
+segments between them on the two halves of each micro-batch, the halves taking turns at
+every all-reduce, which runs asynchronously (gloo on its own thread, NCCL on its own stream)
+while the other half computes::
 
-    S0(h0) start0(h0) | S0(h1) start0(h1) | wait0(h0) S1(h0) start1(h0) | wait0(h1) S1(h1) ...
+    forward   S0(h0) g0-start(h0) | S0(h1) g0-start(h1) | g0-wait(h0) S1(h0) ...
+    backward  ... S2'(h0) f2-start(h0) | S2'(h1) f2-start(h1) | f2-wait(h0) S1'(h0) ...
 
-so the all-reduce of one half runs while the other half computes the segment ``S`` between
-two all-reduces. Parameters are shared; the halves' outputs are concatenated, so neighbours
-send and receive whole micro-batches as before. The backward all-reduces (of ``tp_copy``, f)
-stay synchronous: autograd orders the two halves' backward nodes itself.
+Autograd cannot run a backward in that order: it orders the backward by the forward, where
+half 0's later segment runs after half 1's earlier one, so the wait for half 0's gradient
+all-reduce would come before half 1's segment. The backward is therefore scheduled by hand
+(``subpipe_run.py``). The halves' outputs are concatenated, so neighbouring stages send and
+receive whole micro-batches as before.
 """
 
 from __future__ import annotations
 
-import torch
-from torch import fx
+import operator
+from dataclasses import dataclass
+
+from torch import fx, nn
 
 from tessera.parallel.pipeline.split import Piece
-from tessera.parallel.tensor.ops import TP_REDUCE_START, TP_WAIT, is_tp_reduce
+from tessera.parallel.pipeline.subpipe_run import run_interleaved
+from tessera.parallel.tensor.ops import is_tp_copy, is_tp_reduce
 
-HALVES = 2
+
+@dataclass
+class Segment:
+    """Part of a piece between two tensor-parallel collectives, or one collective.
+
+    Attributes:
+        kind: "compute", "reduce" (g: all-reduce forward, identity backward) or "copy" (f:
+            identity forward, all-reduce backward).
+        inputs: names of the values it reads that other segments (or the piece's
+            arguments) produce; a collective reads one.
+        outputs: names of its values read by later segments or returned by the piece.
+        module: for "compute", ``module(*inputs) -> tuple(outputs)``.
+        group: for a collective, the name its tensor-parallel group is registered under.
+    """
+
+    kind: str
+    inputs: list[str]
+    outputs: list[str]
+    module: fx.GraphModule | None = None
+    group: str = ""
+
+
+@dataclass
+class Cut:
+    """A piece's graph cut at its collectives."""
+
+    arguments: list[str]  # the piece's placeholders, in argument order
+    segments: list[Segment]
+    results: list[str]  # the values the piece returns, in order
+    last_use: dict[str, int]  # value -> the last segment reading it (len(segments): returned)
+
+
+def cut_at_collectives(gm: fx.GraphModule) -> Cut:
+    """Cut ``gm`` (a piece's graph) before and after every ``tp_reduce`` and ``tp_copy``."""
+    members: list[list[fx.Node]] = []
+    kinds: list[str] = []
+    segment_of: dict[str, int] = {}
+    for node in gm.graph.nodes:
+        if node.op in ("placeholder", "output", "get_attr"):
+            continue
+        kind = _collective_kind(node)
+        if kind is None and _unpacks(node) and node.args[0].name in segment_of:
+            index = segment_of[node.args[0].name]  # a tuple's item stays with the tuple
+        else:
+            if kind is not None or not kinds or kinds[-1] != "compute":
+                kinds.append(kind or "compute")
+                members.append([])
+            index = len(members) - 1
+        members[index].append(node)
+        segment_of[node.name] = index
+    (output,) = [n for n in gm.graph.nodes if n.op == "output"]
+    results = [n.name for n in output.args[0]]
+    reads: list[list[str]] = [[] for _ in members]
+    last_use = {name: len(members) for name in results}
+    for index, nodes in enumerate(members):
+        for node in nodes:
+            for pred in node.all_input_nodes:
+                if pred.op != "get_attr" and segment_of.get(pred.name) != index:
+                    if pred.name not in reads[index]:
+                        reads[index].append(pred.name)
+                    last_use[pred.name] = max(last_use.get(pred.name, -1), index)
+    segments = []
+    for index, (kind, nodes) in enumerate(zip(kinds, members)):
+        outputs = [n.name for n in nodes if last_use.get(n.name, index) > index]
+        if kind == "compute":
+            segments.append(Segment(kind, reads[index], outputs,
+                                    _segment_module(gm, nodes, reads[index], outputs)))
+        else:
+            segments.append(Segment(kind, reads[index], outputs, group=nodes[0].args[1]))
+    arguments = [n.name for n in gm.graph.nodes if n.op == "placeholder"]
+    return Cut(arguments, segments, results, last_use)
+
+
+def _collective_kind(node: fx.Node) -> str | None:
+    if node.op != "call_function":
+        return None
+    if is_tp_reduce(node.target):
+        return "reduce"
+    return "copy" if is_tp_copy(node.target) else None
+
+
+def _unpacks(node: fx.Node) -> bool:
+    """An item of a tuple-valued node (export's ``split`` then ``getitem``): a tuple cannot
+    cross a segment boundary, so the item is taken where the tuple is made."""
+    return node.op == "call_function" and node.target is operator.getitem
+
+
+def _segment_module(gm: fx.GraphModule, nodes: list[fx.Node], inputs: list[str],
+                    outputs: list[str]) -> fx.GraphModule:
+    new, env = fx.Graph(), {}
+    for name in inputs:
+        env[name] = new.placeholder(name)
+    for node in nodes:
+        for pred in node.all_input_nodes:
+            if pred.op == "get_attr" and pred.name not in env:
+                env[pred.name] = new.node_copy(pred)  # the piece's own parameter or buffer
+        env[node.name] = new.node_copy(node, lambda n: env[n.name])
+    new.output(tuple(env[n] for n in outputs))
+    return fx.GraphModule(gm, new)  # get_attr targets bound to gm's very tensors
+
+
+class SubPipelined(nn.Module):
+    """A piece captured at half the micro-batch, run on whole micro-batches as two halves
+    interleaved at every tensor-parallel all-reduce, forward and backward.
+
+    Every argument and result has the batch as its first dimension. With autograd on, the
+    piece is one node of the caller's graph whose backward runs the hand-scheduled
+    interleaved backward (parameters' gradients accumulate as in a plain backward).
+    """
+
+    def __init__(self, gm: fx.GraphModule) -> None:
+        super().__init__()
+        self.cut = cut_at_collectives(gm)
+        # Registered so that .parameters() sees the segments' (shared) weights.
+        self.parts = nn.ModuleList(s.module for s in self.cut.segments if s.module is not None)
+
+    def forward(self, *args):
+        return run_interleaved(self.cut, args)
 
 
 def subpipeline(piece: Piece) -> Piece:
@@ -32,45 +155,6 @@ def subpipeline(piece: Piece) -> Piece:
     ``piece`` must have been built from a graph captured at half the micro-batch; every
     input and output has the batch as its first dimension.
     """
-    old = piece.module.graph
-    new = fx.Graph()
-    envs: list[dict[str, fx.Node]] = [{} for _ in range(HALVES)]
-    for node in old.nodes:
-        if node.op == "placeholder":  # (B, ...) -> HALVES x (B/2, ...)
-            halves = new.call_function(torch.chunk, (new.placeholder(node.name), HALVES, 0))
-            for h, env in enumerate(envs):
-                env[node.name] = new.call_function(_item, (halves, h))
-    body = [n for n in old.nodes if n.op not in ("placeholder", "output")]
-    _interleave(new, body, envs)
-    (result,) = [n for n in old.nodes if n.op == "output"]
-    outputs = []
-    for out in result.args[0]:
-        outputs.append(new.call_function(torch.cat, ([env[out.name] for env in envs], 0)))
-    new.output(tuple(outputs))
-    module = fx.GraphModule(piece.module, new)
-    return Piece(module, piece.inputs, piece.batch, piece.outputs, piece.params)
+    return Piece(SubPipelined(piece.module), piece.inputs, piece.batch, piece.outputs,
+                 piece.params)
 
-
-def _item(values, index: int):
-    return values[index]
-
-
-def _interleave(new: fx.Graph, body: list[fx.Node], envs: list[dict[str, fx.Node]]) -> None:
-    """Copy ``body`` once per half, switching halves after each started all-reduce."""
-    position = [0] * HALVES
-    started: list[tuple[str, fx.Node] | None] = [None] * HALVES
-    while any(p < len(body) for p in position) or any(started):
-        for h, env in enumerate(envs):
-            if started[h] is not None:  # resume: the all-reduce's result is needed from here
-                name, start = started[h]
-                env[name] = new.call_function(TP_WAIT, (start,))
-                started[h] = None
-            while position[h] < len(body):
-                node = body[position[h]]
-                position[h] += 1
-                if is_tp_reduce(node.target):
-                    x, group = node.args
-                    start = new.call_function(TP_REDUCE_START, (env[x.name], group))
-                    started[h] = (node.name, start)
-                    break  # the other half computes while this all-reduce runs
-                env[node.name] = new.node_copy(node, lambda n, env=env: env[n.name])

@@ -63,6 +63,14 @@ class TPGroup:
             dist.all_reduce(tensor, op=op, group=self.group)
         return tensor
 
+    def all_reduce_start(self, tensor: torch.Tensor):
+        """Start an in-place sum of ``tensor`` (gloo runs it on its own thread, NCCL on its
+        own stream); returns the work to ``wait()`` on, or None when the group is one rank."""
+        if self.size == 1:
+            return None
+        self._count("all_reduce", tensor)
+        return dist.all_reduce(tensor, group=self.group, async_op=True)
+
     def all_gather(self, tensor: torch.Tensor, dim: int) -> torch.Tensor:
         """Concatenate every rank's ``tensor`` along ``dim`` (rank order)."""
         if self.size == 1:

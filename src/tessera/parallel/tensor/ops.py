@@ -11,20 +11,18 @@ The process group cannot be an op argument (ops take tensors, numbers and string
 ops take the name a :class:`TPGroup` was registered under here, the way torch's functional
 collectives take a group name.
 
-``tp_reduce_start`` / ``tp_wait`` split ``tp_reduce`` in two for sub-pipelined tensor
-parallelism: the all-reduce runs asynchronously (gloo runs it on its own thread) between them,
-while the other half of the micro-batch computes (``pipeline/subpipe.py``).
+Sub-pipelined tensor parallelism (``pipeline/subpipe.py``) finds these nodes in a stage's
+graph and runs their all-reduces itself, asynchronously, from the group :func:`group_named`
+returns.
 """
 
 from __future__ import annotations
 
 import torch
-import torch.distributed as dist
 
 from tessera.parallel.tensor.comm import TPGroup
 
 _GROUPS: dict[str, TPGroup] = {}
-_PENDING: dict[int, dist.Work] = {}  # data_ptr of a tp_reduce_start output -> its all-reduce
 
 
 def register_group(group: TPGroup) -> str:
@@ -34,7 +32,8 @@ def register_group(group: TPGroup) -> str:
     return name
 
 
-def _group(name: str) -> TPGroup:
+def group_named(name: str) -> TPGroup:
+    """The group :func:`register_group` filed under ``name``."""
     if name not in _GROUPS:
         raise RuntimeError(f"tensor-parallel group {name!r} was not registered on this rank "
                            "(tessera.parallel.tensor.ops.register_group)")
@@ -54,7 +53,7 @@ def _(x, group):
 
 
 def _copy_backward(ctx, grad):
-    return _group(ctx.group).all_reduce(grad.contiguous().clone()), None
+    return group_named(ctx.group).all_reduce(grad.contiguous().clone()), None
 
 
 def _remember_group(ctx, inputs, output):
@@ -68,7 +67,7 @@ tp_copy.register_autograd(_copy_backward, setup_context=_remember_group)
 @torch.library.custom_op("tessera::tp_reduce", mutates_args=())
 def tp_reduce(x: torch.Tensor, group: str) -> torch.Tensor:
     """Sum of ``x`` over ``group`` forward; identity backward (Megatron g)."""
-    return _group(group).all_reduce(x.contiguous().clone())
+    return group_named(group).all_reduce(x.contiguous().clone())
 
 
 @tp_reduce.register_fake
@@ -83,52 +82,15 @@ def _identity_backward(ctx, grad):
 tp_reduce.register_autograd(_identity_backward)
 
 
-# ------------------------------------------------------- g split in two: start, then wait
-@torch.library.custom_op("tessera::tp_reduce_start", mutates_args=())
-def tp_reduce_start(x: torch.Tensor, group: str) -> torch.Tensor:
-    """Start the sum of ``x`` over ``group``; the result is valid after :func:`tp_wait`."""
-    tp = _group(group)
-    out = x.contiguous().clone()
-    if tp.size > 1:
-        tp._count("all_reduce", out)
-        _PENDING[out.data_ptr()] = dist.all_reduce(out, group=tp.group, async_op=True)
-    return out
-
-
-@tp_reduce_start.register_fake
-def _(x, group):
-    return x.new_empty(x.shape)  # contiguous, as the real op's clone
-
-
-tp_reduce_start.register_autograd(_identity_backward)
-
-
-@torch.library.custom_op("tessera::tp_wait", mutates_args=())
-def tp_wait(x: torch.Tensor) -> torch.Tensor:
-    """Wait for the all-reduce :func:`tp_reduce_start` began on ``x``; returns the sum."""
-    work = _PENDING.pop(x.data_ptr(), None)
-    if work is not None:
-        work.wait()
-    return x.clone()
-
-
-@tp_wait.register_fake
-def _(x):
-    return torch.empty_like(x)
-
-
-def _wait_backward(ctx, grad):
-    return grad
-
-
-tp_wait.register_autograd(_wait_backward)
-
 TP_REDUCE = torch.ops.tessera.tp_reduce.default
 TP_COPY = torch.ops.tessera.tp_copy.default
-TP_REDUCE_START = torch.ops.tessera.tp_reduce_start.default
-TP_WAIT = torch.ops.tessera.tp_wait.default
 
 
 def is_tp_reduce(target) -> bool:
     """Whether a graph node's target is g (exported graphs hold the overload, fx the packet)."""
     return target is TP_REDUCE or target is torch.ops.tessera.tp_reduce
+
+
+def is_tp_copy(target) -> bool:
+    """Whether a graph node's target is f (as :func:`is_tp_reduce`)."""
+    return target is TP_COPY or target is torch.ops.tessera.tp_copy

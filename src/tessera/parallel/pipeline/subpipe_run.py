@@ -1,0 +1,241 @@
+"""Running a sub-pipelined piece (``subpipe.py``): two halves of a micro-batch taking turns
+at every tensor-parallel all-reduce, in the forward and in a hand-scheduled backward.
+
+Forward: a half runs its segments up to the next g (``tp_reduce``), starts that all-reduce
+and hands over to the other half; on its next turn it waits for the sum and goes on.
+Backward: the mirror image, handing over at every f (``tp_copy``), whose gradient
+all-reduce then runs under the other half's segment backward.
+
+How the backward is wired, with autograd on: each compute segment reads its inputs through
+an *inlet* and hands its outputs to an *outlet*, two small autograd Functions:
+
+- an inlet passes a value through; its backward adds the segment's gradient of that value
+  to the half's gradient table, instead of going on into the graph that produced it;
+- an outlet turns the segment's outputs into one empty tensor; its backward takes their
+  gradients from the table.
+
+So every segment's graph stands alone, ``backward()`` on its outlet runs exactly that
+segment (its weights' gradients accumulate as usual), and the driver chooses the order and
+runs the collectives in between. Neither Function keeps a tensor: a segment keeps for its
+backward what autograd keeps without them. The whole piece is one node (``_Interleaved``)
+of the caller's graph, whose backward runs the schedule.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from tessera.parallel.tensor.ops import group_named
+
+HALVES = 2
+Grads = dict[str, torch.Tensor]  # one half's gradients by value name, summed over readers
+
+
+def run_interleaved(cut, args: tuple) -> tuple:
+    """The results of a cut piece (``subpipe.Cut``) on whole micro-batches ``args``;
+    differentiable when autograd is on."""
+    if not torch.is_grad_enabled():
+        return _Run(cut, args, grad=False).forward()
+    # Weights need gradients even when no argument does (the first stage reads token ids):
+    # an argument that requires one keeps this node in the caller's graph.
+    anchor = torch.empty(0, requires_grad=True)
+    return _Interleaved.apply(cut, anchor, *args)
+
+
+def halves(value):
+    """``value`` split into the halves' parts along the batch (non-tensors: itself twice)."""
+    if isinstance(value, torch.Tensor):
+        if value.dim() == 0 or value.shape[0] % HALVES:
+            raise RuntimeError(f"sub-pipelined stages (tp_overlap=subpipe) split every input "
+                               f"along its first dimension into {HALVES}; got shape "
+                               f"{tuple(value.shape)}")
+        return value.chunk(HALVES)
+    return (value,) * HALVES
+
+
+class _Interleaved(torch.autograd.Function):
+    """The piece as one node: forward runs both halves, backward the interleaved schedule."""
+
+    @staticmethod
+    def forward(ctx, cut, anchor, *args):
+        ctx.set_materialize_grads(False)
+        run = _Run(cut, args, grad=True, anchor=anchor)
+        with torch.enable_grad():
+            results = run.forward()
+        ctx.run = run
+        ctx.mark_non_differentiable(*[r for r in results if not r.is_floating_point()])
+        return results
+
+    @staticmethod
+    def backward(ctx, *grads):
+        run, ctx.run = ctx.run, None  # the segments' graphs go as their backwards run
+        return (None, None, *run.backward(grads))
+
+
+@dataclass
+class _Pending:
+    """An all-reduce under way: its result lands as value (or gradient) ``name``."""
+
+    name: str
+    buffer: torch.Tensor
+    work: object | None
+
+    def finish(self) -> torch.Tensor:
+        if self.work is not None:
+            self.work.wait()
+        return self.buffer
+
+
+def _start(value: torch.Tensor, group: str, name: str) -> _Pending:
+    buffer = value.detach().clone(memory_format=torch.contiguous_format)
+    return _Pending(name, buffer, group_named(group).all_reduce_start(buffer))
+
+
+class _Run:
+    """One micro-batch through a cut piece as two halves. With ``grad``, each compute
+    segment's outlet is kept for the backward."""
+
+    def __init__(self, cut, args: tuple, grad: bool, anchor: torch.Tensor | None = None
+                 ) -> None:
+        self.cut, self.grad, self.anchor = cut, grad, anchor
+        parts = [halves(a) for a in args]
+        self.values: list[dict] = [{n: p[h] for n, p in zip(cut.arguments, parts)}
+                                   for h in range(HALVES)]
+        needs = {n: isinstance(a, torch.Tensor) and a.requires_grad
+                 for n, a in zip(cut.arguments, args)}
+        self.needs = [dict(needs) for _ in range(HALVES)]  # value -> a gradient reaches it
+        self.arg_needs = [needs[n] for n in cut.arguments]
+        self.grads: list[Grads] = [{} for _ in range(HALVES)]
+        self.outlets: list[dict[int, torch.Tensor]] = [{} for _ in range(HALVES)]
+
+    # ------------------------------------------------------------------------- forward
+    def forward(self) -> tuple:
+        segments = self.cut.segments
+        position, waiting = [0] * HALVES, [None] * HALVES
+        while any(p < len(segments) for p in position) or any(waiting):
+            for h, values in enumerate(self.values):
+                if waiting[h] is not None:  # this half's g: its sum is needed from here
+                    values[waiting[h].name] = waiting[h].finish()
+                    waiting[h] = None
+                while position[h] < len(segments):
+                    index = position[h]
+                    position[h] += 1
+                    segment = segments[index]
+                    if segment.kind == "compute":
+                        self._compute(h, index, segment)
+                    else:
+                        (source,), (out,) = segment.inputs, segment.outputs
+                        self.needs[h][out] = self.needs[h][source]
+                        if segment.kind == "copy":  # f: identity in the forward
+                            values[out] = values[source]
+                        else:
+                            waiting[h] = _start(values[source], segment.group, out)
+                    self._release(values, segment, index)
+                    if waiting[h] is not None:
+                        break  # the other half computes while this all-reduce runs
+        with torch.no_grad():
+            results = tuple(torch.cat([v[n] for v in self.values]) for n in self.cut.results)
+        self.values = []  # the halves of the results: the caller holds them whole
+        return results
+
+    def _compute(self, h: int, index: int, segment) -> None:
+        values, needs = self.values[h], self.needs[h]
+        inputs = []
+        for name in segment.inputs:
+            value = values[name]
+            if not isinstance(value, torch.Tensor):
+                raise RuntimeError(f"sub-pipelined stages pass tensors between segments; "
+                                   f"{name} is a {type(value).__name__}")
+            if self.grad and needs[name] and value.is_floating_point():
+                value = _Inlet.apply(self.grads[h], name, self.anchor, value.detach())
+            inputs.append(value)
+        outputs = segment.module(*inputs)
+        wanted = []
+        for name, out in zip(segment.outputs, outputs):
+            values[name] = out
+            needs[name] = isinstance(out, torch.Tensor) and out.requires_grad
+            if needs[name]:
+                wanted.append((name, out))
+        if self.grad and wanted:
+            names, tensors = zip(*wanted)
+            self.outlets[h][index] = _Outlet.apply(self.grads[h], names, *tensors)
+
+    def _release(self, values: dict, segment, index: int) -> None:
+        """Drop the values no later segment reads (the piece's results stay)."""
+        for name in segment.inputs:
+            if self.cut.last_use[name] == index:
+                values.pop(name, None)
+
+    # ------------------------------------------------------------------------ backward
+    def backward(self, grads: tuple) -> list[torch.Tensor | None]:
+        for name, grad in zip(self.cut.results, grads):
+            if grad is not None:
+                for table, part in zip(self.grads, halves(grad)):
+                    _add(table, name, part)
+        segments = self.cut.segments
+        position, waiting = [len(segments) - 1] * HALVES, [None] * HALVES
+        while any(p >= 0 for p in position) or any(waiting):
+            for h, table in enumerate(self.grads):
+                if waiting[h] is not None:  # this half's f: its summed gradient goes on
+                    _add(table, waiting[h].name, waiting[h].finish())
+                    waiting[h] = None
+                while position[h] >= 0:
+                    index = position[h]
+                    position[h] -= 1
+                    segment = segments[index]
+                    if segment.kind == "compute":
+                        outlet = self.outlets[h].pop(index, None)
+                        if outlet is not None and any(n in table for n in segment.outputs):
+                            torch.autograd.backward(outlet, outlet.new_empty(0))
+                        continue
+                    grad = table.pop(segment.outputs[0], None)
+                    if grad is None:
+                        continue
+                    if segment.kind == "reduce":  # g: identity in the backward
+                        _add(table, segment.inputs[0], grad)
+                        continue
+                    waiting[h] = _start(grad, segment.group, segment.inputs[0])
+                    break  # the other half's backward runs while this all-reduce does
+        return [self._argument_grad(name) if needs else None
+                for name, needs in zip(self.cut.arguments, self.arg_needs)]
+
+    def _argument_grad(self, name: str) -> torch.Tensor | None:
+        parts = [table.pop(name, None) for table in self.grads]
+        if all(p is None for p in parts):
+            return None
+        like = next(p for p in parts if p is not None)
+        return torch.cat([torch.zeros_like(like) if p is None else p for p in parts])
+
+
+def _add(table: Grads, name: str, grad: torch.Tensor) -> None:
+    table[name] = grad if name not in table else table[name] + grad
+
+
+class _Inlet(torch.autograd.Function):
+    """A segment's input: passed through; its gradient goes to the half's table."""
+
+    @staticmethod
+    def forward(ctx, table: Grads, name: str, anchor, value):
+        ctx.table, ctx.name = table, name
+        return value.view_as(value)  # a non-leaf: autocast does not cache its casts
+
+    @staticmethod
+    def backward(ctx, grad):
+        _add(ctx.table, ctx.name, grad)
+        return None, None, None, None
+
+
+class _Outlet(torch.autograd.Function):
+    """A segment's outputs as one empty tensor, whose backward reads their gradients from
+    the half's table: ``backward()`` on it runs the segment's backward."""
+
+    @staticmethod
+    def forward(ctx, table: Grads, names: tuple, *outputs):
+        ctx.table, ctx.names = table, names
+        return outputs[0].new_empty(0)
+
+    @staticmethod
+    def backward(ctx, _grad):
+        return (None, None, *[ctx.table.pop(n, None) for n in ctx.names])
