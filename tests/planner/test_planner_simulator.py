@@ -137,13 +137,15 @@ def test_invalid_for_model_or_cluster_refused():
         estimate(GPT3, A100, BASE.replace(dp=64))
 
 
-def test_sub_pipelined_tensor_parallelism_is_priced_as_hidden_forward_all_reduces():
+def test_sub_pipelined_tensor_parallelism_is_priced_as_hidden_all_reduces():
     plain = Strategy.parse("dp=32,tp=8,pp=4,mbs=2,gbs=1536,recompute=full,precision=bf16")
     e_plain = estimate(GPT3, A100, plain)
     e_sub = estimate(GPT3, A100, plain.replace(tp_overlap="subpipe"))
-    # Forward all-reduces are hidden (the backward ones stay exposed), and the step pays for
-    # the smaller matmuls of the half micro-batches.
-    assert 0 < e_sub.breakdown["tp_comm"] < e_plain.breakdown["tp_comm"]
+    # Forward and backward all-reduces are hidden under the other half's compute (GPT-3 on
+    # A100 has compute to spare): what stays exposed is the vocabulary-parallel loss's two
+    # small all-reduces, after the last stage. The step pays for the smaller matmuls of the
+    # half micro-batches.
+    assert 0 < e_sub.breakdown["tp_comm"] < 0.01 * e_plain.breakdown["tp_comm"]
     assert e_sub.breakdown["compute"] > e_plain.breakdown["compute"]
     assert sum(e_sub.breakdown.values()) == pytest.approx(e_sub.step_time, rel=1e-9)
 

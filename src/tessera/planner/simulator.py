@@ -199,11 +199,13 @@ def _stage_costs(model: ModelConfig, cl: Cluster, s: Strategy, groups, opt: SimO
         fwd_head_cast = head_cast / s.grad_accum_steps if head_once else head_cast
         fwd = layers * (lt.forward + fwd_cast)
         bwd = layers * (lt.backward + bwd_casts * cast)
-        extra_tp = 0.0
+        # Tensor-parallel collectives outside the blocks: forward (g), backward (f), and the
+        # loss's, which runs after the stage (never under a sub-pipelined half's compute).
+        extra_fwd = extra_bwd = loss_tp = 0.0
         if i == 0:
             e = embedding_time(cl, model, b, seq, s.tp, s.sp, s.precision)
             fwd, bwd = fwd + e.forward, bwd + e.backward
-            extra_tp += _tp_allreduce(model, cl, s, groups)  # vocab-parallel embedding
+            extra_fwd += _tp_allreduce(model, cl, s, groups)  # vocab-parallel embedding
         if sp_params.head_share > 0:  # the whole head, or its slices' share (split.py)
             h = head_time(cl, model, b, seq, s.tp, s.sp, s.precision)
             share = sp_params.head_share
@@ -211,21 +213,22 @@ def _stage_costs(model: ModelConfig, cl: Cluster, s: Strategy, groups, opt: SimO
             bwd = bwd + share * (h.backward + bwd_casts * head_cast)
             if s.tp > 1:  # vocab-parallel cross-entropy: the max, then the sum of exp
                 # with the target logit; the vocab-split head sums its input gradient
-                extra_tp += 2 * comm.call_time(cl, groups["tp"])
-                extra_tp += _tp_allreduce(model, cl, s, groups)
+                loss_tp += 2 * comm.call_time(cl, groups["tp"])
+                extra_bwd += _tp_allreduce(model, cl, s, groups)
         # The forward again, plus the checkpoint's own hooks (profiled, at a lone worker's
         # rate like the layer's other fixed costs).
         rec = n_rec * (lt.forward + cast + cl.device.overheads.get("recompute_layer", 0.0)
                        / cl.compute_share())
-        tp = layers * (tp_f + tp_b) + n_rec * tp_f + extra_tp
+        tp = layers * (tp_f + tp_b) + n_rec * tp_f + extra_fwd + extra_bwd + loss_tp
         sp = layers * (sp_f + sp_b) + n_rec * sp_f
         hidden = opt.tp_overlap * tp
         if s.tp_overlap == "subpipe":
-            # Each half micro-batch's forward all-reduces run while the other half computes
-            # (the runtime overlaps forward all-reduces only): at most half the forward work
-            # is there to hide them under.
-            fwd_tp = layers * tp_f + n_rec * tp_f + extra_tp
+            # Each half micro-batch's all-reduces run while the other half computes, in the
+            # forward (g, recomputation's too) and in the backward (f): at most half of each
+            # pass's work is there to hide them under.
+            fwd_tp = layers * tp_f + n_rec * tp_f + extra_fwd
             hidden += min(fwd_tp, cl.device.overlap_efficiency * (fwd + rec) / 2)
+            hidden += min(layers * tp_b + extra_bwd, cl.device.overlap_efficiency * bwd / 2)
         hidden = min(hidden, tp, cl.device.overlap_efficiency * (fwd + bwd))
         out.append(_Stage(fwd, bwd, rec, tp - hidden + sp, tp - hidden, sp))
     return out
