@@ -77,8 +77,9 @@ class Strategy:
         tp: tensor-parallel degree (for ``tp_mode="2d"`` a square q*q grid).
         tp_mode: "1d" (Megatron column/row) or "2d" (Optimus SUMMA on a q x q grid).
         tp_overlap: "none", or "subpipe" (sub-pipelined tensor parallelism, Merak: each
-            micro-batch runs as two halves inside a pipeline stage, one half's forward
-            all-reduces overlapping the other half's compute; needs tp > 1, pp > 1, even mbs).
+            micro-batch runs as two halves inside a pipeline stage, one half's all-reduces,
+            forward and backward, overlapping the other half's compute; needs tp > 1,
+            pp > 1, even mbs).
         pp: pipeline-parallel degree (number of stages).
         sp: sequence-parallel degree.
         sp_mode: "ring" (online softmax), "rsa" (paper-faithful) or "ulysses" (all-to-all).

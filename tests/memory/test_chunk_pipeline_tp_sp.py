@@ -6,7 +6,8 @@ model and of Hugging Face GPT-2 and Llama. Eight workers train, with memory=chun
 Trainer's gradient clipping, 3 AdamW steps of:
 
 - dp=2 x tp=2 (1d) x pp=2, 1f1b, half of each stage recomputed, under a device budget that
-  forces evictions (chunks hold each rank's tp shards, ZeRO-sharded over dp);
+  forces evictions (chunks hold each rank's tp shards, ZeRO-sharded over dp); also with
+  sub-pipelined tensor parallelism (tp_overlap=subpipe);
 - tp=4 as a 2 x 2 SUMMA grid x pp=2, gpipe (the 2d layers are custom ops in the graph);
 - dp=2 x sp=2 (ring) x pp=2, 1f1b (chunks ZeRO-sharded over dp x sp);
 - Hugging Face GPT-2 at dp=2 x tp=2 x pp=2, scp with full recomputation (fused q|k|v shards
@@ -48,6 +49,9 @@ TP1D = "dp=2,tp=2,pp=2,mbs=2,gbs=8,schedule=1f1b,recompute=0.5,memory=chunk,offl
 CASES = {  # name: (model section or None for the reference model, strategy, memory)
     # Below a stage's chunks and activations together: chunks are evicted (6 of 8 ranks).
     "dp2_tp2_pp2_budget": (None, TP1D, {**AUTO, "device_budget": 420_000}),
+    # The same, sub-pipelined: each weight still accumulates once per micro-batch.
+    "dp2_tp2_pp2_subpipe": (None, TP1D + ",tp_overlap=subpipe",
+                            {**AUTO, "device_budget": 420_000}),
     "tp4_2d_pp2": (None, "tp=4,tp_mode=2d,pp=2,mbs=2,gbs=8,schedule=gpipe,memory=chunk,"
                          "offload=cpu", AUTO),
     "dp2_sp2_pp2": (None, "dp=2,sp=2,pp=2,mbs=2,gbs=8,schedule=1f1b,memory=chunk,offload=cpu",

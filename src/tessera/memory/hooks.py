@@ -57,10 +57,11 @@ class ChunkHooks:
             self.handles.append(param.register_post_accumulate_grad_hook(self._grad_ready))
         self.watch_saved(model)
 
-    def hook_module(self, name: str, module: nn.Module) -> bool:
-        """Drive the chunks of the parameters ``module`` owns directly around its forward
-        (and, through its outputs, its backward). Returns whether it owns any."""
-        params = [p for p in module.parameters(recurse=False) if p in self.m.slot_of]
+    def hook_module(self, name: str, module: nn.Module, recurse: bool = False) -> bool:
+        """Drive the chunks of the parameters ``module`` owns directly (with ``recurse``,
+        also through its submodules) around its forward (and, through its outputs, its
+        backward). Returns whether it owns any."""
+        params = [p for p in module.parameters(recurse=recurse) if p in self.m.slot_of]
         if params:
             self.handles.append(module.register_forward_pre_hook(
                 functools.partial(self._pre_forward, name, params)))

@@ -101,7 +101,9 @@ def _hook_stage(runtime: ChunkRuntime, runner: StageRunner) -> None:
     for part, piece in runner.pieces():
         if dtype != torch.float32:
             piece.module.register_forward_pre_hook(functools.partial(_cast_inputs, dtype))
-        if runtime.hooks.hook_module(f"stage{runner.index}.{part}", piece.module):
+        # A piece's weights wherever it holds them: a sub-pipelined piece (tp_overlap=subpipe)
+        # keeps them in its segments' modules, and accumulates each once per backward.
+        if runtime.hooks.hook_module(f"stage{runner.index}.{part}", piece.module, recurse=True):
             runtime.hooks.watch_saved(piece.module)
 
 

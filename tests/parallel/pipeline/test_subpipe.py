@@ -38,7 +38,8 @@ class ShardedStack(nn.Module):
         for col, row in zip(self.col, self.row):
             h = torch.tanh(col(torch.ops.tessera.tp_copy(x, self.group)))
             a, b = h.split(3, dim=-1)  # items used on both sides of the g below
-            x = x + torch.ops.tessera.tp_reduce(row(torch.cat([b, a], -1)), self.group)
+            reduced = torch.ops.tessera.tp_reduce(row(torch.cat([b, a], -1)), self.group)
+            x = x + reduced[:, :]  # an index of a collective's value: computed after it
             x = x * a.mean(-1, keepdim=True)
         return x, skip
 
@@ -69,6 +70,10 @@ def _two_ranks(rank, world_size):
     model.zero_grad()
 
     sub = SubPipelined(gm)
+    accumulated = {name: 0 for name, _ in model.named_parameters()}
+    for name, p in model.named_parameters():  # as chunk memory and the dp average see them
+        p.register_post_accumulate_grad_hook(
+            lambda p, name=name: accumulated.__setitem__(name, accumulated[name] + 1))
     log = []  # the order of all-reduces and segment backwards on this rank
     start, finish = subpipe_run._start, subpipe_run._Pending.finish
     subpipe_run._start = lambda v, g, n: log.append("S") or start(v, g, n)
@@ -81,6 +86,7 @@ def _two_ranks(rank, world_size):
     try:
         inputs = [t.clone().requires_grad_() for t in (x, skip)]
         sub_out, sub_grads = _run(sub, model, *inputs)
+        once = set(accumulated.values()) == {1}
         with torch.no_grad():
             no_grad_out = sub(x, skip)[0]
         ids = torch.zeros(4, 5, 8)  # an argument without gradient: weights still get theirs
@@ -96,7 +102,7 @@ def _two_ranks(rank, world_size):
             "grads": max(((a - b).abs().max() / b.abs().max()).item()
                          for a, b in zip(sub_grads, plain_grads)),
             "kinds": [s.kind for s in sub.cut.segments], "log": log,
-            "weights_reached": weights_reached}
+            "weights_reached": weights_reached, "accumulated_once": once}
 
 
 def test_interleaved_halves_equal_the_plain_run_and_overlap_both_passes():
@@ -104,6 +110,8 @@ def test_interleaved_halves_equal_the_plain_run_and_overlap_both_passes():
     for rank in out:
         assert rank["out"] <= TOL and rank["no_grad_out"] <= TOL and rank["grads"] <= TOL
         assert rank["weights_reached"]
+        # Each weight's two halves are summed and accumulated once, as a plain backward does.
+        assert rank["accumulated_once"]
     # Segments: 0 f, 1 compute, 2 g, 3 compute | 4 f, 5 compute, 6 g, 7 compute.
     assert out[0]["kinds"] == ["copy", "compute", "reduce", "compute"] * 2
     # F<i> / B<i>: segment i's forward / backward; S / W: an all-reduce started / waited for.

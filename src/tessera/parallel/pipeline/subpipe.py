@@ -70,8 +70,9 @@ def cut_at_collectives(gm: fx.GraphModule) -> Cut:
         if node.op in ("placeholder", "output", "get_attr"):
             continue
         kind = _collective_kind(node)
-        if kind is None and _unpacks(node) and node.args[0].name in segment_of:
-            index = segment_of[node.args[0].name]  # a tuple's item stays with the tuple
+        owner = segment_of.get(node.args[0].name) if _unpacks(node) else None
+        if kind is None and owner is not None and kinds[owner] == "compute":
+            index = owner  # a tuple's item stays with the tuple
         else:
             if kind is not None or not kinds or kinds[-1] != "compute":
                 kinds.append(kind or "compute")
@@ -111,9 +112,11 @@ def _collective_kind(node: fx.Node) -> str | None:
 
 
 def _unpacks(node: fx.Node) -> bool:
-    """An item of a tuple-valued node (export's ``split`` then ``getitem``): a tuple cannot
-    cross a segment boundary, so the item is taken where the tuple is made."""
-    return node.op == "call_function" and node.target is operator.getitem
+    """An item of a node's value (export's ``split`` then ``getitem``): a tuple cannot cross a
+    segment boundary, so an item of a compute node's value is taken where the value is made
+    (a tensor index, in graphs traced without export, may move there too: same result)."""
+    return (node.op == "call_function" and node.target is operator.getitem
+            and isinstance(node.args[0], fx.Node))
 
 
 def _segment_module(gm: fx.GraphModule, nodes: list[fx.Node], inputs: list[str],

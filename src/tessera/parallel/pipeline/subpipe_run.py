@@ -14,15 +14,24 @@ an *inlet* and hands its outputs to an *outlet*, two small autograd Functions:
 - an outlet turns the segment's outputs into one empty tensor; its backward takes their
   gradients from the table.
 
-So every segment's graph stands alone, ``backward()`` on its outlet runs exactly that
-segment (its weights' gradients accumulate as usual), and the driver chooses the order and
-runs the collectives in between. Neither Function keeps a tensor: a segment keeps for its
-backward what autograd keeps without them. The whole piece is one node (``_Interleaved``)
-of the caller's graph, whose backward runs the schedule.
+So every segment's graph stands alone, a backward from its outlet runs exactly that
+segment, and the driver chooses the order and runs the collectives in between. Neither
+Function keeps a tensor: a segment keeps for its backward what autograd keeps without them.
+
+A segment's backward returns its weights' gradients instead of accumulating them; a weight's
+halves (and segments, if several read it) are summed and accumulated once per micro-batch,
+after its last reader's backward, as in a plain stage's backward. Hooks on accumulation
+(chunk memory's state machine, the dp average's counts) see what they see there.
+
+The whole piece is one node (``_Interleaved``) of the caller's graph, whose backward runs
+the schedule. That backward runs once: ``retain_graph`` and double backward are not
+supported, and it always accumulates the weights' gradients (``torch.autograd.grad`` with
+``inputs`` would too), as the pipeline's stage backward expects.
 """
 
 from __future__ import annotations
 
+import itertools
 from dataclasses import dataclass
 
 import torch
@@ -65,13 +74,28 @@ class _Interleaved(torch.autograd.Function):
         with torch.enable_grad():
             results = run.forward()
         ctx.run = run
-        ctx.mark_non_differentiable(*[r for r in results if not r.is_floating_point()])
+        ctx.mark_non_differentiable(*[r for r in results if not _differentiable(r)])
         return results
 
     @staticmethod
     def backward(ctx, *grads):
         run, ctx.run = ctx.run, None  # the segments' graphs go as their backwards run
+        if run is None:
+            raise RuntimeError("a sub-pipelined stage piece (tp_overlap=subpipe) runs its "
+                               "backward once: retain_graph and double backward are not "
+                               "supported")
         return (None, None, *run.backward(grads))
+
+
+def _differentiable(t: torch.Tensor) -> bool:
+    return t.is_floating_point() or t.is_complex()
+
+
+def _weights(module) -> list[torch.Tensor]:
+    """What a segment's module holds that takes gradients: its parameters (and a rank's rows
+    of a weight, should they be bound as a buffer)."""
+    return [t for t in itertools.chain(module.parameters(), module.buffers())
+            if t.requires_grad]
 
 
 @dataclass
@@ -109,6 +133,15 @@ class _Run:
         self.arg_needs = [needs[n] for n in cut.arguments]
         self.grads: list[Grads] = [{} for _ in range(HALVES)]
         self.outlets: list[dict[int, torch.Tensor]] = [{} for _ in range(HALVES)]
+        # Weights by compute segment; each weight's readers left to run backward (per half),
+        # and its gradient summed so far: accumulated when no reader is left.
+        self.weights = {i: _weights(s.module) for i, s in enumerate(cut.segments)
+                        if s.kind == "compute"} if grad else {}
+        self.readers_left: dict[int, int] = {}
+        for weights in self.weights.values():
+            for w in weights:
+                self.readers_left[id(w)] = self.readers_left.get(id(w), 0) + HALVES
+        self.weight_grads: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
 
     # ------------------------------------------------------------------------- forward
     def forward(self) -> tuple:
@@ -148,7 +181,7 @@ class _Run:
             if not isinstance(value, torch.Tensor):
                 raise RuntimeError(f"sub-pipelined stages pass tensors between segments; "
                                    f"{name} is a {type(value).__name__}")
-            if self.grad and needs[name] and value.is_floating_point():
+            if self.grad and needs[name]:  # requires_grad: a float or complex tensor
                 value = _Inlet.apply(self.grads[h], name, self.anchor, value.detach())
             inputs.append(value)
         outputs = segment.module(*inputs)
@@ -186,9 +219,7 @@ class _Run:
                     position[h] -= 1
                     segment = segments[index]
                     if segment.kind == "compute":
-                        outlet = self.outlets[h].pop(index, None)
-                        if outlet is not None and any(n in table for n in segment.outputs):
-                            torch.autograd.backward(outlet, outlet.new_empty(0))
+                        self._segment_backward(h, index, segment)
                         continue
                     grad = table.pop(segment.outputs[0], None)
                     if grad is None:
@@ -198,8 +229,36 @@ class _Run:
                         continue
                     waiting[h] = _start(grad, segment.group, segment.inputs[0])
                     break  # the other half's backward runs while this all-reduce does
+        self._accumulate(list(self.weight_grads))  # none left when every reader ran
         return [self._argument_grad(name) if needs else None
                 for name, needs in zip(self.cut.arguments, self.arg_needs)]
+
+    def _segment_backward(self, h: int, index: int, segment) -> None:
+        """Segment ``index``'s backward for half ``h``: its inputs' gradients into the table
+        (through the inlets), its weights' summed here; weights whose last reader this was
+        accumulate."""
+        weights, outlet = self.weights[index], self.outlets[h].pop(index, None)
+        if outlet is not None and any(n in self.grads[h] for n in segment.outputs):
+            # The anchor is every inlet's input: asking for its (empty) gradient runs them.
+            grads = torch.autograd.grad(outlet, [self.anchor, *weights], outlet.new_empty(0),
+                                        allow_unused=True)[1:]
+            for w, g in zip(weights, grads):
+                if g is not None:
+                    summed = self.weight_grads.get(id(w))
+                    self.weight_grads[id(w)] = (w, g if summed is None else summed[1] + g)
+        done = []
+        for w in weights:
+            self.readers_left[id(w)] -= 1
+            if self.readers_left[id(w)] == 0 and id(w) in self.weight_grads:
+                done.append(id(w))
+        self._accumulate(done)
+
+    def _accumulate(self, keys: list[int]) -> None:
+        """Accumulate the summed gradients of these weights, once each (autograd's
+        accumulation: ``.grad`` and its hooks)."""
+        pairs = [self.weight_grads.pop(k) for k in keys]
+        if pairs:
+            torch.autograd.backward([w for w, _ in pairs], [g for _, g in pairs])
 
     def _argument_grad(self, name: str) -> torch.Tensor | None:
         parts = [table.pop(name, None) for table in self.grads]
