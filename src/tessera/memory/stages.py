@@ -1,7 +1,8 @@
 """Chunk memory under pipeline parallelism (dp x tp x pp or dp x sp x pp, memory=chunk).
 
 The pipeline runs exported graph pieces (``pipeline/split.py``), not the user's modules, but
-each piece is a module that holds, as its own attributes, the very parameters of its stage.
+each piece is a module that holds the very parameters of its stage: as its own attributes,
+or in its segments' modules when sub-pipelined (``pipeline/subpipe.py``).
 So the chunk manager is built over the rank's :class:`StageModule` (its parameters in the
 order the graph reads them) and each piece is *the* hooked module: before a piece's forward
 or backward of a micro-batch its chunks are brought to the device (all-gathered over the

@@ -14,10 +14,12 @@ from __future__ import annotations
 
 import warnings
 
+import pytest
 import torch
 import torch.distributed as dist
 from torch import fx, nn
 
+from tessera.parallel.pipeline.subpipe import SubPipelined, cut_at_collectives
 from tessera.testing import run_distributed
 
 TOL = 1e-6
@@ -56,7 +58,6 @@ def _run(gm, model, x, skip):
 
 def _two_ranks(rank, world_size):
     from tessera.parallel.pipeline import subpipe_run
-    from tessera.parallel.pipeline.subpipe import SubPipelined
     from tessera.parallel.tensor.comm import TPGroup
     from tessera.parallel.tensor.ops import register_group
 
@@ -127,3 +128,32 @@ def test_interleaved_halves_equal_the_plain_run_and_overlap_both_passes():
                 "W", "W"]
     for rank in out:
         assert rank["log"][:32] == forward + backward
+
+
+def test_a_tensor_hook_on_a_weight_is_refused_by_name():
+    # Each half's gradient and then their sum would pass through it: refused before any
+    # collective runs (the group name is never resolved).
+    model = ShardedStack("tp:unregistered", 0)
+    sub = SubPipelined(fx.symbolic_trace(model))
+    model.col[0].weight.register_hook(lambda g: 2 * g)
+    x = torch.randn(2, 3, 8, requires_grad=True)
+    with pytest.raises(RuntimeError, match="tensor hook.*tp_overlap=none"):
+        sub(x, x)
+
+
+class _IndexAfterCollective(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.proj = nn.Linear(8, 8)
+
+    def forward(self, x):
+        h = self.proj(x)
+        idx = torch.ops.tessera.tp_reduce(x, "tp:unregistered").argmax(-1)
+        return (h[:, idx],)  # a tensor index read after the collective
+
+
+def test_an_item_moves_to_its_source_only_with_a_constant_index():
+    cut = cut_at_collectives(fx.symbolic_trace(_IndexAfterCollective()))
+    assert [s.kind for s in cut.segments] == ["compute", "reduce", "compute"]
+    assert cut.segments[0].outputs == ["proj"]  # h crosses; the getitem runs after idx
+    assert cut.results == ["getitem"] and "getitem" in cut.segments[2].outputs

@@ -113,10 +113,11 @@ def _collective_kind(node: fx.Node) -> str | None:
 
 def _unpacks(node: fx.Node) -> bool:
     """An item of a node's value (export's ``split`` then ``getitem``): a tuple cannot cross a
-    segment boundary, so an item of a compute node's value is taken where the value is made
-    (a tensor index, in graphs traced without export, may move there too: same result)."""
+    segment boundary, so an item of a compute node's value is taken where the value is made.
+    Only a constant index moves (in graphs traced without export a tensor index is a getitem
+    too, and may read values made later)."""
     return (node.op == "call_function" and node.target is operator.getitem
-            and isinstance(node.args[0], fx.Node))
+            and isinstance(node.args[0], fx.Node) and node.all_input_nodes == [node.args[0]])
 
 
 def _segment_module(gm: fx.GraphModule, nodes: list[fx.Node], inputs: list[str],

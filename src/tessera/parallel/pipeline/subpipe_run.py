@@ -91,6 +91,17 @@ def _differentiable(t: torch.Tensor) -> bool:
     return t.is_floating_point() or t.is_complex()
 
 
+def _refuse_tensor_hooks(weights: list[torch.Tensor]) -> None:
+    """A weight's gradient is taken per half and accumulated as their sum: a tensor hook
+    (``register_hook``) would run on each half and again on the sum."""
+    for w in weights:
+        if w._backward_hooks:
+            raise RuntimeError(f"tp_overlap=subpipe: a weight of shape {tuple(w.shape)} has a "
+                               "tensor hook (register_hook), which sub-pipelining would run "
+                               "three times per micro-batch; use "
+                               "register_post_accumulate_grad_hook, or tp_overlap=none")
+
+
 def _weights(module) -> list[torch.Tensor]:
     """What a segment's module holds that takes gradients: its parameters (and a rank's rows
     of a weight, should they be bound as a buffer)."""
@@ -137,6 +148,8 @@ class _Run:
         # and its gradient summed so far: accumulated when no reader is left.
         self.weights = {i: _weights(s.module) for i, s in enumerate(cut.segments)
                         if s.kind == "compute"} if grad else {}
+        for weights in self.weights.values():
+            _refuse_tensor_hooks(weights)
         self.readers_left: dict[int, int] = {}
         for weights in self.weights.values():
             for w in weights:
