@@ -103,8 +103,8 @@ def _refuse_tensor_hooks(weights: list[torch.Tensor]) -> None:
 
 
 def _weights(module) -> list[torch.Tensor]:
-    """What a segment's module holds that takes gradients: its parameters (and a rank's rows
-    of a weight, should they be bound as a buffer)."""
+    """What a segment's module holds that takes gradients: its parameters, and any buffer
+    that requires one."""
     return [t for t in itertools.chain(module.parameters(), module.buffers())
             if t.requires_grad]
 
@@ -148,43 +148,38 @@ class _Run:
         # and its gradient summed so far: accumulated when no reader is left.
         self.weights = {i: _weights(s.module) for i, s in enumerate(cut.segments)
                         if s.kind == "compute"} if grad else {}
-        for weights in self.weights.values():
-            _refuse_tensor_hooks(weights)
         self.readers_left: dict[int, int] = {}
         for weights in self.weights.values():
+            _refuse_tensor_hooks(weights)
             for w in weights:
                 self.readers_left[id(w)] = self.readers_left.get(id(w), 0) + HALVES
         self.weight_grads: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
 
     # ------------------------------------------------------------------------- forward
     def forward(self) -> tuple:
-        segments = self.cut.segments
-        position, waiting = [0] * HALVES, [None] * HALVES
-        while any(p < len(segments) for p in position) or any(waiting):
-            for h, values in enumerate(self.values):
-                if waiting[h] is not None:  # this half's g: its sum is needed from here
-                    values[waiting[h].name] = waiting[h].finish()
-                    waiting[h] = None
-                while position[h] < len(segments):
-                    index = position[h]
-                    position[h] += 1
-                    segment = segments[index]
-                    if segment.kind == "compute":
-                        self._compute(h, index, segment)
-                    else:
-                        (source,), (out,) = segment.inputs, segment.outputs
-                        self.needs[h][out] = self.needs[h][source]
-                        if segment.kind == "copy":  # f: identity in the forward
-                            values[out] = values[source]
-                        else:
-                            waiting[h] = _start(values[source], segment.group, out)
-                    self._release(values, segment, index)
-                    if waiting[h] is not None:
-                        break  # the other half computes while this all-reduce runs
+        _take_turns(range(len(self.cut.segments)), self._forward_step, self._land_value)
         with torch.no_grad():
             results = tuple(torch.cat([v[n] for v in self.values]) for n in self.cut.results)
         self.values = []  # the halves of the results: the caller holds them whole
         return results
+
+    def _forward_step(self, h: int, index: int) -> _Pending | None:
+        segment, values = self.cut.segments[index], self.values[h]
+        started = None
+        if segment.kind == "compute":
+            self._compute(h, index, segment)
+        else:
+            (source,), (out,) = segment.inputs, segment.outputs
+            self.needs[h][out] = self.needs[h][source]
+            if segment.kind == "copy":  # f: identity in the forward
+                values[out] = values[source]
+            else:  # g
+                started = _start(values[source], segment.group, out)
+        self._release(values, segment, index)
+        return started
+
+    def _land_value(self, h: int, pending: _Pending) -> None:
+        self.values[h][pending.name] = pending.finish()
 
     def _compute(self, h: int, index: int, segment) -> None:
         values, needs = self.values[h], self.needs[h]
@@ -220,31 +215,27 @@ class _Run:
             if grad is not None:
                 for table, part in zip(self.grads, halves(grad)):
                     _add(table, name, part)
-        segments = self.cut.segments
-        position, waiting = [len(segments) - 1] * HALVES, [None] * HALVES
-        while any(p >= 0 for p in position) or any(waiting):
-            for h, table in enumerate(self.grads):
-                if waiting[h] is not None:  # this half's f: its summed gradient goes on
-                    _add(table, waiting[h].name, waiting[h].finish())
-                    waiting[h] = None
-                while position[h] >= 0:
-                    index = position[h]
-                    position[h] -= 1
-                    segment = segments[index]
-                    if segment.kind == "compute":
-                        self._segment_backward(h, index, segment)
-                        continue
-                    grad = table.pop(segment.outputs[0], None)
-                    if grad is None:
-                        continue
-                    if segment.kind == "reduce":  # g: identity in the backward
-                        _add(table, segment.inputs[0], grad)
-                        continue
-                    waiting[h] = _start(grad, segment.group, segment.inputs[0])
-                    break  # the other half's backward runs while this all-reduce does
+        _take_turns(range(len(self.cut.segments) - 1, -1, -1), self._backward_step,
+                    self._land_grad)
         self._accumulate(list(self.weight_grads))  # none left when every reader ran
         return [self._argument_grad(name) if needs else None
                 for name, needs in zip(self.cut.arguments, self.arg_needs)]
+
+    def _backward_step(self, h: int, index: int) -> _Pending | None:
+        segment, table = self.cut.segments[index], self.grads[h]
+        if segment.kind == "compute":
+            self._segment_backward(h, index, segment)
+            return None
+        grad = table.pop(segment.outputs[0], None)
+        if grad is None:
+            return None
+        if segment.kind == "reduce":  # g: identity in the backward
+            _add(table, segment.inputs[0], grad)
+            return None
+        return _start(grad, segment.group, segment.inputs[0])  # f
+
+    def _land_grad(self, h: int, pending: _Pending) -> None:
+        _add(self.grads[h], pending.name, pending.finish())
 
     def _segment_backward(self, h: int, index: int, segment) -> None:
         """Segment ``index``'s backward for half ``h``: its inputs' gradients into the table
@@ -279,6 +270,21 @@ class _Run:
             return None
         like = next(p for p in parts if p is not None)
         return torch.cat([torch.zeros_like(like) if p is None else p for p in parts])
+
+
+def _take_turns(order: range, step, land) -> None:
+    """Each half runs ``step(h, index)`` over ``order`` until a step starts an all-reduce
+    (returns a _Pending); then the other half runs while it does. On the half's next turn,
+    ``land(h, pending)`` takes the result and the half goes on."""
+    position, waiting = [0] * HALVES, [None] * HALVES
+    while any(p < len(order) for p in position) or any(waiting):
+        for h in range(HALVES):
+            if waiting[h] is not None:
+                land(h, waiting[h])
+                waiting[h] = None
+            while position[h] < len(order) and waiting[h] is None:
+                waiting[h] = step(h, order[position[h]])
+                position[h] += 1
 
 
 def _add(table: Grads, name: str, grad: torch.Tensor) -> None:
