@@ -4,9 +4,10 @@ all-reduces of one half, forward and backward, run while the other half computes
 
 One 2-rank launch. The plain run is the same graph on the whole micro-batch, its f and g
 synchronous custom ops with autograd's backward. Tolerance 1e-6 relative to the largest
-gradient (fp32): the halves' weight gradients are two matmuls summed where the plain run does
-one, so they differ by rounding (measured 1.6e-7 relative); a lost gradient all-reduce is off
-by the other rank's share, of the order of the gradient itself.
+output / gradient (fp32): the halves' weight gradients are two matmuls summed where the
+plain run does one, so they differ by rounding (measured 1.6e-7 relative; outputs equal);
+a lost gradient all-reduce is off by the other rank's share, of the order of the gradient
+itself. A CUDA case (2 GPUs, NCCL) runs the same check where GPUs are present.
 The end-to-end runs (dp x tp x pp, recomputation, tied weights) are in test_tp_pipeline.py.
 """
 
@@ -23,6 +24,9 @@ from tessera.parallel.pipeline.subpipe import SubPipelined, cut_at_collectives
 from tessera.testing import run_distributed
 
 TOL = 1e-6
+# On GPUs (NCCL, the all-reduces on NCCL's stream): 1e-5, as cuBLAS may pick another
+# algorithm for the half-size matmuls, which rounds differently.
+GPU_TOL = 1e-5
 
 
 class ShardedStack(nn.Module):
@@ -56,16 +60,18 @@ def _run(gm, model, x, skip):
     return out.detach(), _grads(model, x, skip)
 
 
-def _two_ranks(rank, world_size):
+def _two_ranks(rank, world_size, device):
     from tessera.parallel.pipeline import subpipe_run
     from tessera.parallel.tensor.comm import TPGroup
     from tessera.parallel.tensor.ops import register_group
 
+    if device == "cuda":
+        torch.cuda.set_device(rank)
     name = register_group(TPGroup(dist.new_group([0, 1])))
-    model = ShardedStack(name, rank)
+    model = ShardedStack(name, rank).to(device)
     gm = fx.symbolic_trace(model)
     torch.manual_seed(7)  # the same activations on both ranks, as tensor parallelism has
-    x, skip = torch.randn(4, 5, 8), torch.randn(4, 5, 8)
+    x, skip = torch.randn(4, 5, 8, device=device), torch.randn(4, 5, 8, device=device)
     inputs = [t.clone().requires_grad_() for t in (x, skip)]
     plain_out, plain_grads = _run(gm, model, *inputs)
     model.zero_grad()
@@ -90,7 +96,7 @@ def _two_ranks(rank, world_size):
         once = set(accumulated.values()) == {1}
         with torch.no_grad():
             no_grad_out = sub(x, skip)[0]
-        ids = torch.zeros(4, 5, 8)  # an argument without gradient: weights still get theirs
+        ids = torch.zeros(4, 5, 8, device=device)  # no gradient wanted: weights still get theirs
         model.zero_grad()
         with warnings.catch_warnings():  # the test's backward hooks see no input gradient
             warnings.simplefilter("ignore", UserWarning)
@@ -98,18 +104,24 @@ def _two_ranks(rank, world_size):
         weights_reached = all(p.grad is not None for p in model.parameters())
     finally:
         subpipe_run._start, subpipe_run._Pending.finish = start, finish
-    return {"out": (sub_out - plain_out).abs().max().item(),
-            "no_grad_out": (no_grad_out - plain_out).abs().max().item(),
+    scale = plain_out.abs().max()
+    return {"out": ((sub_out - plain_out).abs().max() / scale).item(),
+            "no_grad_out": ((no_grad_out - plain_out).abs().max() / scale).item(),
             "grads": max(((a - b).abs().max() / b.abs().max()).item()
                          for a, b in zip(sub_grads, plain_grads)),
             "kinds": [s.kind for s in sub.cut.segments], "log": log,
             "weights_reached": weights_reached, "accumulated_once": once}
 
 
-def test_interleaved_halves_equal_the_plain_run_and_overlap_both_passes():
-    out = run_distributed(_two_ranks, world_size=2, timeout=120)
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=[
+    pytest.mark.gpu,
+    pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs two CUDA devices")])])
+def test_interleaved_halves_equal_the_plain_run_and_overlap_both_passes(device):
+    out = run_distributed(_two_ranks, world_size=2, args=(device,), timeout=120,
+                          backend="gloo" if device == "cpu" else "nccl")
+    tol = TOL if device == "cpu" else GPU_TOL
     for rank in out:
-        assert rank["out"] <= TOL and rank["no_grad_out"] <= TOL and rank["grads"] <= TOL
+        assert rank["out"] <= tol and rank["no_grad_out"] <= tol and rank["grads"] <= tol
         assert rank["weights_reached"]
         # Each weight's two halves are summed and accumulated once, as a plain backward does.
         assert rank["accumulated_once"]
