@@ -97,8 +97,9 @@ def cut_at_collectives(gm: fx.GraphModule) -> Cut:
         if kind == "compute":
             segments.append(Segment(kind, reads[index], outputs,
                                     _segment_module(gm, nodes, reads[index], outputs)))
-        else:
-            segments.append(Segment(kind, reads[index], outputs, group=nodes[0].args[1]))
+        else:  # a collective's one value, even if nothing reads it (its all-reduce still runs)
+            segments.append(Segment(kind, reads[index], [nodes[0].name],
+                                    group=nodes[0].args[1]))
     arguments = [n.name for n in gm.graph.nodes if n.op == "placeholder"]
     return Cut(arguments, segments, results, last_use)
 
