@@ -20,13 +20,15 @@ receive whole micro-batches as before.
 
 from __future__ import annotations
 
+import itertools
 import operator
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
+import torch
 from torch import fx, nn
 
 from tessera.parallel.pipeline.split import Piece
-from tessera.parallel.pipeline.subpipe_run import run_interleaved
+from tessera.parallel.pipeline.subpipe_run import HALVES, run_interleaved
 from tessera.parallel.tensor.ops import is_tp_copy, is_tp_reduce
 
 
@@ -42,6 +44,8 @@ class Segment:
         outputs: names of its values read by later segments or returned by the piece.
         module: for "compute", ``module(*inputs) -> tuple(outputs)``.
         group: for a collective, the name its tensor-parallel group is registered under.
+        weights: for "compute", what ``module`` holds that takes gradients: its parameters,
+            and any buffer that requires one.
     """
 
     kind: str
@@ -49,6 +53,7 @@ class Segment:
     outputs: list[str]
     module: fx.GraphModule | None = None
     group: str = ""
+    weights: list[torch.Tensor] = field(default_factory=list)
 
 
 @dataclass
@@ -59,6 +64,14 @@ class Cut:
     segments: list[Segment]
     results: list[str]  # the values the piece returns, in order
     last_use: dict[str, int]  # value -> the last segment reading it (len(segments): returned)
+
+    def readers(self) -> dict[int, int]:
+        """id of each weight -> how many segment backwards read it (both halves)."""
+        count: dict[int, int] = {}
+        for segment in self.segments:
+            for w in segment.weights:
+                count[id(w)] = count.get(id(w), 0) + HALVES
+        return count
 
 
 def cut_at_collectives(gm: fx.GraphModule) -> Cut:
@@ -95,8 +108,10 @@ def cut_at_collectives(gm: fx.GraphModule) -> Cut:
     for index, (kind, nodes) in enumerate(zip(kinds, members)):
         outputs = [n.name for n in nodes if last_use.get(n.name, index) > index]
         if kind == "compute":
-            segments.append(Segment(kind, reads[index], outputs,
-                                    _segment_module(gm, nodes, reads[index], outputs)))
+            module = _segment_module(gm, nodes, reads[index], outputs)
+            weights = [t for t in itertools.chain(module.parameters(), module.buffers())
+                       if t.requires_grad]
+            segments.append(Segment(kind, reads[index], outputs, module, weights=weights))
         else:  # a collective's one value, even if nothing reads it (its all-reduce still runs)
             segments.append(Segment(kind, reads[index], [nodes[0].name],
                                     group=nodes[0].args[1]))

@@ -31,7 +31,6 @@ supported, and it always accumulates the weights' gradients (``torch.autograd.gr
 
 from __future__ import annotations
 
-import itertools
 from dataclasses import dataclass
 
 import torch
@@ -102,13 +101,6 @@ def _refuse_tensor_hooks(weights: list[torch.Tensor]) -> None:
                                "register_post_accumulate_grad_hook, or tp_overlap=none")
 
 
-def _weights(module) -> list[torch.Tensor]:
-    """What a segment's module holds that takes gradients: its parameters, and any buffer
-    that requires one."""
-    return [t for t in itertools.chain(module.parameters(), module.buffers())
-            if t.requires_grad]
-
-
 @dataclass
 class _Pending:
     """An all-reduce under way: its result lands as value (or gradient) ``name``."""
@@ -144,15 +136,12 @@ class _Run:
         self.arg_needs = [needs[n] for n in cut.arguments]
         self.grads: list[Grads] = [{} for _ in range(HALVES)]
         self.outlets: list[dict[int, torch.Tensor]] = [{} for _ in range(HALVES)]
-        # Weights by compute segment; each weight's readers left to run backward (per half),
-        # and its gradient summed so far: accumulated when no reader is left.
-        self.weights = {i: _weights(s.module) for i, s in enumerate(cut.segments)
-                        if s.kind == "compute"} if grad else {}
-        self.readers_left: dict[int, int] = {}
-        for weights in self.weights.values():
-            _refuse_tensor_hooks(weights)
-            for w in weights:
-                self.readers_left[id(w)] = self.readers_left.get(id(w), 0) + HALVES
+        # Each weight's segment backwards still to run (both halves), and its gradient
+        # summed so far: accumulated when none is left.
+        self.readers_left = cut.readers() if grad else {}
+        if grad:
+            for segment in cut.segments:
+                _refuse_tensor_hooks(segment.weights)  # hooks may come after the cut
         self.weight_grads: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
 
     # ------------------------------------------------------------------------- forward
@@ -241,7 +230,7 @@ class _Run:
         """Segment ``index``'s backward for half ``h``: its inputs' gradients into the table
         (through the inlets), its weights' summed here; weights whose last reader this was
         accumulate."""
-        weights, outlet = self.weights[index], self.outlets[h].pop(index, None)
+        weights, outlet = segment.weights, self.outlets[h].pop(index, None)
         if outlet is not None and any(n in self.grads[h] for n in segment.outputs):
             # The anchor is every inlet's input: asking for its (empty) gradient runs them.
             grads = torch.autograd.grad(outlet, [self.anchor, *weights], outlet.new_empty(0),
