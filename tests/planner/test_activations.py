@@ -92,6 +92,12 @@ def test_weight_copies_follow_the_micro_batches_in_flight():
     assert weight_copies(LLAMA, s.replace(memory="chunk"), 4, 3, 0, 0) == 0
     # Where the runtime keeps autocast's cache for the step, one copy serves them all.
     assert weight_copies(LLAMA, s, 4, 3, 0, 0, shared=True) == pytest.approx(one)
+    # 1d tp stages: each rank copies its shards; a shard's copy is not cached, so of the
+    # recomputed layers only the one being rematerialised holds its copy.
+    tp2 = s.replace(tp=2)
+    assert weight_copies(LLAMA, tp2, 4, 3, 0, 0) == pytest.approx(3 * one / 2)
+    assert weight_copies(LLAMA, tp2, 4, 3, 4, 0) == pytest.approx(one / 2 / 4)
+    assert weight_copies(LLAMA, s.replace(tp=2, pp=1), 4, 1, 0, 0) == 0  # eager tp ops
 
 
 def test_weight_casts_are_shared_where_the_runtime_shares_them():
@@ -100,8 +106,14 @@ def test_weight_casts_are_shared_where_the_runtime_shares_them():
     assert not shares_weight_casts(pp2, 0.0, 4, 1)  # one micro-batch in flight
     assert not shares_weight_casts(pp2, 0.1, 4, 3)  # any recomputation: the stage has a head
     assert not shares_weight_casts(pp2.replace(schedule="interleaved"), 0.0, 4, 3)
-    assert not shares_weight_casts(Strategy.parse("tp=2,pp=2,mbs=1,gbs=8,precision=bf16"),
-                                   0.0, 4, 3)  # a shard is not a leaf: never cached
+    # 1d tp stages read shards through one shared copy (pipeline/shard_casts.py); the eager
+    # tp ops (pp = 1) and 2d cast each shard themselves.
+    assert shares_weight_casts(Strategy.parse("tp=2,pp=2,mbs=1,gbs=8,precision=bf16"),
+                               0.0, 4, 3)
+    assert not shares_weight_casts(Strategy.parse("tp=2,mbs=1,gbs=8,precision=bf16"),
+                                   0.0, 4, 1)
+    assert not shares_weight_casts(
+        Strategy.parse("tp=4,tp_mode=2d,pp=2,mbs=2,gbs=8,precision=bf16"), 0.0, 4, 3)
     pp1 = Strategy.parse("dp=1,mbs=1,gbs=8,precision=bf16")
     assert shares_weight_casts(pp1, 0.1, 4, 1)  # apply_recompute rounds 0.4 blocks to none
     assert not shares_weight_casts(pp1, 0.2, 4, 1)

@@ -42,6 +42,7 @@ import math
 from dataclasses import dataclass
 
 from tessera.models.config import ModelConfig
+from tessera.strategy import Strategy
 
 FP32_BYTES = 4
 LOW_PRECISIONS = ("bf16", "fp16")
@@ -105,11 +106,18 @@ def layer_bytes_per_token(model: ModelConfig, lay: Layout, tp: int = 1,
     return (whole + attention + mlp) / tp
 
 
-def keeps_weight_copies(lay: Layout, tp: int) -> bool:
+def keeps_weight_copies(lay: Layout, s: Strategy) -> bool:
     """Whether the layer's linears keep 16-bit weight copies: nn.Linear under autocast does
-    (and autocast's cache holds them, the weights being leaves); under tensor parallelism a
-    rank's shard is not a leaf, so nothing is cached, and the ops keep their fp32 shard."""
-    return lay.weight_copy_bytes > 0 and tp == 1
+    (and autocast's cache holds them, the weights being leaves); so do 1d tensor-parallel
+    pipeline stages, whose captured matmuls read each shard through autocast (one copy of the
+    rank's shard; pipeline/shard_casts.py shares it where the step shares casts). The eager
+    tensor-parallel ops (pp = 1, and 2d always) keep their fp32 shard and cast it themselves."""
+    return lay.weight_copy_bytes > 0 and (s.tp == 1 or stages_read_shards(s))
+
+
+def stages_read_shards(s: Strategy) -> bool:
+    """Whether tensor-parallel weights are read as shards by captured pipeline stages."""
+    return s.tp > 1 and s.pp > 1 and s.tp_mode == "1d"
 
 
 def matrix_params(model: ModelConfig) -> int:

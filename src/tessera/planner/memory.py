@@ -24,9 +24,10 @@ torch DDP copies gradients into its own buckets, hence the extra G under ``ddp``
 
 Activations of one layer for one micro-batch: as tessera's runtime keeps them
 (``activations.py``: its eager blocks; under bf16/fp16 autocast over fp32 weights an fp32
-residual stream, a 16-bit copy of each linear layer's input and, without tensor parallelism, a
-16-bit copy of each weight per micro-batch in flight, or one for all where the step shares its
-casts (:func:`shares_weight_casts`); under its 1d tensor parallelism the norms
+residual stream, a 16-bit copy of each linear layer's input and, without tensor parallelism or
+in 1d tensor-parallel pipeline stages, a 16-bit copy of each weight (of the rank's shard) per
+micro-batch in flight, or one for all where the step shares its casts
+(:func:`shares_weight_casts`); under its 1d tensor parallelism the norms
 and the layer's input whole on every rank, the rest split t ways; 2d splits all of it). For
 other runtimes (``tessera=False``: the published runs) in elements of the training precision,
 counted like Korthikanti et al. 2022, "Reducing activation recomputation", section 4.1, which
@@ -47,7 +48,7 @@ from dataclasses import dataclass
 
 from tessera.models.config import ModelConfig
 from tessera.planner.activations import (keeps_weight_copies, layer_bytes_per_token, layout,
-                                          matrix_params)
+                                          matrix_params, stages_read_shards)
 from tessera.planner.compute import bytes_per_element
 from tessera.planner.split import Split, equal_split, head_is_sliced, stage_split
 from tessera.strategy import Strategy, blocks_to_recompute
@@ -199,13 +200,16 @@ def weight_copies(model: ModelConfig, s: Strategy, layers: int, in_flight: float
     and autocast's cache holds the copies of the recomputed layers too until the micro-batch's
     forward ends. ``shared`` (:func:`shares_weight_casts`): one copy for all of them."""
     lay = layout(s.precision, s.memory)
-    if not tessera or not keeps_weight_copies(lay, s.tp):
+    if not tessera or not keeps_weight_copies(lay, s):
         return 0.0
-    per_layer = lay.weight_copy_bytes * matrix_params(model)
+    per_layer = lay.weight_copy_bytes * matrix_params(model) / s.tp  # the rank's shards
     if shared:
         return layers * per_layer
     dropping = in_flight - whole
-    held = whole * layers + dropping * (layers - recomputed) + (recomputed if dropping > 0 else 0)
+    # A shard's copy is not cached: only the layer being rematerialised holds one.
+    rematerialised = recomputed if s.tp == 1 else min(recomputed, 1)
+    held = (whole * layers + dropping * (layers - recomputed)
+            + (rematerialised if dropping > 0 else 0))
     return held * per_layer
 
 
@@ -214,9 +218,10 @@ def shares_weight_casts(s: Strategy, ratio: float, layers: int, in_flight: float
     step, as the runtime does where nothing recomputes: train/engine.py at pp = 1 (unless
     ``apply_recompute`` checkpoints a block, :func:`recomputed_layers`; one micro-batch is in
     flight there, so only the casts are saved), and pipeline/program.py's ``step_casts`` at
-    pp > 1 (ratio 0, more than one micro-batch in flight, one virtual stage per rank). Never
-    under tensor parallelism: a shard is not a leaf, and autocast caches no cast of it."""
-    if s.tp > 1 or s.schedule == "interleaved":
+    pp > 1 (ratio 0, more than one micro-batch in flight, one virtual stage per rank), 1d
+    tensor-parallel shards included (pipeline/shard_casts.py). Never at pp = 1 under tensor
+    parallelism: its eager ops cast each shard themselves."""
+    if s.schedule == "interleaved" or (s.tp > 1 and not stages_read_shards(s)):
         return False
     if s.pp == 1:
         return recomputed_layers(ratio, layers) == 0
@@ -318,14 +323,14 @@ def stage_memory(model: ModelConfig, s: Strategy, seq: int, reserved: float = 0.
                                 kept[i] if kept else 0, tessera)
         acts += stage.head_share * logits_bytes(model, s, seq)  # its slices' logits
         if stage.head_share and tessera and keeps_weight_copies(layout(s.precision, s.memory),
-                                                                  s.tp):
+                                                                  s):
             # the head's 16-bit weight copy (of its rows, for a slice), per micro-batch in
             # flight; one for all where the stage shares its casts and holds the whole head
             # (a slice reads rows of the weight, a view, whose casts autocast never caches)
             whole_head = (not head_is_sliced(model, s)
                           and shares_weight_casts(s, ratio, stage.layers, held))
             acts += (1 if whole_head else held) * 2 * stage.head_share * (
-                model.vocab_size * model.d_model)
+                model.vocab_size * model.d_model) / s.tp  # a vocabulary shard under tp
         buffers = reserved + _buffers(model, s, seq, p, stage, w_b, g_b, ratio)
         out.append(MemoryBreakdown(weights, grads, optim, acts, buffers, host))
     return out

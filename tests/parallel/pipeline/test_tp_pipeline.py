@@ -2,7 +2,8 @@
 
 One launch of 8 ranks runs every check: the reference model (1f1b, and 1f1b sub-pipelined),
 Hugging Face GPT-2 (scp with recomputation, fused q|k|v, tied embedding across stages; also
-sub-pipelined) and Llama (gpipe), then the checkpoint round trip.
+sub-pipelined) and Llama (gpipe), then the checkpoint round trip, and Llama in bf16 with
+and without the shared 16-bit shard copies.
 
 Each dp rank trains on its own micro-batches, one device on all of them (tp_pp_checks.parity),
 so the data-parallel average over DTensor shards is exercised.
@@ -46,11 +47,20 @@ CASES = {  # name: (model, strategy); dp=2 x tp=2 x pp=2, 2 micro-batches per dp
                                  "tp_overlap=subpipe"),
 }
 
+# bf16, 4 micro-batches per dp rank: 2 in flight on stage 0 (1f1b), 1 on stage 1.
+SHARD_CASTS = {"plain": "dp=2,tp=2,pp=2,mbs=2,gbs=16,schedule=1f1b,precision=bf16",
+               "subpipe": "dp=2,tp=2,pp=2,mbs=2,gbs=16,schedule=1f1b,precision=bf16,"
+                          "tp_overlap=subpipe"}
+
 
 def _eight_ranks(rank, world_size, root):
     out = {name: tp_pp_checks.parity(arch, text) for name, (arch, text) in CASES.items()}
     out["ckpt"] = tp_pp_checks.checkpoint_to_one_device(root)
     out["estimate"] = pp_checks.estimate_against_saved("llama", "dp=2,tp=2,pp=2", ("bf16",))
+    # HF Llama with mbs=2: sub-pipelined halves of 1 row, whose capture export numbers
+    # otherwise (program.stage_groups matches it by position).
+    out["shard_casts"] = {name: tp_pp_checks.shard_casts_shared_against_not("llama", text)
+                          for name, text in SHARD_CASTS.items()}
     return out
 
 
@@ -83,6 +93,23 @@ def test_a_tp_stage_activation_estimate_is_what_a_pipeline_step_saves(eight):
     for rank, out in enumerate(eight):
         for precision, (estimate, saved) in out["estimate"].items():
             assert abs(estimate - saved) <= 2048, (rank, precision, estimate, saved)
+
+
+def test_micro_batches_in_flight_share_one_16_bit_copy_of_each_shard(eight):
+    # pipeline/shard_casts.py against every micro-batch casting its own copy: the same
+    # casts, made once, so losses and gradients are equal bit for bit; stage 0 (2 in flight)
+    # keeps one copy of its shards fewer (the 16-bit weights of a Llama stage shard); the
+    # sub-pipelined halves share theirs in both runs.
+    for rank, out in enumerate(eight):
+        for name, got in out["shard_casts"].items():
+            assert got["losses"][0] == got["losses"][1], (rank, name, got["losses"])
+            assert got["grad_diff"] == 0.0, (rank, name, got)
+            assert got["reads"] >= 7, (rank, name, got)  # every linear of the stage's blocks
+            shared, own = got["peaks"]
+            if got["stage"] == 0:
+                assert own - shared > 0.05 * own, (rank, name, got["peaks"])
+            else:
+                assert shared == own, (rank, name, got["peaks"])
 
 
 def test_subpipelined_run_equals_the_plain_one(eight):

@@ -7,6 +7,7 @@ comparing, so every tp rank of a stage takes part in the same gathers in the sam
 
 from __future__ import annotations
 
+import contextlib
 from pathlib import Path
 
 import torch
@@ -133,3 +134,50 @@ def checkpoint_to_one_device(root: str, three_d: str = "dp=2,tp=2,pp=2,mbs=2,gbs
                   resume_from=str(root / "dp" / "checkpoints" / step_dirname(3)))
     back = train(root / "back", dp, resume_from=str(root / "3d" / "checkpoints" / step_dirname(4)))
     return {"straight": straight.losses, "3d_step4": on_3d.losses, "dp_step5": back.losses}
+
+
+def shard_casts_shared_against_not(arch: str, text: str) -> dict[str, object]:
+    """Two steps of ``text`` (bf16) with the micro-batches in flight sharing one 16-bit copy
+    of each tp shard (shard_casts.py) and with every micro-batch casting its own, from the
+    same initial weights: losses, gradients (this rank's shards) and the peak bytes saved
+    for backward of each, how many shard reads the stages' graphs rewrote, and this rank's
+    pipeline stage."""
+    from unittest import mock
+
+    from tessera.memory.saved_peak import SavedPeak
+    from tessera.parallel.pipeline import program, shard_casts
+
+    strategy = Strategy.parse(text)
+    n = strategy.grad_accum_steps
+    runs = {}
+    for shared in (True, False):
+        model = pp_checks.make_model(arch)
+        mesh = Mesh(strategy, "cpu")
+        plan = parallelize(model, strategy, mesh, seq_len=pp_checks.SEQ)
+        engine = PipelineEngine(plan, strategy, torch.device("cpu"))
+        losses, peaks = [], []
+        with (mock.patch.object(program, "shared_shard_casts", _no_sharing) if not shared
+              else contextlib.nullcontext()):
+            for step in range(2):  # the first builds the stages (a capture: not probed)
+                with SavedPeak(model.parameters()) if step else contextlib.nullcontext() as probe:
+                    out = engine.forward_backward(pp_checks.micro_batches(step, n))
+                losses.append(float(out.loss))
+                peaks.append(probe.peak if step else 0)
+        grads = {name: p.grad.to_local().clone() for name, p in plan.module.named_parameters()}
+        reads = sum(node.target is shard_casts.dtensor_local_cast
+                    for runner in plan.pipeline.program.get(
+                        (strategy.micro_batch_size, pp_checks.SEQ), True).runners.values()
+                    for _, piece in runner.pieces()
+                    for gm in piece.module.modules() if isinstance(gm, torch.fx.GraphModule)
+                    for node in gm.graph.nodes)  # a sub-pipelined piece: its segments
+        runs[shared] = dict(losses=losses, grads=grads, peak=max(peaks), reads=reads)
+    on, off = runs[True], runs[False]
+    return {"losses": (on["losses"], off["losses"]), "peaks": (on["peak"], off["peak"]),
+            "grad_diff": max((on["grads"][k] - off["grads"][k]).abs().max().item()
+                             for k in on["grads"]),
+            "reads": on["reads"], "stage": mesh.rank("pp")}
+
+
+@contextlib.contextmanager
+def _no_sharing():
+    yield

@@ -39,6 +39,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 from tessera.parallel.pipeline.capture import ProxyGraph, point_at
 from tessera.parallel.pipeline.cost import op_name, value_bytes
+from tessera.parallel.pipeline.shard_casts import LAYOUT_OPS
 
 
 @dataclass(frozen=True)
@@ -99,6 +100,9 @@ class _Recorder(fx.Interpreter):
         self.named: dict[int, str] = {}  # id of a node's value -> the node's name
         self.converting = False  # running a node that converts dtypes itself (.to, .float)
         self.cast_of: dict[int, str] = {}  # storage of a 16-bit copy -> node copied
+        # A tensor-parallel shard and its layout views -> the parameter's placeholder: a 16-bit
+        # op's copy of one is a copy of that weight (shared per step, shard_casts.py).
+        self.weight_of: dict[str, str] = {}
         self.copies: list[torch.Tensor] = []  # alive, so their storages' ids stay theirs
         from tessera.parallel.tensor.ops2d import AUTOCAST_OUTPUT  # the 2D layers' ops
         self.autocast_output = AUTOCAST_OUTPUT
@@ -112,14 +116,18 @@ class _Recorder(fx.Interpreter):
         if n.op == "call_function" and op_name(n) == "access_subclass_inner_tensor":
             # A DTensor parameter's local shard (tensor parallelism): the placeholder is a
             # plain fake of the whole weight here, so the shard is made from its shape, as
-            # a view (not a leaf: autocast caches no cast of a shard at run time either).
+            # a view (not a leaf: its copies are named after the weight, see note_cast).
             base = _fake_like(n.meta.get("val"), self.device, requires_grad=True)
             self.held.add(_storage(base))
             out = base.view(base.shape)
+            self.weight_of[n.name] = n.args[0].name
         else:
             out = super().run_node(n)
             if n.target in self.autocast_output and torch.is_autocast_enabled(out.device.type):
                 out = out.to(torch.get_autocast_dtype(out.device.type))  # as the real op's
+        reads = n.all_input_nodes
+        if op_name(n) in LAYOUT_OPS and reads and reads[0].name in self.weight_of:
+            self.weight_of[n.name] = self.weight_of[reads[0].name]
         self.values[n.name] = out
         if isinstance(out, torch.Tensor):
             # The first node that made it: a no-op ``.to`` returns its input object.
@@ -130,6 +138,7 @@ class _Recorder(fx.Interpreter):
         """``copy`` is ``source`` converted; kept when it is autocast's own 16-bit copy of
         an fp32 value (the only casts autocast's cache shares), not the graph's conversion."""
         name = self.named.get(id(source))
+        name = self.weight_of.get(name, name)
         if (name is None or self.converting or not isinstance(copy, torch.Tensor)
                 or source.dtype != torch.float32 or copy.dtype != self.autocast_dtype):
             return

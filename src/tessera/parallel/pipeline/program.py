@@ -16,9 +16,10 @@ import torch
 from torch import nn
 
 from tessera.models.materialize import shapes_on_meta
-from tessera.parallel.pipeline.capture import ProxyGraph, capture, retarget
+from tessera.parallel.pipeline.capture import ProxyGraph, capture, module_of, retarget
 from tessera.parallel.pipeline.comm import TensorSpec
 from tessera.parallel.pipeline.partition import CostTable, Partition, candidate_cuts
+from tessera.parallel.pipeline.shard_casts import shared_shard_casts
 from tessera.parallel.pipeline.cost import DeviceRates
 from tessera.parallel.pipeline.split import boundaries, spec_of, split_graph
 from tessera.parallel.pipeline.stage import StageRunner
@@ -35,17 +36,35 @@ class Built:
     out_specs: list[list[TensorSpec]]  # per virtual stage: what it sends on
 
 
-def stage_groups(graph: ProxyGraph, stage_of: dict[str, int], n_stages: int) -> list[list[str]]:
-    """Compute-node names of each stage, in graph order."""
+def stage_groups(graph: ProxyGraph, seed: ProxyGraph, partition: Partition
+                 ) -> list[list[str]]:
+    """Compute-node names of each stage of ``graph``, in graph order, as ``partition`` cut
+    ``seed`` (the graph it was made on).
+
+    Nodes are matched by name; where a capture at another shape names them otherwise (export
+    drops an ``expand`` that is a no-op at batch 1, and every later ``expand`` is numbered one
+    lower), by position, if both graphs run the same ops in the same modules in the same order.
+    """
+    stage_of = partition.stage_of(seed)
     missing = [n for n in graph.compute if n not in stage_of]
+    if missing and _same_compute(graph, seed):
+        stage_of, missing = partition.stage_of(graph), []
     if missing:
         raise RuntimeError(f"the graph captured at this shape has nodes the partition does not "
                            f"know ({', '.join(missing[:3])}...): the model's graph depends on "
                            "the input shape")
-    groups: list[list[str]] = [[] for _ in range(n_stages)]
+    groups: list[list[str]] = [[] for _ in range(partition.stages)]
     for name in graph.compute:
         groups[stage_of[name]].append(name)
     return groups
+
+
+def _same_compute(graph: ProxyGraph, seed: ProxyGraph) -> bool:
+    """Whether both graphs' compute nodes run the same ops in the same modules, in order."""
+    return len(graph.compute) == len(seed.compute) and all(
+        graph.nodes[a].node.target == seed.nodes[b].node.target
+        and module_of(graph.nodes[a].node) == module_of(seed.nodes[b].node)
+        for a, b in zip(graph.compute, seed.compute))
 
 
 def head_tail(graph: ProxyGraph, group: list[str], ratio: float,
@@ -113,8 +132,7 @@ class PipelineProgram:
                  extra_inputs=None, sub_batches: int = 1) -> None:
         self.model, self.ratios, self.local = model, ratios, local_stages
         self.extra_inputs = extra_inputs
-        self.n_stages = partition.stages
-        self.stage_of = partition.stage_of(graph)
+        self.n_stages, self.partition = partition.stages, partition
         self.autocast, self.sub_batches = autocast, sub_batches
         self._cache: dict[tuple, Built] = {}
         self._seed_graph = graph
@@ -163,6 +181,9 @@ class PipelineProgram:
         copy until the step ends. Not where the stage has no fp32 weight to cast (16-bit
         parameters, memory=chunk): nothing to share, and the views would cost each reader a
         copy of its input.
+
+        Tensor-parallel shards are not leaves, so autocast's cache does not hold their
+        copies: shard_casts.py shares those (both halves of a sub-pipelined micro-batch too).
         """
         runners = built.runners.values()
         if (self.cast_cache is None or len(self.local) > 1 or in_flight < 2
@@ -173,7 +194,7 @@ class PipelineProgram:
         for runner in runners:
             runner.view_inputs = True
         try:
-            with self.cast_cache():
+            with self.cast_cache(), shared_shard_casts():
                 yield
         finally:
             for runner in runners:
@@ -196,7 +217,7 @@ class PipelineProgram:
             graph = seed  # the partitioning capture already has this shape (train mode)
         else:
             graph = self._capture(traced, training)
-        groups = stage_groups(graph, self.stage_of, self.n_stages)
+        groups = stage_groups(graph, seed, self.partition)
         # Each stage becomes its pieces: [head segments (recomputed)..., tail], none empty.
         table = CostTable(graph, DeviceRates())  # one for every stage's cuts
         halves = [head_tail(graph, g, self.ratios[s] if training else 0.0, table)

@@ -19,11 +19,11 @@ from dataclasses import dataclass
 
 import torch
 from torch import fx, nn
-from torch.distributed.tensor import DTensor
 
 from tessera.parallel.pipeline.capture import ProxyGraph
 from tessera.parallel.pipeline.comm import TensorSpec
 from tessera.parallel.pipeline.rows import row_slice
+from tessera.parallel.pipeline.shard_casts import dtensor_local, read_casts_of_shards
 
 # weight name -> (this rank's rows of it, the first row's index): see rows.py
 RowBindings = dict[str, tuple[torch.Tensor, int]]
@@ -146,6 +146,7 @@ def _build_piece(graph: ProxyGraph, group: list[str], inputs: list[str], outputs
         else:
             env[node.name] = new.node_copy(node, lambda n: env[n.name])
     new.output(tuple(env[n] for n in outputs))
+    read_casts_of_shards(new)  # one 16-bit copy of a shard per step where shared
     return Piece(fx.GraphModule(root, new), inputs, batch, outputs, params)
 
 
@@ -161,11 +162,6 @@ def _shifted_slice(new: fx.Graph, node: fx.Node, env: dict, row_start: dict[str,
                             (env[weight.name], 0, span[0] - start, span[1] - start))
     out.meta = dict(node.meta)  # the same (hi - lo, ...) value as the original slice
     return out
-
-
-def dtensor_local(param: torch.Tensor) -> torch.Tensor:
-    """This rank's shard of a DTensor parameter, differentiable (tensor parallel stages)."""
-    return param.to_local() if isinstance(param, DTensor) else param
 
 
 def _is_local_shard(node: fx.Node) -> bool:

@@ -35,6 +35,7 @@ from dataclasses import dataclass
 
 import torch
 
+from tessera.parallel.pipeline.shard_casts import shared_shard_casts
 from tessera.parallel.tensor.ops import group_named
 
 HALVES = 2
@@ -70,7 +71,8 @@ class _Interleaved(torch.autograd.Function):
     def forward(ctx, cut, anchor, *args):
         ctx.set_materialize_grads(False)
         run = _Run(cut, args, grad=True, anchor=anchor)
-        with torch.enable_grad():
+        # Both halves read one 16-bit copy of each tp shard under autocast, not one each.
+        with torch.enable_grad(), shared_shard_casts():
             results = run.forward()
         ctx.run = run
         ctx.mark_non_differentiable(*[r for r in results if not _differentiable(r)])
