@@ -158,6 +158,7 @@ def _refusals(group):
         "shard_not_in_layout": lambda: _contiguous_shard_as_zigzag(group),
         "hf_sliding_window": lambda: _hf_sliding_window(group, 4),
         "hf_window_longer_than_sequence": lambda: _hf_sliding_window(group, 16),
+        **_silent_model_refusals(group),
     }
     for name, attempt in attempts.items():
         try:
@@ -166,6 +167,45 @@ def _refusals(group):
         except SequenceParallelError as err:
             out[name] = str(err)
     return out
+
+
+def _silent_model_refusals(group):
+    """Models the policies used to accept and then train wrongly, without an error."""
+    import transformers as T
+
+    tiny = dict(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                num_attention_heads=4, num_key_value_heads=2)
+
+    def run(model, sp=None):
+        sp = sp or SequenceParallel(group, "ring")
+        apply_policy(model, sp)
+        ids = torch.randint(0, 64, (1, 17))
+        sp.forward_loss(model.train(), {"input_ids": ids[:, :-1], "labels": ids[:, 1:]})
+
+    return {
+        # GPT-Neo computes attention itself: transformers keeps "eager" (only logs it).
+        "hf_no_interface": lambda: run(T.GPTNeoForCausalLM(T.GPTNeoConfig(
+            vocab_size=64, hidden_size=32, num_layers=2, num_heads=4,
+            attention_types=[[["global"], 2]], embed_dropout=0.0, attention_dropout=0.0,
+            resid_dropout=0.0))),
+        # LFM2's short convolution mixes tokens outside attention.
+        "hf_other_mixer": lambda: run(T.Lfm2ForCausalLM(T.Lfm2Config(
+            **tiny, layer_types=["conv", "full_attention"]))),
+        # Qwen2-MoE applies its window through the mask only, not as a keyword.
+        "hf_window_in_mask": lambda: run(T.Qwen2MoeForCausalLM(T.Qwen2MoeConfig(
+            **tiny, moe_intermediate_size=32, shared_expert_intermediate_size=32,
+            num_experts=2, num_experts_per_tok=1, use_sliding_window=True, sliding_window=2,
+            max_window_layers=2))),
+        # Residual dropout: the same mask at the same local position on every rank.
+        "dropout": lambda: run(T.GPT2LMHeadModel(T.GPT2Config(
+            vocab_size=64, n_embd=32, n_layer=1, n_head=4, resid_pdrop=0.5, embd_pdrop=0.0,
+            attn_pdrop=0.0))),
+        "causal_false": lambda: run(Transformer(preset("tiny")),
+                                    SequenceParallel(group, "ring", causal=False)),
+        # 4 heads over tp=2 leave 2 per rank, not divisible by sp=4: named with the totals.
+        "ulysses_heads_under_tp": lambda: apply_policy(
+            Transformer(preset("tiny")), SequenceParallel(group, "ulysses", head_ways=2)),
+    }
 
 
 def _contiguous_shard_as_zigzag(group):
@@ -344,6 +384,13 @@ def test_bad_input_is_refused_with_the_rule(runs):
     assert "sliding attention window (sliding_window=4) over a sequence of 16" in \
         msgs["hf_sliding_window"]
     assert msgs["hf_window_longer_than_sequence"] is None
+    assert "not through transformers' AttentionInterface" in msgs["hf_no_interface"]
+    assert "mixes tokens outside attention (layer types ['conv'])" in msgs["hf_other_mixer"]
+    assert "sliding attention window (sliding_window=2) over a sequence of 16" in \
+        msgs["hf_window_in_mask"]
+    assert "dropout (transformer.h.0.attn.resid_dropout (p=0.5)" in msgs["dropout"]
+    assert "causal language models" in msgs["causal_false"]
+    assert "n_heads must be divisible by sp x tp = 8" in msgs["ulysses_heads_under_tp"]
 
 
 @pytest.mark.slow

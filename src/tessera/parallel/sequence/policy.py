@@ -67,6 +67,7 @@ class SequenceParallel:
         check_layout(self.layout, causal)
         self._meta: torch.Tensor | None = None
         self.exportable = False  # set by StageInputs (staged.py) when pp > 1
+        self.dropouts: list[str] = []  # the model's dropout modules with p > 0 (apply_policy)
 
     # ------------------------------------------------------------------------ data path
     def shard(self, batch: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
@@ -105,11 +106,26 @@ class SequenceParallel:
 
     def forward_loss(self, module: nn.Module, batch: dict[str, torch.Tensor]) -> torch.Tensor:
         """This rank's share of the micro-batch's mean next-token loss (see module doc)."""
+        if module.training:
+            self.refuse_dropout()
         local = self.shard(batch)
         self.set_tokens(local["meta"])
         out = module(local["input_ids"], position_ids=local["position_ids"])
         logits = out if isinstance(out, torch.Tensor) else out.logits  # (B, T/sp, V or V/tp)
         return self.scale_loss(self.token_loss(logits, local["labels"]), self.token_count(batch))
+
+    def refuse_dropout(self) -> None:
+        """Refuse training with dropout: every sp rank draws the same mask at the same local
+        position, so masks would repeat along the sequence (tokens of other ranks).
+
+        Raises:
+            SequenceParallelError: naming the dropout modules.
+        """
+        if self.dropouts:
+            raise SequenceParallelError(
+                f"dropout ({', '.join(self.dropouts[:3])}) under sequence parallelism would "
+                "draw the same mask on every sp rank, correlated along the sequence: set the "
+                "model's dropout to 0 to train with sp > 1, or train with sp=1")
 
     @staticmethod
     def token_count(batch: dict[str, torch.Tensor]) -> torch.Tensor:
@@ -179,10 +195,14 @@ def _cross_entropy_sum(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tens
 
 
 def _labels(batch: dict[str, torch.Tensor]) -> torch.Tensor:
-    """The batch's labels with padding (attention_mask == 0) ignored, whatever it held."""
-    if "attention_mask" not in batch:
-        return batch["labels"]
-    return batch["labels"].masked_fill(batch["attention_mask"] == 0, IGNORE)
+    """The batch's labels with padding (attention_mask == 0, or a negative document id: both
+    attend to nothing) ignored, whatever it held."""
+    labels = batch["labels"]
+    if "attention_mask" in batch:
+        labels = labels.masked_fill(batch["attention_mask"] == 0, IGNORE)
+    if "document_ids" in batch:
+        labels = labels.masked_fill(batch["document_ids"] < 0, IGNORE)
+    return labels
 
 
 # ------------------------------------------------------------------------------ policies
@@ -200,7 +220,7 @@ def _is_reference(model: nn.Module) -> bool:
 def _apply_reference(model: nn.Module, sp: SequenceParallel) -> None:
     config = model.config
     if sp.mode == "ulysses":
-        check_heads(*_local_heads(config.n_heads, config.n_kv_heads, sp.head_ways), sp.size)
+        _check_ulysses_heads(config.n_heads, config.n_kv_heads, sp)
     for block in model.blocks:
         block.attn.attention_fn = sp.attention
 
@@ -218,6 +238,9 @@ def hf_attention(module: nn.Module, query: torch.Tensor, key: torch.Tensor,
     Attention that differs from full causal softmax attention (a sliding window, logit
     soft-capping, attention sinks, a non-causal module) is refused, not approximated."""
     sp = module.tessera_sequence_parallel
+    window = getattr(module, "tessera_window", None)
+    if window is not None and kwargs.get("sliding_window") is None:
+        kwargs = {**kwargs, "sliding_window": window}  # applied through the mask only
     _refuse_attention_variants(module, kwargs, query.shape[2] * sp.size)
     if attention_mask is not None:
         raise SequenceParallelError(
@@ -259,13 +282,74 @@ def _apply_hugging_face(model: nn.Module, sp: SequenceParallel) -> None:
     heads = getattr(config, "num_attention_heads", None) or config.n_head
     kv_heads = getattr(config, "num_key_value_heads", None) or heads
     if sp.mode == "ulysses":
-        check_heads(*_local_heads(heads, kv_heads, sp.head_ways), sp.size)
+        _check_ulysses_heads(heads, kv_heads, sp)
+    _refuse_other_token_mixers(model)
     AttentionInterface.register(HF_ATTENTION_NAME, hf_attention)
     for module in model.modules():
         # The attention modules are the ones transformers hands to the interface function.
         if type(module).__name__.endswith("Attention"):
             module.tessera_sequence_parallel = sp
+            module.tessera_window = _mask_only_window(module, config)
     model.set_attn_implementation(HF_ATTENTION_NAME)
+    used = getattr(config, "_attn_implementation", None)
+    if used != HF_ATTENTION_NAME or not getattr(type(model), "_supports_attention_backend",
+                                                True):
+        raise SequenceParallelError(
+            f"{type(model).__name__} computes attention in its own code, not through "
+            f"transformers' AttentionInterface (its attention implementation stays {used!r}), "
+            "so sequence parallelism cannot route it: each rank would attend to its own "
+            "tokens only. Train this model with sp=1")
+
+
+def _check_ulysses_heads(heads: int, kv_heads: int, sp: SequenceParallel) -> None:
+    """Ulysses' head rules on the heads one tp rank holds, named with the model's counts."""
+    try:
+        check_heads(*_local_heads(heads, kv_heads, sp.head_ways), sp.size)
+    except SequenceParallelError:
+        if sp.head_ways == 1:
+            raise
+        raise SequenceParallelError(
+            f"sp_mode=ulysses: the model's n_heads={heads} (n_kv_heads={kv_heads}) split over "
+            f"tp={sp.head_ways} leave {heads // sp.head_ways} heads per tp rank, which must be "
+            f"divisible by sp={sp.size}: n_heads must be divisible by sp x tp = "
+            f"{sp.size * sp.head_ways}") from None
+
+
+# Layer kinds the ring, RSA and Ulysses compute: every token mixer must be one of them.
+_ATTENTION_LAYER_TYPES = {"full_attention", "sliding_attention"}
+# Module class names of token mixers other than attention (state-space models, linear
+# attention, short convolutions): they would run on each rank's tokens alone.
+_OTHER_MIXERS = ("Mamba", "SSM", "DeltaNet", "LinearAttention", "ShortConv", "RWKV",
+                 "Recurrent", "Retention")
+
+
+def _refuse_other_token_mixers(model: nn.Module) -> None:
+    """Refuse models that mix tokens outside attention (hybrids: LFM2's convolutions, Jamba's
+    Mamba layers, Qwen3-Next's linear attention), which sequence parallelism would run on
+    each rank's shard alone."""
+    config = model.config
+    other = sorted(set(getattr(config, "layer_types", None) or ()) - _ATTENTION_LAYER_TYPES)
+    mixers = [name for name, m in model.named_modules()
+              if isinstance(m, (nn.Conv1d, nn.Conv2d, nn.Conv3d))
+              or any(word in type(m).__name__ for word in _OTHER_MIXERS)]
+    if other or mixers:
+        found = f"layer types {other}" if other else f"modules {', '.join(mixers[:3])}"
+        raise SequenceParallelError(
+            f"{type(model).__name__} mixes tokens outside attention ({found}), which "
+            "sequence parallelism would run on each rank's tokens alone: train this model "
+            "with sp=1")
+
+
+def _mask_only_window(module: nn.Module, config) -> int | None:
+    """A sliding window (or chunk) the module's attention applies through the mask
+    transformers builds, which it does not pass to the attention function (Qwen2-MoE's
+    sliding layers, Llama 4's chunked attention): None when it attends to everything."""
+    window = getattr(module, "sliding_window", None)
+    types, index = getattr(config, "layer_types", None), getattr(module, "layer_idx", None)
+    if window is None and types and index is not None and types[index] == "sliding_attention":
+        window = getattr(config, "sliding_window", None)
+    chunk = getattr(config, "attention_chunk_size", None)
+    return min(w for w in (window, chunk) if w is not None) if window or chunk else None
 
 
 POLICIES: list[tuple[str, Callable[[nn.Module], bool],
@@ -281,9 +365,16 @@ def apply_policy(model: nn.Module, sp: SequenceParallel) -> str:
     Raises:
         SequenceParallelError: when no policy knows the model's class.
     """
+    if not sp.causal:
+        raise SequenceParallelError(
+            "the sequence-parallel policies cover causal language models: a bidirectional "
+            "SequenceParallel (causal=False) would let each token see the ones it predicts")
     for name, matches, apply in POLICIES:
         if matches(model):
             apply(model, sp)
+            sp.dropouts = [f"{n or type(model).__name__} (p={m.p})"
+                           for n, m in model.named_modules()
+                           if isinstance(m, nn.modules.dropout._DropoutNd) and m.p > 0]
             return name
     known = ", ".join(name for name, _, _ in POLICIES)
     raise SequenceParallelError(

@@ -128,7 +128,7 @@ class StageInputs:
     """
 
     def __init__(self, sp, model: nn.Module) -> None:
-        self.sp = sp
+        self.sp, self.model = sp, model
         sp.exportable = True
         inner = model.forward
 
@@ -145,6 +145,8 @@ class StageInputs:
 
     def shard(self, batch: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
         """This rank's tokens of a micro-batch, with the whole micro-batch's label count."""
+        if self.model.training:
+            self.sp.refuse_dropout()
         local = self.sp.shard(batch)
         local["token_count"] = self.sp.token_count(batch)
         return local
