@@ -1,5 +1,6 @@
 """The Hugging Face-style Trainer: same loss as the HF model, callbacks, epochs, save_model."""
 
+import inspect
 from pathlib import Path
 
 import pytest
@@ -169,8 +170,27 @@ def _check_argument_mapping(out):
 
 
 def test_script_differs_from_its_hf_original_in_two_lines():
-    text = (ROOT / "examples/hf_gpt2_trainer.py").read_text()
-    assert text.count("# CHANGED") == 2
+    import ast
+
+    import transformers
+
+    lines = (ROOT / "examples/hf_gpt2_trainer.py").read_text().splitlines()
+    changed = [i for i, line in enumerate(lines) if "# CHANGED" in line]
+    assert len(changed) == 2
+    # Revert both: the import comes from transformers, the strategy argument goes.
+    hf = list(lines)
+    hf[changed[0]] = lines[changed[0]].replace("from tessera import",
+                                               "from transformers import").split("  #")[0]
+    assert hf[changed[1] - 1].endswith(",") and lines[changed[1]].strip().startswith("strategy=")
+    hf[changed[1] - 1] = hf[changed[1] - 1][:-1] + ")"
+    del hf[changed[1]]
+    # What is left is a Hugging Face script: every keyword its TrainingArguments and Trainer
+    # calls pass is one transformers' own classes take.
+    for call in ast.walk(ast.parse("\n".join(hf))):
+        name = getattr(getattr(call, "func", None), "id", None)
+        if isinstance(call, ast.Call) and name in ("TrainingArguments", "Trainer"):
+            accepted = inspect.signature(getattr(transformers, name)).parameters
+            assert {kw.arg for kw in call.keywords} <= set(accepted), name
 
 
 @pytest.mark.parametrize("kwargs, fragment", [

@@ -36,6 +36,42 @@ def default_forward_loss(module: nn.Module, batch: Batch) -> torch.Tensor:
     return lm_loss(causal_lm_logits(module, batch["input_ids"]), batch["labels"])
 
 
+# Batch keys every layout reads; others only where the layout honours them (batch_keys).
+READ_ALWAYS = frozenset({"input_ids", "labels"})
+
+
+def fit_batch(batch: Batch, honoured: frozenset[str]) -> Batch:
+    """``batch`` as a layout that reads ``READ_ALWAYS`` and ``honoured`` runs it exactly.
+
+    An ``attention_mask`` the layout does not pass to the model is exact only for right
+    padding (causal attention: real tokens never see the padding after them): it is then
+    dropped, its padded positions' labels ignored (-100).
+
+    Raises:
+        ValueError: naming keys the layout would ignore (``document_ids``, ``position_ids``,
+            ...), or an ``attention_mask`` with padding before real tokens.
+    """
+    extra = set(batch) - READ_ALWAYS - honoured
+    if "attention_mask" in extra:
+        mask = batch["attention_mask"]
+        if bool((mask[:, 1:] > mask[:, :-1]).any()):
+            raise ValueError(
+                "attention_mask has padding before real tokens (left padding, or holes): this "
+                "layout calls the model with input_ids only, which is exact for right padding "
+                "alone. Pad on the right (tokenizer.padding_side = 'right'), or use sp > 1, "
+                "whose attention reads the mask")
+        batch = {k: v for k, v in batch.items() if k != "attention_mask"}
+        batch["labels"] = batch["labels"].masked_fill(mask == 0, -100)
+        extra.discard("attention_mask")
+    if extra:
+        raise ValueError(
+            f"batch keys {sorted(extra)} would be ignored: this layout calls the model with "
+            f"input_ids only and reads {sorted(READ_ALWAYS | honoured)}. document_ids, "
+            "attention_mask and position_ids are honoured under sequence parallelism "
+            "(sp > 1); otherwise drop them from the batch")
+    return batch
+
+
 def default_clip_grad_norm(model: nn.Module, max_norm: float) -> torch.Tensor:
     """Clip all gradients to a total 2-norm of ``max_norm``; returns the norm before clipping."""
     return torch.nn.utils.clip_grad_norm_(model.parameters(), max_norm)
@@ -64,6 +100,9 @@ class Parallelized:
             :class:`tessera.parallel.pipeline.PipelineEngine`).
         pending_shards: tp x pp of a model on meta: the tensor-parallel shards still on meta,
             which the pipeline fills for its stages (tensor/deferred.py).
+        batch_keys: batch keys ``forward_loss`` reads besides input_ids and labels
+            (sequence parallelism's document_ids, attention_mask, position_ids); see
+            :func:`fit_batch`.
     """
 
     module: nn.Module
@@ -77,6 +116,7 @@ class Parallelized:
     memory: Any = None
     pipeline: Any = None
     pending_shards: Any = None
+    batch_keys: frozenset[str] = frozenset()
 
     def loss(self, batch: Batch) -> torch.Tensor:
         return self.forward_loss(self.module, batch)

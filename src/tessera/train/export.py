@@ -3,7 +3,8 @@
 Hugging Face models are written with ``save_pretrained`` (config.json + model.safetensors) and
 load with ``from_pretrained``. The reference model is written as ``model.safetensors`` (tied
 output head stored once) plus a ``config.json`` of its ModelConfig, and loads with
-:func:`load_reference_model`.
+:func:`load_reference_model`. Any other module is written as ``model.safetensors`` alone (a
+tied tensor once), for ``train.init_from`` / :func:`load_safetensors_weights`.
 
 Import (``train.init_from``): :func:`load_safetensors_weights` fills a single-device model from
 such a folder (``model.safetensors``, or the shards a ``model.safetensors.index.json`` names)
@@ -51,8 +52,10 @@ def save_full_model(trainer, output_dir: Path) -> Path:
         model = trainer.model
         if hasattr(model, "save_pretrained"):
             model.save_pretrained(output_dir, state_dict=state, safe_serialization=True)
-        else:
+        elif isinstance(model, Transformer):
             _save_reference(model, state, output_dir)
+        else:
+            _save_module(model, state, output_dir)
     dist.barrier()
     return output_dir
 
@@ -84,6 +87,23 @@ def _save_reference(model: Transformer, state: dict[str, torch.Tensor], output_d
     save_file({k: v.contiguous() for k, v in state.items()}, str(output_dir / REFERENCE_WEIGHTS))
     (output_dir / REFERENCE_CONFIG).write_text(json.dumps(
         {"tessera_model": model.config.to_dict()}, indent=2))
+
+
+def _save_module(model: nn.Module, state: dict[str, torch.Tensor], output_dir: Path) -> None:
+    """Any other module: its weights as ``model.safetensors``, a tensor tied under several
+    names stored once (under its first name), which ``train.init_from`` reads back."""
+    from safetensors.torch import save_file
+
+    params = dict(model.named_parameters(remove_duplicate=False))
+    kept, seen = {}, set()
+    for name, value in state.items():
+        param = params.get(name)  # None for a buffer
+        if param is not None:
+            if id(param) in seen:
+                continue  # a tie: the first name in the state dict holds it
+            seen.add(id(param))
+        kept[name] = value.contiguous()
+    save_file(kept, str(output_dir / REFERENCE_WEIGHTS))
 
 
 def load_reference_model(folder: str | Path) -> Transformer:

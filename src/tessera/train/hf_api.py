@@ -19,6 +19,7 @@ a Hugging Face model computes internally.
 
 from __future__ import annotations
 
+import inspect
 import math
 from pathlib import Path
 from typing import Any, Callable, Literal, Mapping, Sequence
@@ -33,6 +34,7 @@ from tessera.config import TrainingArguments as CoreArguments
 from tessera.config import _Section, parse_budget
 from tessera.data.dataset import collate
 from tessera.strategy import Strategy, StrategyError
+from tessera.train.checkpoint import checkpoint_root, find_latest
 from tessera.train.trainer import Trainer as CoreTrainer
 from tessera.train.trainer import TrainResult
 
@@ -62,7 +64,7 @@ class TrainingArguments(_Section):
     adam_beta2: float = 0.999
     adam_epsilon: float = 1e-8
     max_grad_norm: float = 1.0
-    lr_scheduler_type: Literal["linear", "cosine", "constant"] = "linear"
+    lr_scheduler_type: Literal["linear", "cosine", "constant", "constant_with_warmup"] = "linear"
     warmup_steps: int = 0
     warmup_ratio: float = 0.0
     logging_steps: int = 500
@@ -100,6 +102,27 @@ class TrainingArguments(_Section):
             raise ValueError("must be >= 1")
         return value
 
+    @field_validator("num_train_epochs")
+    @classmethod
+    def _some_epochs(cls, value: float) -> float:
+        if value <= 0:
+            raise ValueError("must be > 0 (or set max_steps)")
+        return value
+
+    @field_validator("warmup_ratio")
+    @classmethod
+    def _a_ratio(cls, value: float) -> float:
+        if not 0.0 <= value <= 1.0:
+            raise ValueError("must lie in [0, 1]")
+        return value
+
+    @field_validator("warmup_steps")
+    @classmethod
+    def _no_negative_warmup(cls, value: int) -> int:
+        if value < 0:
+            raise ValueError("must be >= 0")
+        return value
+
     @property
     def precision(self) -> str:
         if self.bf16 and self.fp16:
@@ -112,22 +135,39 @@ def shift_for_next_token(batch: dict[str, torch.Tensor]) -> dict[str, torch.Tens
 
     (B, T) input_ids and labels (or input_ids as labels) become (B, T-1) inputs and the
     labels one position later; positions masked out by ``attention_mask`` are ignored (-100).
+    Other per-token keys (the mask, position ids) keep the inputs' positions; the layout then
+    reads them or refuses them (``plan.fit_batch``), never drops them silently.
     """
     input_ids = batch["input_ids"]
     labels = batch.get("labels", input_ids).clone()
     if "attention_mask" in batch:
         labels[batch["attention_mask"] == 0] = -100
-    return {"input_ids": input_ids[:, :-1], "labels": labels[:, 1:]}
+    out = {k: (v[:, :-1] if v.dim() >= 2 and v.shape[:2] == input_ids.shape else v)
+           for k, v in batch.items()}
+    out["labels"] = labels[:, 1:]
+    return out
 
 
-def hf_collator(user_collator: Callable[[list], dict] | None, shift: bool
-                ) -> Callable[[list], dict]:
-    """The user's collator (or tensor stacking), then the next-token shift when ``shift``."""
+def hf_collator(user_collator: Callable[[list], dict] | None, shift: bool,
+                columns: frozenset[str] | None = None) -> Callable[[list], dict]:
+    """The user's collator (or tensor stacking), then the next-token shift when ``shift``.
+
+    ``columns``: the sample keys to keep (Hugging Face's ``remove_unused_columns``: what the
+    model's forward takes, and labels); the rest (a ``text`` column) are dropped first."""
     def collate_and_shift(samples: list) -> dict[str, torch.Tensor]:
-        samples = [{k: torch.as_tensor(v) for k, v in s.items()} for s in samples]
+        samples = [{k: torch.as_tensor(v) for k, v in s.items()
+                    if columns is None or k in columns} for s in samples]
         batch = dict(user_collator(samples) if user_collator else collate(samples))
         return shift_for_next_token(batch) if shift else batch
     return collate_and_shift
+
+
+def model_columns(model: nn.Module) -> frozenset[str]:
+    """Sample keys a model can use, as Hugging Face's Trainer keeps them: the named
+    parameters of its forward, labels, and what marks padding and documents for the loss
+    (attention_mask, tessera's document_ids) whether the forward takes them or not."""
+    names = inspect.signature(model.forward).parameters
+    return frozenset(names) | {"labels", "input_ids", "attention_mask", "document_ids"}
 
 
 class Trainer:
@@ -139,39 +179,61 @@ class Trainer:
         train_dataset: map-style dataset of ``{"input_ids", ["labels"], ["attention_mask"]}``.
         eval_dataset: same kind, optional.
         data_collator: pads/stacks samples into a batch (as in Hugging Face).
-        callbacks: Hugging Face-style callback objects (``on_log``, ``on_evaluate``,
-            ``on_train_begin``, ``on_train_end``, ``on_save``) or plain functions of a record.
+        callbacks: Hugging Face-style callback objects or plain functions of a record. The
+            events fired are ``SUPPORTED_EVENTS``; a callback defining another is refused,
+            as is a control flag other than ``should_training_stop``.
+
+    Arguments after ``args`` are keyword-only: Hugging Face's positional order differs.
+    Sample keys the model's forward does not take (a ``text`` column) are dropped, as
+    Hugging Face's ``remove_unused_columns`` does; ``args.seed`` seeds torch, numpy and
+    random here, as Hugging Face's Trainer does.
     """
 
-    def __init__(self, model: nn.Module, args: TrainingArguments | None = None,
+    def __init__(self, model: nn.Module, args: TrainingArguments | None = None, *,
                  train_dataset: Dataset | None = None, eval_dataset: Dataset | None = None,
                  data_collator: Callable[[list], dict] | None = None,
                  callbacks: Sequence[Any] = ()) -> None:
         if train_dataset is None:
             raise ValueError("Trainer needs a train_dataset")
         self.args = args or TrainingArguments()
+        seed_everything(self.args.seed)
         self.state = TrainerState()
         self.control = TrainerControl()
         # A callback class is instantiated, as Hugging Face does.
         callbacks = [c() if isinstance(c, type) else c for c in callbacks]
         self._hf_callbacks = [c for c in callbacks if not callable(c)]
+        for callback in self._hf_callbacks:
+            check_callback_events(callback)
         plain = [c for c in callbacks if callable(c)]
         self._core_args, strategy = self._translate(model, train_dataset, eval_dataset)
-        self.state.max_steps = self._core_args.max_steps
+        self.state.describe(self._core_args, self.args)
+        collator = hf_collator(data_collator, not labels_shifted(train_dataset, eval_dataset),
+                               model_columns(model))  # before layouts wrap model.forward
         self._core = CoreTrainer(model, self._core_args, train_dataset, eval_dataset,
                                  strategy=strategy, callbacks=[self._dispatch, *plain],
-                                 data_collator=hf_collator(data_collator, shift=not getattr(
-                                     train_dataset, "labels_shifted", False)))
+                                 data_collator=collator)
         self._core.save_callbacks.append(self._saved)
         self.model = self._core.model
+        self.state.is_world_process_zero = self._core.ctx.is_main
+        self.state.is_local_process_zero = self._core.ctx.local_rank == 0
+        self._each("on_init_end")
 
     # ------------------------------------------------------------------------------- API
     def train(self, resume_from_checkpoint: str | bool | None = None) -> TrainResult:
-        """Train; ``resume_from_checkpoint`` is a checkpoint folder or True (the newest)."""
+        """Train; ``resume_from_checkpoint`` is a checkpoint folder or True (the newest).
+
+        Raises:
+            ValueError: for True when ``output_dir`` holds no checkpoint (as Hugging Face).
+        """
         resume = resume_from_checkpoint or self.args.resume_from_checkpoint
+        if resume is True and find_latest(checkpoint_root(self.args.output_dir)) is None:
+            raise ValueError(f"resume_from_checkpoint=True: no valid checkpoint found in "
+                             f"{self.args.output_dir}")
         if resume:
             self._core.args = self._core.args.model_copy(update={
                 "resume": True, "resume_from": None if resume is True else str(resume)})
+        # A stop asked for in an earlier train() does not end this one (as Hugging Face).
+        self.control.should_training_stop = self._core.stop_requested = False
         self._each("on_train_begin")
         result = self._core.train()
         self.state.global_step = result.step
@@ -184,7 +246,7 @@ class Trainer:
         on rank 0 as Hugging Face logs it (``on_log``, then ``on_evaluate``)."""
         metrics = {"eval_loss": self._core.evaluate()}
         if self._core.ctx.is_main:  # callbacks and the history live on rank 0, as in training
-            record = {**metrics, "step": self.state.global_step}
+            record = {**metrics, "epoch": self.state.epoch, "step": self.state.global_step}
             self.state.log_history.append(record)
             self._each("on_log", logs=record)
             self._each("on_evaluate", metrics=metrics)
@@ -215,7 +277,10 @@ class Trainer:
                                     "give strategy text with pp > 1, not 'auto'")
         strategy.check_split_points(a.pipeline_split_points)
         strategy.check_leaf_modules(a.pipeline_leaf_modules)
+        # Global batches are whole (no short last batch), so an epoch is the full batches
+        # that fit: len // gbs steps (docs/training.md).
         steps_per_epoch = max(1, len(train_dataset) // strategy.global_batch_size)
+        self._steps_per_epoch = steps_per_epoch
         max_steps = a.max_steps if a.max_steps > 0 else math.ceil(
             a.num_train_epochs * steps_per_epoch)
         every = {"no": 0, "steps": None, "epoch": steps_per_epoch}
@@ -223,8 +288,12 @@ class Trainer:
         save_steps = every[a.save_strategy]
         core = CoreArguments(
             output_dir=a.output_dir, max_steps=max_steps, learning_rate=a.learning_rate,
-            min_lr_ratio=0.0, lr_scheduler_type=a.lr_scheduler_type,
-            warmup_steps=a.warmup_steps or math.ceil(a.warmup_ratio * max_steps),
+            min_lr_ratio=0.0,
+            # Hugging Face's "constant" ignores warmup; "constant_with_warmup" is tessera's
+            # constant schedule (a linear warmup, then the peak).
+            lr_scheduler_type=a.lr_scheduler_type.removesuffix("_with_warmup"),
+            warmup_steps=(0 if a.lr_scheduler_type == "constant" else
+                          a.warmup_steps or math.ceil(a.warmup_ratio * max_steps)),
             weight_decay=a.weight_decay, adam_beta1=a.adam_beta1, adam_beta2=a.adam_beta2,
             adam_epsilon=a.adam_epsilon, max_grad_norm=a.max_grad_norm,
             logging_steps=a.logging_steps,
@@ -249,8 +318,9 @@ class Trainer:
     def _dispatch(self, record: dict[str, Any]) -> None:
         # Hugging Face's names: its logs say learning_rate where tessera's records say lr.
         logs = {("learning_rate" if k == "lr" else k): v for k, v in record.items()}
-        self.state.log_history.append(logs)
         self.state.global_step = record["step"]
+        self.state.epoch = logs["epoch"] = round(record["step"] / self._steps_per_epoch, 4)
+        self.state.log_history.append(logs)
         self._each("on_log", logs=logs)  # evaluations too, then on_evaluate, as HF does
         if "eval_loss" in record:
             self._each("on_evaluate", metrics=logs)
@@ -260,26 +330,136 @@ class Trainer:
     def _each(self, hook: str, **kwargs: Any) -> None:
         for callback in self._hf_callbacks:
             method = getattr(callback, hook, None)
-            if method is not None:
+            if method is None:
+                continue
+            try:
                 result = method(self.args, self.state, self.control, **kwargs)
-                if isinstance(result, TrainerControl):
-                    self.control = result
+            except AttributeError as err:
+                if not any(err.obj is o for o in (self.args, self.state, self.control)):
+                    raise
+                raise ValueError(
+                    f"{type(callback).__name__}.{hook} reads {type(err.obj).__name__}."
+                    f"{err.name}, which tessera's Trainer does not have (e.g. best-model "
+                    "tracking, load_best_model_at_end, is not supported)") from err
+            if isinstance(result, TrainerControl):
+                self.control = result
+
+
+# The Hugging Face callback events this Trainer fires (all with args, state, control).
+SUPPORTED_EVENTS = ("on_init_end", "on_train_begin", "on_log", "on_evaluate", "on_save",
+                    "on_train_end")
+_ALL_EVENTS = SUPPORTED_EVENTS + (
+    "on_epoch_begin", "on_epoch_end", "on_step_begin", "on_step_end", "on_substep_end",
+    "on_pre_optimizer_step", "on_optimizer_step", "on_prediction_step", "on_predict")
+
+
+def check_callback_events(callback: Any) -> None:
+    """Refuse a callback that defines an event this Trainer never fires (it would be
+    silently ignored). A Hugging Face ``TrainerCallback`` defines every event as a no-op:
+    only the ones its class overrides count.
+
+    Raises:
+        ValueError: naming the callback, the events and the ones fired.
+    """
+    base = _hf_base_callback()
+    unsupported = []
+    for event in _ALL_EVENTS[len(SUPPORTED_EVENTS):]:
+        method = getattr(type(callback), event, None)
+        if method is not None and (base is None or method is not getattr(base, event, None)):
+            unsupported.append(event)
+    if unsupported:
+        raise ValueError(f"{type(callback).__name__} handles {', '.join(unsupported)}, which "
+                         f"tessera's Trainer does not fire (it fires "
+                         f"{', '.join(SUPPORTED_EVENTS)}): move that logic to one of those")
+
+
+def _hf_base_callback():
+    try:
+        from transformers import TrainerCallback
+    except ImportError:
+        return None
+    return TrainerCallback
 
 
 class TrainerState:
-    """What callbacks see: step counters and the log history (rank 0)."""
+    """What callbacks see (Hugging Face's names): step counters, the run's settings, the
+    log history (rank 0), and which process this is."""
 
     def __init__(self) -> None:
         self.global_step = 0
         self.max_steps = 0
+        self.epoch = 0.0
+        self.num_train_epochs = 0.0
+        self.logging_steps = self.eval_steps = self.save_steps = 0
+        self.train_batch_size = 0
+        self.best_metric = self.best_model_checkpoint = None  # no best-model tracking
+        self.is_world_process_zero = self.is_local_process_zero = True
         self.log_history: list[dict[str, Any]] = []
+
+    def describe(self, core: CoreArguments, args: TrainingArguments) -> None:
+        """The run's settings, as the core Trainer will run them."""
+        self.max_steps, self.logging_steps = core.max_steps, core.logging_steps
+        self.eval_steps, self.save_steps = core.eval_steps, core.save_steps
+        self.num_train_epochs = args.num_train_epochs
+        self.train_batch_size = args.per_device_train_batch_size
 
 
 class TrainerControl:
-    """What callbacks may ask for: ``should_training_stop`` pauses with a checkpoint."""
+    """What callbacks may ask for: ``should_training_stop`` pauses with a checkpoint.
+    Hugging Face's other flags are refused when set, not ignored."""
+
+    __slots__ = ("should_training_stop",)
 
     def __init__(self) -> None:
         self.should_training_stop = False
+
+    def __setattr__(self, name: str, value: Any) -> None:
+        if name not in self.__slots__:
+            raise AttributeError(f"TrainerControl.{name} is not supported by tessera's "
+                                 "Trainer (it acts on should_training_stop only)")
+        object.__setattr__(self, name, value)
+
+
+def seed_everything(seed: int) -> None:
+    """Seed torch (every device), numpy and random, as Hugging Face's ``set_seed``."""
+    import random
+
+    random.seed(seed)
+    torch.manual_seed(seed)  # all devices, CUDA included
+    try:
+        import numpy
+    except ImportError:
+        return
+    numpy.random.seed(seed)
+
+
+def labels_shifted(train: Dataset, eval_dataset: Dataset | None) -> bool:
+    """Whether the datasets hold labels already shifted (tessera's own), looking through
+    torch's Subset and ConcatDataset wrappers.
+
+    Raises:
+        ValueError: when the two datasets (or a ConcatDataset's parts) disagree.
+    """
+    kinds = {_shifted(train)} | ({_shifted(eval_dataset)} if eval_dataset is not None else set())
+    if len(kinds) > 1:
+        raise ValueError("the datasets mix labels already shifted for the next token "
+                         "(tessera's datasets) with Hugging Face-style ones (labels at the "
+                         "input positions): give train and eval data of one kind")
+    return kinds.pop()
+
+
+def _shifted(dataset: Any) -> bool:
+    if hasattr(dataset, "labels_shifted"):
+        return bool(dataset.labels_shifted)
+    if hasattr(dataset, "datasets"):  # ConcatDataset
+        kinds = {_shifted(d) for d in dataset.datasets}
+        if len(kinds) > 1:
+            raise ValueError("a ConcatDataset mixes labels already shifted for the next token "
+                             "with Hugging Face-style ones: concatenate data of one kind")
+        return kinds.pop() if kinds else False
+    if hasattr(dataset, "dataset"):  # Subset, random_split
+        return _shifted(dataset.dataset)
+    return False
 
 
 def check_batch_arguments(args: TrainingArguments, strategy: Strategy) -> None:

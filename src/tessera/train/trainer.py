@@ -29,6 +29,7 @@ from tessera.models.hf import flops_per_token as generic_flops_per_token
 from tessera.parallel import parallelize
 from tessera.parallel.pipeline.engine import PipelineEngine
 from tessera.parallel.pipeline.recompute import strategy_text
+from tessera.parallel.plan import fit_batch
 from tessera.strategy import Strategy, StrategyError
 from tessera.train import checkpoint as ckpt
 from tessera.train.engine import Engine
@@ -253,7 +254,7 @@ class Trainer:
         parts = eval_micro_batches(len(self.eval_dataset), global_batch, dp,
                                    self.mesh.rank("dp"), eval_mbs, self.args.eval_batches)
         for indices, real in parts:
-            batch = self.data_collator([self.eval_dataset[i] for i in indices])
+            batch = self._batch(self.eval_dataset, indices)
             if real < len(indices):  # wrapped-around fill: its labels do not count
                 batch["labels"] = batch["labels"].clone()
                 batch["labels"][real:] = -100
@@ -324,11 +325,15 @@ class Trainer:
             group["lr"] = self.args.learning_rate * factor
 
     # ---------------------------------------------------------------------------- private
+    def _batch(self, dataset: Dataset, indices) -> dict[str, torch.Tensor]:
+        """The collated samples, as this layout reads them (plan.fit_batch)."""
+        return fit_batch(self.data_collator([dataset[int(i)] for i in indices]),
+                         self.plan.batch_keys)
+
     def _train_step(self) -> torch.Tensor:
         indices = self.order.rank_batch(self.step, self.mesh.rank("dp"), self.mesh.size("dp"))
         mbs = self.strategy.micro_batch_size
-        micro_batches = [self.data_collator([self.train_dataset[int(i)]
-                                             for i in indices[j: j + mbs]])
+        micro_batches = [self._batch(self.train_dataset, indices[j: j + mbs])
                          for j in range(0, len(indices), mbs)]
         result = self.engine.forward_backward(micro_batches)
         scaler = self.engine.scaler
@@ -347,7 +352,9 @@ class Trainer:
             self._non_finite(result.loss)
         self.scheduler.step()
         self.optimizer.zero_grad(set_to_none=True)
-        return result.loss
+        # [this rank's loss, the gradient norm before clipping (the same on every rank)]
+        return torch.stack((result.loss.detach().float(),
+                            grad_norm.detach().float().to(result.loss.device)))
 
     def _non_finite(self, loss: torch.Tensor) -> None:
         """Stop, or skip the update, naming the step and the first non-finite gradient."""
@@ -365,12 +372,13 @@ class Trainer:
              result: TrainResult) -> dict[str, Any]:
         self.phase = "the loss all-reduce of a logging step"
         # One all-reduce per logging window rather than per step keeps the step free of syncs.
-        losses = torch.stack(window)
-        dist.all_reduce(losses, op=dist.ReduceOp.AVG, group=self.plan.loss_group)
-        values = losses.tolist()
+        steps = torch.stack(window)  # (steps, 2): loss, gradient norm
+        dist.all_reduce(steps, op=dist.ReduceOp.AVG, group=self.plan.loss_group)
+        values = steps[:, 0].tolist()
         result.losses.extend(values)
         tokens_per_s, mfu = throughput.report()
         return {"step": self.step, "loss": sum(values) / len(values),
+                "grad_norm": float(steps[-1, 1]),  # the last step's, before clipping
                 "lr": self.scheduler.get_last_lr()[0], "tokens_per_s": tokens_per_s,
                 "mfu": mfu, "time": time.time()}
 

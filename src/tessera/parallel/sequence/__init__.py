@@ -43,6 +43,7 @@ def apply_sequence_parallel(plan, strategy, mesh) -> SequenceParallel:
                           head_ways=strategy.tp)
     apply_policy(plan.model, sp)
     plan.forward_loss = sp.forward_loss
+    plan.batch_keys = frozenset({"document_ids", "attention_mask", "position_ids"})
     plan.loss_group = mesh.flat_group("dp", "sp")
     plan.features.append(f"sequence_parallel:{strategy.sp_mode}")
     return sp

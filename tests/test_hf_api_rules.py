@@ -1,0 +1,101 @@
+"""The Hugging Face front's rules that need no workers: what it refuses instead of ignoring,
+how it treats batches and datasets, and the core's batch check (plan.fit_batch)."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+from torch.utils.data import ConcatDataset, Subset, random_split
+from transformers import EarlyStoppingCallback, TrainerCallback
+
+from tessera import Trainer, TrainingArguments
+from tessera.data.dataset import TokenDataset
+from tessera.parallel.plan import fit_batch
+from tessera.train.hf_api import (TrainerControl, check_callback_events, hf_collator,
+                                  labels_shifted, model_columns, shift_for_next_token)
+
+
+class OnStepEnd(TrainerCallback):
+    def on_step_end(self, args, state, control, **kwargs):
+        control.should_save = True
+
+
+class OnLogOnly(TrainerCallback):
+    def on_log(self, args, state, control, logs=None, **kwargs):
+        pass
+
+
+def test_a_callback_handling_an_event_never_fired_is_refused_by_name():
+    with pytest.raises(ValueError, match="OnStepEnd handles on_step_end, which tessera's"):
+        check_callback_events(OnStepEnd())
+    check_callback_events(OnLogOnly())  # TrainerCallback's own no-op events do not count
+    check_callback_events(EarlyStoppingCallback())  # on_train_begin / on_evaluate: fired
+
+
+def test_a_control_flag_tessera_does_not_act_on_cannot_be_set():
+    control = TrainerControl()
+    control.should_training_stop = True
+    with pytest.raises(AttributeError, match="should_save is not supported"):
+        control.should_save = True
+
+
+def test_the_trainer_takes_keywords_after_args():
+    # Hugging Face's positional order puts data_collator third: refused, not misread.
+    with pytest.raises(TypeError):
+        Trainer(torch.nn.Linear(2, 2), TrainingArguments(), [0, 1])
+
+
+@pytest.mark.parametrize("kwargs, fragment", [
+    (dict(num_train_epochs=0), "num_train_epochs"),
+    (dict(warmup_ratio=1.5), "warmup_ratio"),
+    (dict(warmup_ratio=-0.1), "warmup_ratio"),
+    (dict(warmup_steps=-1), "warmup_steps"),
+    (dict(lr_scheduler_type="polynomial"), "lr_scheduler_type"),
+])
+def test_out_of_range_arguments_are_refused_naming_them(kwargs, fragment):
+    with pytest.raises(ValueError, match=fragment):
+        TrainingArguments(**kwargs)
+
+
+def test_wrapped_tessera_datasets_keep_their_labels_unshifted():
+    data = TokenDataset(np.arange(100), 8)
+    train, val = random_split(data, [8, 4])
+    assert labels_shifted(train, val)
+    assert labels_shifted(ConcatDataset([train, Subset(data, [0])]), None)
+    plain = [{"input_ids": torch.arange(9)}]
+    assert not labels_shifted(plain, None)
+    with pytest.raises(ValueError, match="mix labels already shifted"):
+        labels_shifted(train, plain)
+    with pytest.raises(ValueError, match="ConcatDataset mixes"):
+        labels_shifted(ConcatDataset([train, plain]), None)
+
+
+def test_columns_the_model_does_not_take_are_dropped_others_kept():
+    model = torch.nn.Module()
+    model.forward = lambda input_ids, attention_mask=None, position_ids=None: None
+    columns = model_columns(model)
+    collate = hf_collator(None, shift=True, columns=columns)
+    batch = collate([{"input_ids": [1, 2, 3, 4], "attention_mask": [1, 1, 1, 0],
+                      "text": "a b c"}] * 2)
+    assert set(batch) == {"input_ids", "labels", "attention_mask"}  # text dropped
+    # The mask keeps the inputs' positions; the padded position's label is ignored.
+    assert batch["attention_mask"].tolist() == [[1, 1, 1]] * 2
+    assert batch["labels"].tolist() == [[2, 3, -100]] * 2
+
+
+def test_right_padding_is_run_exactly_left_padding_and_unread_keys_are_refused():
+    ids = torch.arange(12).view(2, 6)
+    right = torch.tensor([[1, 1, 1, 1, 0, 0], [1, 1, 1, 1, 1, 1]])
+    batch = shift_for_next_token({"input_ids": ids, "attention_mask": right})
+    fitted = fit_batch(batch, frozenset())
+    assert set(fitted) == {"input_ids", "labels"}
+    assert fitted["labels"][0].tolist() == [1, 2, 3, -100, -100]
+    # Sequence parallelism reads the mask itself: handed over unchanged.
+    assert fit_batch(batch, frozenset({"attention_mask"})) is batch
+    left = right.flip(1)
+    with pytest.raises(ValueError, match="left padding"):
+        fit_batch(shift_for_next_token({"input_ids": ids, "attention_mask": left}), frozenset())
+    with pytest.raises(ValueError, match=r"\['document_ids', 'position_ids'\] would be ignored"):
+        fit_batch({"input_ids": ids, "labels": ids, "position_ids": ids,
+                   "document_ids": ids}, frozenset())
