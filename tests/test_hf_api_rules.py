@@ -99,3 +99,15 @@ def test_right_padding_is_run_exactly_left_padding_and_unread_keys_are_refused()
     with pytest.raises(ValueError, match=r"\['document_ids', 'position_ids'\] would be ignored"):
         fit_batch({"input_ids": ids, "labels": ids, "position_ids": ids,
                    "document_ids": ids}, frozenset())
+
+
+def test_a_callback_reading_a_field_tessera_lacks_fails_naming_it():
+    from tessera.train.hf_api import TrainerState
+
+    trainer = Trainer.__new__(Trainer)  # the event dispatch alone, no workers
+    trainer.args, trainer.state, trainer.control = (TrainingArguments(), TrainerState(),
+                                                    TrainerControl())
+    trainer._hf_callbacks = [EarlyStoppingCallback()]
+    with pytest.raises(ValueError, match="EarlyStoppingCallback.on_train_begin reads "
+                                         "TrainingArguments.load_best_model_at_end"):
+        trainer._each("on_train_begin")
