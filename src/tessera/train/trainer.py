@@ -412,8 +412,14 @@ class Trainer:
             flops = config.flops_per_token(self._seq_len())
         else:
             flops = generic_flops_per_token(self.model, self._seq_len())
+        # Measured where no data sheet applies (CPUs): all ranks at once, after a barrier, the
+        # best rank's figure. A rank measuring while another still imports or builds its
+        # model shares its core and reads a low peak (MFU above 1 in the demo's logs).
+        dist.barrier()
         peak, _ = peak_flops(self.ctx.device, self.strategy.precision)
-        return Throughput(flops, peak, self.ctx.world_size)
+        best = torch.tensor(peak, dtype=torch.float64, device=self.ctx.device)
+        dist.all_reduce(best, op=dist.ReduceOp.MAX)
+        return Throughput(flops, float(best), self.ctx.world_size)
 
 
 def check_eval_micro_batch(size: int, strategy: Strategy) -> None:
