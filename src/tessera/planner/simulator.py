@@ -28,7 +28,7 @@ from typing import Any
 
 from tessera.models.config import ModelConfig
 from tessera.planner import comm
-from tessera.planner.activations import layout, matrix_params
+from tessera.planner.activations import layout, matrix_params, stages_read_shards
 from tessera.planner.cluster import Cluster
 from tessera.planner.compute import (LayerTime, bytes_per_element, embedding_time, head_time,
                                      layer_time, optimizer_time, weight_cast_time)
@@ -176,13 +176,14 @@ def _stage_costs(model: ModelConfig, cl: Cluster, s: Strategy, groups, opt: SimO
     lt = _cached_layer_time(model, cl, s, cache)
     # autocast's 16-bit weight copies, made again for every forward (and recomputation); the
     # backward casts each weight's 16-bit gradient back to fp32, the same traffic, and under
-    # tp (nothing cached) casts the weight again for the input gradient
+    # the eager tp ops (nothing kept) casts the weight again for the input gradient; 1d tp
+    # pipeline stages keep autocast's copy, as plain layers do
     cast = head_cast = 0.0
     if opt.tessera_runtime:
         cast = weight_cast_time(cl, matrix_params(model) / s.tp, s.precision, s.memory)
         head_cast = weight_cast_time(cl, model.vocab_size * model.d_model / s.tp, s.precision,
                                      s.memory)
-    bwd_casts = 1 if s.tp == 1 else 2
+    bwd_casts = 1 if s.tp == 1 or stages_read_shards(s) else 2
     tp_f, tp_b = _tp_comm(model, cl, s, groups)
     sp_f, sp_b = _sp_comm(model, cl, s, groups, lt)
     out = []

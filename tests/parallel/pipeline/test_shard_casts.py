@@ -46,7 +46,8 @@ def test_every_op_named_runs_in_16_bits_under_autocast():
 
 
 def _graph() -> fx.GraphModule:
-    """``linear(x, t(view_as(shard)))`` + ``mul(x, shard[:, :4].sum())``, hand built."""
+    """``linear(x, t(view_as(shard)))`` twice, + ``mul(x, shard[:, :4].sum())``, hand
+    built: two 16-bit reads of one shard and an fp32 one."""
     root = torch.nn.Module()
     root.w = torch.nn.Parameter(torch.randn(4, 6))  # stored (in, out), as GPT-2 does
     g = fx.Graph()
@@ -56,32 +57,39 @@ def _graph() -> fx.GraphModule:
     view = g.call_function(aten.view_as.default, (shard, shard))
     t = g.call_function(aten.t.default, (view,))
     y = g.call_function(aten.linear.default, (x, t))  # (N, 6)
+    y2 = g.call_function(aten.linear.default, (g.call_function(aten.sin.default, (x,)), t))
     part = g.call_function(aten.slice.Tensor, (view, 0, 0, 4))
     scale = g.call_function(aten.sum.default, (part,))
     z = g.call_function(aten.mul.Tensor, (x, scale))
-    g.output((y, z))
+    g.output((y, y2, z))
     return fx.GraphModule(root, g)
+
+
+def _run(gm: fx.GraphModule, x: torch.Tensor, shared: bool):
+    """Outputs and the weight's gradient under bf16 autocast. autocast's own cache is off:
+    a stage's shard is not a leaf, so each read casts it anew (what the rewrite replaces)."""
+    with (shared_shard_casts() if shared else contextlib.nullcontext()), \
+            torch.autocast("cpu", dtype=torch.bfloat16, cache_enabled=False):
+        out = gm(x)
+    return out, torch.autograd.grad(sum(v.float().sum() for v in out), gm.w)[0]
 
 
 def test_matmul_reads_go_through_the_cast_the_others_stay_fp32():
     gm = _graph()
     x = torch.randn(3, 4)
-    with torch.autocast("cpu", dtype=torch.bfloat16):
-        want = gm(x)
-    want_grad = torch.autograd.grad(sum(v.float().sum() for v in want), gm.w)[0]
-    assert read_casts_of_shards(gm.graph) == 1
+    want, want_grad = _run(gm, x, shared=False)
+    assert read_casts_of_shards(gm.graph) == 2
     gm.recompile()
-    linear = next(n for n in gm.graph.nodes if n.target is aten.linear.default)
-    chain = linear.args[1]  # t(view_as(cast))
-    assert chain.args[0].args[0].target is dtensor_local_cast
+    linears = [n for n in gm.graph.nodes if n.target is aten.linear.default]
+    chains = [linear.args[1] for linear in linears]  # t(view_as(cast)), one per read
+    assert all(c.args[0].args[0].target is dtensor_local_cast for c in chains)
+    assert chains[0] is not chains[1]  # each read's gradient reaches the shard in fp32
     mul_chain = next(n for n in gm.graph.nodes if n.target is aten.slice.Tensor)
     assert mul_chain.args[0].args[0].target is dtensor_local  # fp32 read kept
     for shared in (False, True):
-        with (shared_shard_casts() if shared else contextlib.nullcontext()), \
-                torch.autocast("cpu", dtype=torch.bfloat16):
-            got = gm(x)
-        grad = torch.autograd.grad(sum(v.float().sum() for v in got), gm.w)[0]
-        # Bit for bit: the same cast, made before the layout ops instead of after.
+        got, grad = _run(gm, x, shared)
+        # Bit for bit: the same casts, made before the layout ops instead of after; the two
+        # reads' gradients summed in fp32, as with a cast per read.
         assert all(torch.equal(a, b) for a, b in zip(got, want)), shared
         assert torch.equal(grad, want_grad), shared
 
@@ -92,13 +100,15 @@ def test_the_cast_is_made_once_inside_the_context_and_only_under_autocast_with_g
         assert dtensor_local_cast(w) is w  # outside: autocast casts the shard itself
         with shared_shard_casts():
             first = dtensor_local_cast(w)
-            assert first.dtype == torch.bfloat16 and dtensor_local_cast(w) is first
+            assert first.dtype == torch.bfloat16
+            # Each read is its own node over one copy: the same memory.
+            assert dtensor_local_cast(w).data_ptr() == first.data_ptr()
             with shared_shard_casts():  # nested: the enclosing one's copy
-                assert dtensor_local_cast(w) is first
+                assert dtensor_local_cast(w).data_ptr() == first.data_ptr()
             with torch.no_grad():
                 assert dtensor_local_cast(w) is w
         with shared_shard_casts():
-            assert dtensor_local_cast(w) is not first  # dropped when the step ended
+            assert dtensor_local_cast(w).data_ptr() != first.data_ptr()  # a new step's
     with shared_shard_casts():
         assert dtensor_local_cast(w) is w  # no autocast: nothing to cast
 

@@ -39,7 +39,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 from tessera.parallel.pipeline.capture import ProxyGraph, point_at
 from tessera.parallel.pipeline.cost import op_name, value_bytes
-from tessera.parallel.pipeline.shard_casts import LAYOUT_OPS
+from tessera.parallel.pipeline.shard_casts import LOWER_PRECISION_OPS, is_layout
 
 
 @dataclass(frozen=True)
@@ -96,7 +96,7 @@ class _Recorder(fx.Interpreter):
         self.held = held  # storages of the stage's state (parameters, buffers, constants)
         self.values: dict[str, object] = {}
         self.savers: dict[int, list] = {}  # storage -> [bytes, saver names...]
-        self.current = ""
+        self.current = self.current_op = ""
         self.named: dict[int, str] = {}  # id of a node's value -> the node's name
         self.converting = False  # running a node that converts dtypes itself (.to, .float)
         self.cast_of: dict[int, str] = {}  # storage of a 16-bit copy -> node copied
@@ -108,7 +108,7 @@ class _Recorder(fx.Interpreter):
         self.autocast_output = AUTOCAST_OUTPUT
 
     def run_node(self, n: fx.Node):
-        self.current = n.name
+        self.current, self.current_op = n.name, op_name(n)
         # A 2D linear's op casts its input itself, for the product and for what it keeps:
         # its copies are its own, never autocast's shared ones.
         self.converting = n.op == "call_function" and (
@@ -126,7 +126,7 @@ class _Recorder(fx.Interpreter):
             if n.target in self.autocast_output and torch.is_autocast_enabled(out.device.type):
                 out = out.to(torch.get_autocast_dtype(out.device.type))  # as the real op's
         reads = n.all_input_nodes
-        if op_name(n) in LAYOUT_OPS and reads and reads[0].name in self.weight_of:
+        if is_layout(n) and reads and reads[0].name in self.weight_of:
             self.weight_of[n.name] = self.weight_of[reads[0].name]
         self.values[n.name] = out
         if isinstance(out, torch.Tensor):
@@ -138,7 +138,8 @@ class _Recorder(fx.Interpreter):
         """``copy`` is ``source`` converted; kept when it is autocast's own 16-bit copy of
         an fp32 value (the only casts autocast's cache shares), not the graph's conversion."""
         name = self.named.get(id(source))
-        name = self.weight_of.get(name, name)
+        if self.current_op in LOWER_PRECISION_OPS:  # the reads shard_casts.py shares
+            name = self.weight_of.get(name, name)
         if (name is None or self.converting or not isinstance(copy, torch.Tensor)
                 or source.dtype != torch.float32 or copy.dtype != self.autocast_dtype):
             return

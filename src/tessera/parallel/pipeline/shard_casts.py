@@ -17,9 +17,10 @@ before. A sub-pipelined piece's forward shares one copy between its two halves i
 the fp32 shard.
 
 The results are bit-for-bit those of autocast's own casts: casting commutes with the views,
-and each micro-batch's backward still runs the cast's backward and accumulates into the
-parameter once. The shared nodes (the cast and ``to_local``) keep no tensor for their
-backward, so the later micro-batches' backwards can run through them again.
+and every read is its own autograd node (:class:`_SharedCast`, over a copy made without
+autograd), whose backward hands the fp32 shard its reader's gradient in fp32, as autocast's
+cast of that read would: two readers' gradients meet in fp32, not in 16 bits, and each
+micro-batch's backward accumulates into the parameter as before.
 """
 
 from __future__ import annotations
@@ -47,6 +48,13 @@ LAYOUT_OPS = frozenset({
     "alias", "getitem",
 })
 
+
+
+def is_layout(node: fx.Node) -> bool:
+    """Whether ``node`` only rearranges values (``view(dtype)`` reinterprets bits: not)."""
+    return op_name(node) in LAYOUT_OPS and node.target is not torch.ops.aten.view.dtype
+
+
 # The step's copies (parameter -> its 16-bit shard), or None outside a sharing step.
 _CASTS: contextvars.ContextVar[dict | None] = contextvars.ContextVar("shard_casts",
                                                                    default=None)
@@ -67,8 +75,21 @@ def dtensor_local_cast(param: torch.Tensor) -> torch.Tensor:
             or not torch.is_autocast_enabled(device)):
         return shard
     if param not in casts:
-        casts[param] = shard.to(torch.get_autocast_dtype(device))
-    return casts[param]
+        casts[param] = shard.detach().to(torch.get_autocast_dtype(device))
+    return _SharedCast.apply(shard, casts[param])
+
+
+class _SharedCast(torch.autograd.Function):
+    """``copy`` (the shard's 16-bit copy) as this read's value; the gradient goes to the
+    fp32 shard as autocast's cast of the read would send it (cast to fp32, per read)."""
+
+    @staticmethod
+    def forward(ctx, shard: torch.Tensor, copy: torch.Tensor) -> torch.Tensor:
+        return copy  # an alias of the copy: no new memory
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        return grad.float(), None
 
 
 @contextlib.contextmanager
@@ -88,16 +109,18 @@ def shared_shard_casts():
 
 def read_casts_of_shards(graph: fx.Graph) -> int:
     """Point every 16-bit op's read of a ``dtensor_local`` shard (directly or through
-    layout ops) at a twin chain starting from :func:`dtensor_local_cast`; drop what is left
-    unread. Returns how many reads were rewritten."""
+    layout ops) at a twin chain of its own starting from :func:`dtensor_local_cast`; drop
+    what is left unread. Returns how many reads were rewritten."""
     rewritten = 0
     for shard in [n for n in graph.nodes if n.target is dtensor_local]:
         views = _layout_closure(shard)
-        members, twins = set(views), {}
+        members = set(views)
         for node in views:
             for user in list(node.users):
                 if op_name(user) in LOWER_PRECISION_OPS:
-                    user.replace_input_with(node, _twin(graph, node, shard, members, twins))
+                    # One chain per read: its gradient reaches the shard on its own, in fp32.
+                    twin = _twin(graph, node, shard, members, {})
+                    user.replace_input_with(node, twin)
                     rewritten += 1
         for node in reversed(views):
             if not node.users:
@@ -110,7 +133,7 @@ def _layout_closure(shard: fx.Node) -> list[fx.Node]:
     found, stack = {shard}, [shard]
     while stack:
         for user in stack.pop().users:
-            if user not in found and op_name(user) in LAYOUT_OPS:
+            if user not in found and is_layout(user):
                 found.add(user)
                 stack.append(user)
     order = {node: i for i, node in enumerate(shard.graph.nodes)}
