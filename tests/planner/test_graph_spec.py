@@ -188,11 +188,17 @@ def test_auto_holds_tensor_and_sequence_parallelism_off_without_a_policy(monkeyp
     import tessera.train.auto as auto
 
     with torch.device("meta"):
-        gpt2 = hf.GPT2LMHeadModel(hf.GPT2Config(n_embd=64, n_layer=2, n_head=4))
+        gpt2 = hf.GPT2LMHeadModel(hf.GPT2Config(n_embd=64, n_layer=2, n_head=4,
+                                                resid_pdrop=0.0, embd_pdrop=0.0,
+                                                attn_pdrop=0.0))
+        dropping = hf.GPT2LMHeadModel(hf.GPT2Config(n_embd=64, n_layer=2, n_head=4))
         neox = hf.AutoModelForCausalLM.from_config(hf.GPTNeoXConfig(
             vocab_size=50432, hidden_size=4096, intermediate_size=16384, num_hidden_layers=4,
             num_attention_heads=32, max_position_embeddings=2048, use_cache=False))
     assert auto.layout_limits(neox) == {"tp": 1, "sp": 1} and auto.layout_limits(gpt2) == {}
+    # GPT-2's default dropout (0.1): sequence parallelism refuses to train it, so auto
+    # does not plan it.
+    assert auto.layout_limits(dropping) == {"sp": 1}
     # On 8 A100s (not this machine's CPU workers, so the pick does not depend on the host) the
     # planner, free to choose, would split this 1.2B model with tensor parallelism, which the
     # runtime cannot apply to GPT-NeoX (no policy); held to tp=1 it picks another layout.

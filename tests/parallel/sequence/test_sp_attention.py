@@ -205,6 +205,20 @@ def _silent_model_refusals(group):
         # 4 heads over tp=2 leave 2 per rank, not divisible by sp=4: named with the totals.
         "ulysses_heads_under_tp": lambda: apply_policy(
             Transformer(preset("tiny")), SequenceParallel(group, "ulysses", head_ways=2)),
+        # 24 heads pass (12 per tp rank); 6 kv heads leave 3: the kv rule, by its own name.
+        "ulysses_kv_heads_under_tp": lambda: apply_policy(
+            Transformer(preset("tiny", d_model=96, n_heads=24, n_kv_heads=6)),
+            SequenceParallel(group, "ulysses", head_ways=2)),
+        # OPT draws dropout with F.dropout (no module): its config says so.
+        "hf_functional_dropout": lambda: run(T.OPTForCausalLM(T.OPTConfig(
+            vocab_size=64, hidden_size=32, ffn_dim=64, num_hidden_layers=1,
+            num_attention_heads=4, word_embed_proj_dim=32))),
+        # Llama 4's chunks exist in its mask only.
+        "hf_chunked_attention": lambda: run(T.Llama4ForCausalLM(T.Llama4TextConfig(
+            **tiny, head_dim=8, attention_chunk_size=8, intermediate_size_mlp=64,
+            num_local_experts=2, no_rope_layers=[1, 1], moe_layers=[]))),
+        # StableLM calls the interface but leaves _supports_attention_backend False: runs.
+        "hf_stablelm_runs": lambda: run(T.StableLmForCausalLM(T.StableLmConfig(**tiny))),
     }
 
 
@@ -391,6 +405,12 @@ def test_bad_input_is_refused_with_the_rule(runs):
     assert "dropout (transformer.h.0.attn.resid_dropout (p=0.5)" in msgs["dropout"]
     assert "causal language models" in msgs["causal_false"]
     assert "n_heads must be divisible by sp x tp = 8" in msgs["ulysses_heads_under_tp"]
+    assert "n_kv_heads=3 must divide or be divisible by sp=4" in \
+        msgs["ulysses_kv_heads_under_tp"]
+    assert "dropout (config.dropout=0.1)" in msgs["hf_functional_dropout"]
+    assert "chunked attention (attention_chunk_size=8) over a sequence of 16" in \
+        msgs["hf_chunked_attention"]
+    assert msgs["hf_stablelm_runs"] is None
 
 
 @pytest.mark.slow

@@ -238,9 +238,9 @@ def hf_attention(module: nn.Module, query: torch.Tensor, key: torch.Tensor,
     Attention that differs from full causal softmax attention (a sliding window, logit
     soft-capping, attention sinks, a non-causal module) is refused, not approximated."""
     sp = module.tessera_sequence_parallel
-    window = getattr(module, "tessera_window", None)
-    if window is not None and kwargs.get("sliding_window") is None:
-        kwargs = {**kwargs, "sliding_window": window}  # applied through the mask only
+    for name, size in getattr(module, "tessera_mask_only", {}).items():
+        if kwargs.get(name) is None:  # applied through the mask only: named here
+            kwargs = {**kwargs, name: size}
     _refuse_attention_variants(module, kwargs, query.shape[2] * sp.size)
     if attention_mask is not None:
         raise SequenceParallelError(
@@ -254,7 +254,9 @@ def hf_attention(module: nn.Module, query: torch.Tensor, key: torch.Tensor,
 # RSA and Ulysses do not compute (Mistral / Qwen2 / Gemma2 windows, Gemma2's soft-capping,
 # gpt-oss's sinks), each with what it would change.
 _VARIANTS = {"sliding_window": "a sliding attention window", "softcap": "logit soft-capping",
-             "s_aux": "attention sinks", "sinks": "attention sinks"}
+             "s_aux": "attention sinks", "sinks": "attention sinks",
+             "attention_chunk_size": "chunked attention"}
+_SPANS = ("sliding_window", "attention_chunk_size")  # no change when they cover the sequence
 
 
 def _refuse_attention_variants(module: nn.Module, kwargs: dict, length: int) -> None:
@@ -262,7 +264,7 @@ def _refuse_attention_variants(module: nn.Module, kwargs: dict, length: int) -> 
     changes nothing (Mistral passes its window, 4096 by default, on every call)."""
     for name, what in _VARIANTS.items():
         value = kwargs.get(name)
-        if name == "sliding_window" and value is not None and value >= length:
+        if name in _SPANS and value is not None and value >= length:
             continue
         if value is not None:
             raise SequenceParallelError(
@@ -289,11 +291,12 @@ def _apply_hugging_face(model: nn.Module, sp: SequenceParallel) -> None:
         # The attention modules are the ones transformers hands to the interface function.
         if type(module).__name__.endswith("Attention"):
             module.tessera_sequence_parallel = sp
-            module.tessera_window = _mask_only_window(module, config)
+            module.tessera_mask_only = _mask_only_spans(module, config)
     model.set_attn_implementation(HF_ATTENTION_NAME)
+    # (Not ``_supports_attention_backend``: StableLM and BioGPT leave it False, yet call
+    # the interface.)
     used = getattr(config, "_attn_implementation", None)
-    if used != HF_ATTENTION_NAME or not getattr(type(model), "_supports_attention_backend",
-                                                True):
+    if used != HF_ATTENTION_NAME:
         raise SequenceParallelError(
             f"{type(model).__name__} computes attention in its own code, not through "
             f"transformers' AttentionInterface (its attention implementation stays {used!r}), "
@@ -303,11 +306,12 @@ def _apply_hugging_face(model: nn.Module, sp: SequenceParallel) -> None:
 
 def _check_ulysses_heads(heads: int, kv_heads: int, sp: SequenceParallel) -> None:
     """Ulysses' head rules on the heads one tp rank holds, named with the model's counts."""
+    local_heads, local_kv = _local_heads(heads, kv_heads, sp.head_ways)
     try:
-        check_heads(*_local_heads(heads, kv_heads, sp.head_ways), sp.size)
+        check_heads(local_heads, local_kv, sp.size)
     except SequenceParallelError:
-        if sp.head_ways == 1:
-            raise
+        if sp.head_ways == 1 or local_heads % sp.size == 0:
+            raise  # one rank's heads, or the kv-head rule: its own message names it
         raise SequenceParallelError(
             f"sp_mode=ulysses: the model's n_heads={heads} (n_kv_heads={kv_heads}) split over "
             f"tp={sp.head_ways} leave {heads // sp.head_ways} heads per tp rank, which must be "
@@ -316,7 +320,7 @@ def _check_ulysses_heads(heads: int, kv_heads: int, sp: SequenceParallel) -> Non
 
 
 # Layer kinds the ring, RSA and Ulysses compute: every token mixer must be one of them.
-_ATTENTION_LAYER_TYPES = {"full_attention", "sliding_attention"}
+_ATTENTION_LAYER_TYPES = {"full_attention", "sliding_attention", "chunked_attention"}
 # Module class names of token mixers other than attention (state-space models, linear
 # attention, short convolutions): they would run on each rank's tokens alone.
 _OTHER_MIXERS = ("Mamba", "SSM", "DeltaNet", "LinearAttention", "ShortConv", "RWKV",
@@ -340,16 +344,21 @@ def _refuse_other_token_mixers(model: nn.Module) -> None:
             "with sp=1")
 
 
-def _mask_only_window(module: nn.Module, config) -> int | None:
-    """A sliding window (or chunk) the module's attention applies through the mask
-    transformers builds, which it does not pass to the attention function (Qwen2-MoE's
-    sliding layers, Llama 4's chunked attention): None when it attends to everything."""
+def _mask_only_spans(module: nn.Module, config) -> dict[str, int]:
+    """The sliding window and attention chunk the module's attention applies through the
+    mask transformers builds, which it may not pass to the attention function (Qwen2-MoE's
+    sliding layers, Llama 4's chunked layers), by _VARIANTS name; empty when it attends to
+    everything."""
     window = getattr(module, "sliding_window", None)
     types, index = getattr(config, "layer_types", None), getattr(module, "layer_idx", None)
-    if window is None and types and index is not None and types[index] == "sliding_attention":
+    kind = types[index] if types and index is not None else None
+    if window is None and kind == "sliding_attention":
         window = getattr(config, "sliding_window", None)
     chunk = getattr(config, "attention_chunk_size", None)
-    return min(w for w in (window, chunk) if w is not None) if window or chunk else None
+    if kind not in (None, "chunked_attention"):
+        chunk = None  # a full or sliding layer of a model with chunked ones
+    spans = {"sliding_window": window, "attention_chunk_size": chunk}
+    return {name: size for name, size in spans.items() if size is not None}
 
 
 POLICIES: list[tuple[str, Callable[[nn.Module], bool],
@@ -357,6 +366,24 @@ POLICIES: list[tuple[str, Callable[[nn.Module], bool],
     ("tessera Transformer", _is_reference, _apply_reference),
     ("Hugging Face (AttentionInterface)", _is_hugging_face, _apply_hugging_face),
 ]
+
+
+def active_dropout(model: nn.Module) -> list[str]:
+    """What in ``model`` draws dropout masks while training: dropout modules with p > 0, and
+    the config's dropout probabilities (models such as OPT call ``F.dropout`` with them)."""
+    found = [f"{n or type(model).__name__} (p={m.p})" for n, m in model.named_modules()
+             if isinstance(m, nn.modules.dropout._DropoutNd) and m.p > 0]
+    config = getattr(model, "config", None)
+    fields = (config.to_dict() if hasattr(config, "to_dict")
+              else vars(config) if config is not None else {})
+    found += [f"config.{k}={v}" for k, v in sorted(fields.items())
+              if ("dropout" in k or "pdrop" in k) and isinstance(v, float) and v > 0
+              and not any(head in k for head in _OTHER_HEADS)]
+    return found
+
+
+# Config dropouts of heads a causal LM does not run (GPT-2's summary_first_dropout).
+_OTHER_HEADS = ("summary", "classifier")
 
 
 def apply_policy(model: nn.Module, sp: SequenceParallel) -> str:
@@ -372,9 +399,7 @@ def apply_policy(model: nn.Module, sp: SequenceParallel) -> str:
     for name, matches, apply in POLICIES:
         if matches(model):
             apply(model, sp)
-            sp.dropouts = [f"{n or type(model).__name__} (p={m.p})"
-                           for n, m in model.named_modules()
-                           if isinstance(m, nn.modules.dropout._DropoutNd) and m.p > 0]
+            sp.dropouts = active_dropout(model)
             return name
     known = ", ".join(name for name, _, _ in POLICIES)
     raise SequenceParallelError(
