@@ -21,6 +21,11 @@ class OnStepEnd(TrainerCallback):
         control.should_save = True
 
 
+class OnPushBegin(TrainerCallback):
+    def on_push_begin(self, args, state, control, **kwargs):
+        pass
+
+
 class OnLogOnly(TrainerCallback):
     def on_log(self, args, state, control, logs=None, **kwargs):
         pass
@@ -29,6 +34,9 @@ class OnLogOnly(TrainerCallback):
 def test_a_callback_handling_an_event_never_fired_is_refused_by_name():
     with pytest.raises(ValueError, match="OnStepEnd handles on_step_end, which tessera's"):
         check_callback_events(OnStepEnd())
+    # Any event transformers' TrainerCallback defines, not only the ones named here.
+    with pytest.raises(ValueError, match="handles on_push_begin"):
+        check_callback_events(OnPushBegin())
     check_callback_events(OnLogOnly())  # TrainerCallback's own no-op events do not count
     check_callback_events(EarlyStoppingCallback())  # on_train_begin / on_evaluate: fired
 
@@ -47,7 +55,7 @@ def test_the_trainer_takes_keywords_after_args():
 
 
 @pytest.mark.parametrize("kwargs, fragment", [
-    (dict(num_train_epochs=0), "num_train_epochs"),
+    (dict(num_train_epochs=-1), "num_train_epochs"),
     (dict(warmup_ratio=1.5), "warmup_ratio"),
     (dict(warmup_ratio=-0.1), "warmup_ratio"),
     (dict(warmup_steps=-1), "warmup_steps"),

@@ -64,11 +64,12 @@ def fit_batch(batch: Batch, honoured: frozenset[str]) -> Batch:
         batch["labels"] = batch["labels"].masked_fill(mask == 0, -100)
         extra.discard("attention_mask")
     if extra:
+        where = ("" if honoured else " document_ids, attention_mask and position_ids are "
+                 "honoured under sequence parallelism (sp > 1);")
         raise ValueError(
-            f"batch keys {sorted(extra)} would be ignored: this layout calls the model with "
-            f"input_ids only and reads {sorted(READ_ALWAYS | honoured)}. document_ids, "
-            "attention_mask and position_ids are honoured under sequence parallelism "
-            "(sp > 1); otherwise drop them from the batch")
+            f"batch keys {sorted(extra)} would be ignored: this layout reads "
+            f"{sorted(READ_ALWAYS | honoured)} (an attention_mask of right padding too, "
+            f"through the labels).{where} drop the other keys from the batch")
     return batch
 
 

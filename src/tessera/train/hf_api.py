@@ -105,8 +105,8 @@ class TrainingArguments(_Section):
     @field_validator("num_train_epochs")
     @classmethod
     def _some_epochs(cls, value: float) -> float:
-        if value <= 0:
-            raise ValueError("must be > 0 (or set max_steps)")
+        if value < 0:  # 0 only with max_steps, which overrides it (checked in the Trainer)
+            raise ValueError("must be >= 0")
         return value
 
     @field_validator("warmup_ratio")
@@ -281,6 +281,9 @@ class Trainer:
         # that fit: len // gbs steps (docs/training.md).
         steps_per_epoch = max(1, len(train_dataset) // strategy.global_batch_size)
         self._steps_per_epoch = steps_per_epoch
+        if a.max_steps <= 0 and a.num_train_epochs <= 0:
+            raise ValueError("num_train_epochs=0 with max_steps unset trains nothing: set "
+                             "num_train_epochs > 0 or max_steps > 0")
         max_steps = a.max_steps if a.max_steps > 0 else math.ceil(
             a.num_train_epochs * steps_per_epoch)
         every = {"no": 0, "steps": None, "epoch": steps_per_epoch}
@@ -362,8 +365,10 @@ def check_callback_events(callback: Any) -> None:
         ValueError: naming the callback, the events and the ones fired.
     """
     base = _hf_base_callback()
+    events = set(_ALL_EVENTS) | {name for name in vars(base) if name.startswith("on_")
+                                 } if base is not None else set(_ALL_EVENTS)
     unsupported = []
-    for event in _ALL_EVENTS[len(SUPPORTED_EVENTS):]:
+    for event in sorted(events - set(SUPPORTED_EVENTS)):
         method = getattr(type(callback), event, None)
         if method is not None and (base is None or method is not getattr(base, event, None)):
             unsupported.append(event)
