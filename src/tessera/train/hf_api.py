@@ -351,9 +351,11 @@ class Trainer:
 # The Hugging Face callback events this Trainer fires (all with args, state, control).
 SUPPORTED_EVENTS = ("on_init_end", "on_train_begin", "on_log", "on_evaluate", "on_save",
                     "on_train_end")
-_ALL_EVENTS = SUPPORTED_EVENTS + (
-    "on_epoch_begin", "on_epoch_end", "on_step_begin", "on_step_end", "on_substep_end",
-    "on_pre_optimizer_step", "on_optimizer_step", "on_prediction_step", "on_predict")
+# Events it does not fire (and, when transformers is installed, any other its
+# TrainerCallback defines).
+_UNFIRED_EVENTS = ("on_epoch_begin", "on_epoch_end", "on_step_begin", "on_step_end",
+                   "on_substep_end", "on_pre_optimizer_step", "on_optimizer_step",
+                   "on_prediction_step", "on_predict", "on_push_begin")
 
 
 def check_callback_events(callback: Any) -> None:
@@ -365,10 +367,9 @@ def check_callback_events(callback: Any) -> None:
         ValueError: naming the callback, the events and the ones fired.
     """
     base = _hf_base_callback()
-    events = set(_ALL_EVENTS) | {name for name in vars(base) if name.startswith("on_")
-                                 } if base is not None else set(_ALL_EVENTS)
+    defined = {name for name in vars(base) if name.startswith("on_")} if base else set()
     unsupported = []
-    for event in sorted(events - set(SUPPORTED_EVENTS)):
+    for event in sorted((defined | set(_UNFIRED_EVENTS)) - set(SUPPORTED_EVENTS)):
         method = getattr(type(callback), event, None)
         if method is not None and (base is None or method is not getattr(base, event, None)):
             unsupported.append(event)

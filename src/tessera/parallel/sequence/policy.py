@@ -67,7 +67,7 @@ class SequenceParallel:
         check_layout(self.layout, causal)
         self._meta: torch.Tensor | None = None
         self.exportable = False  # set by StageInputs (staged.py) when pp > 1
-        self.dropouts: list[str] = []  # the model's dropout modules with p > 0 (apply_policy)
+        self.dropouts: list[str] = []  # what draws dropout masks in the model (apply_policy)
 
     # ------------------------------------------------------------------------ data path
     def shard(self, batch: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
@@ -119,7 +119,7 @@ class SequenceParallel:
         position, so masks would repeat along the sequence (tokens of other ranks).
 
         Raises:
-            SequenceParallelError: naming the dropout modules.
+            SequenceParallelError: naming the dropout modules and config fields.
         """
         if self.dropouts:
             raise SequenceParallelError(
@@ -307,16 +307,13 @@ def _apply_hugging_face(model: nn.Module, sp: SequenceParallel) -> None:
 def _check_ulysses_heads(heads: int, kv_heads: int, sp: SequenceParallel) -> None:
     """Ulysses' head rules on the heads one tp rank holds, named with the model's counts."""
     local_heads, local_kv = _local_heads(heads, kv_heads, sp.head_ways)
-    try:
-        check_heads(local_heads, local_kv, sp.size)
-    except SequenceParallelError:
-        if sp.head_ways == 1 or local_heads % sp.size == 0:
-            raise  # one rank's heads, or the kv-head rule: its own message names it
+    if sp.head_ways > 1 and local_heads % sp.size:
         raise SequenceParallelError(
             f"sp_mode=ulysses: the model's n_heads={heads} (n_kv_heads={kv_heads}) split over "
-            f"tp={sp.head_ways} leave {heads // sp.head_ways} heads per tp rank, which must be "
+            f"tp={sp.head_ways} leave {local_heads} heads per tp rank, which must be "
             f"divisible by sp={sp.size}: n_heads must be divisible by sp x tp = "
-            f"{sp.size * sp.head_ways}") from None
+            f"{sp.size * sp.head_ways}")
+    check_heads(local_heads, local_kv, sp.size)  # one rank's heads, and the kv-head rule
 
 
 # Layer kinds the ring, RSA and Ulysses compute: every token mixer must be one of them.
