@@ -217,6 +217,11 @@ def _silent_model_refusals(group):
         "hf_chunked_attention": lambda: run(T.Llama4ForCausalLM(T.Llama4TextConfig(
             **tiny, head_dim=8, attention_chunk_size=8, intermediate_size_mlp=64,
             num_local_experts=2, no_rope_layers=[1, 1], moe_layers=[]))),
+        # BART's decoder numbers positions itself: every rank would count from 0.
+        "hf_no_position_ids": lambda: run(T.BartForCausalLM(T.BartConfig(
+            vocab_size=64, d_model=32, decoder_layers=1, decoder_attention_heads=4,
+            decoder_ffn_dim=64, encoder_layers=1, encoder_attention_heads=4,
+            encoder_ffn_dim=64, dropout=0.0, attention_dropout=0.0, activation_dropout=0.0))),
         # StableLM calls the interface but leaves _supports_attention_backend False: runs.
         "hf_stablelm_runs": lambda: run(T.StableLmForCausalLM(T.StableLmConfig(**tiny))),
     }
@@ -405,9 +410,10 @@ def test_bad_input_is_refused_with_the_rule(runs):
     assert "dropout (transformer.h.0.attn.resid_dropout (p=0.5)" in msgs["dropout"]
     assert "causal language models" in msgs["causal_false"]
     assert "n_heads must be divisible by sp x tp = 8" in msgs["ulysses_heads_under_tp"]
-    assert "n_kv_heads=3 must divide or be divisible by sp=4" in \
-        msgs["ulysses_kv_heads_under_tp"]
-    assert "dropout (config.dropout=0.1)" in msgs["hf_functional_dropout"]
+    assert ("the model's n_kv_heads=6 split over tp=2 leave 3 kv heads per tp rank, which "
+            "must divide or be divisible by sp=4") in msgs["ulysses_kv_heads_under_tp"]
+    assert "dropout (model.decoder.dropout=0.1" in msgs["hf_functional_dropout"]
+    assert "takes no position_ids" in msgs["hf_no_position_ids"]
     assert "chunked attention (attention_chunk_size=8) over a sequence of 16" in \
         msgs["hf_chunked_attention"]
     assert msgs["hf_stablelm_runs"] is None

@@ -17,6 +17,7 @@ registry (``set_attn_implementation``), so their code is not edited.
 
 from __future__ import annotations
 
+import inspect
 from typing import Callable
 
 import torch
@@ -286,12 +287,23 @@ def _apply_hugging_face(model: nn.Module, sp: SequenceParallel) -> None:
     if sp.mode == "ulysses":
         _check_ulysses_heads(heads, kv_heads, sp)
     _refuse_other_token_mixers(model)
+    if "position_ids" not in inspect.signature(model.forward).parameters:
+        raise SequenceParallelError(
+            f"{type(model).__name__}.forward takes no position_ids (its decoder numbers "
+            "positions itself, as BART-style decoders do): each sp rank would embed its "
+            "tokens at positions 0.. of its own shard. Train this model with sp=1")
     AttentionInterface.register(HF_ATTENTION_NAME, hf_attention)
+    tagged = 0
     for module in model.modules():
         # The attention modules are the ones transformers hands to the interface function.
         if type(module).__name__.endswith("Attention"):
             module.tessera_sequence_parallel = sp
             module.tessera_mask_only = _mask_only_spans(module, config)
+            tagged += 1
+    if not tagged:
+        raise SequenceParallelError(
+            f"{type(model).__name__} has no module named *Attention for sequence "
+            "parallelism's Hugging Face policy to route: train this model with sp=1")
     model.set_attn_implementation(HF_ATTENTION_NAME)
     # (Not ``_supports_attention_backend``: StableLM and BioGPT leave it False, yet call
     # the interface.)
@@ -313,7 +325,12 @@ def _check_ulysses_heads(heads: int, kv_heads: int, sp: SequenceParallel) -> Non
             f"tp={sp.head_ways} leave {local_heads} heads per tp rank, which must be "
             f"divisible by sp={sp.size}: n_heads must be divisible by sp x tp = "
             f"{sp.size * sp.head_ways}")
-    check_heads(local_heads, local_kv, sp.size)  # one rank's heads, and the kv-head rule
+    if sp.head_ways > 1 and local_kv % sp.size and sp.size % local_kv:
+        raise SequenceParallelError(
+            f"sp_mode=ulysses: the model's n_kv_heads={kv_heads} split over tp={sp.head_ways} "
+            f"leave {local_kv} kv heads per tp rank, which must divide or be divisible by "
+            f"sp={sp.size}")
+    check_heads(local_heads, local_kv, sp.size)  # one rank's heads (tp=1)
 
 
 # Layer kinds the ring, RSA and Ulysses compute: every token mixer must be one of them.
@@ -367,20 +384,19 @@ POLICIES: list[tuple[str, Callable[[nn.Module], bool],
 
 def active_dropout(model: nn.Module) -> list[str]:
     """What in ``model`` draws dropout masks while training: dropout modules with p > 0, and
-    the config's dropout probabilities (models such as OPT call ``F.dropout`` with them)."""
-    found = [f"{n or type(model).__name__} (p={m.p})" for n, m in model.named_modules()
-             if isinstance(m, nn.modules.dropout._DropoutNd) and m.p > 0]
-    config = getattr(model, "config", None)
-    fields = (config.to_dict() if hasattr(config, "to_dict")
-              else vars(config) if config is not None else {})
-    found += [f"config.{k}={v}" for k, v in sorted(fields.items())
-              if ("dropout" in k or "pdrop" in k) and isinstance(v, float) and v > 0
-              and not any(head in k for head in _OTHER_HEADS)]
+    modules' dropout probabilities above 0 (OPT's layers and tessera's attention call
+    ``F.dropout`` with ``self.dropout``). The modules' values, not the config's: they are
+    what runs (a model whose dropout modules were zeroed after it was built trains without)."""
+    found = []
+    for name, module in model.named_modules():
+        where = name or type(model).__name__
+        if isinstance(module, nn.modules.dropout._DropoutNd):
+            if module.p > 0:
+                found.append(f"{where} (p={module.p})")
+            continue
+        found += [f"{where}.{k}={v}" for k, v in vars(module).items()
+                  if ("dropout" in k or "pdrop" in k) and isinstance(v, float) and v > 0]
     return found
-
-
-# Config dropouts of heads a causal LM does not run (GPT-2's summary_first_dropout).
-_OTHER_HEADS = ("summary", "classifier")
 
 
 def apply_policy(model: nn.Module, sp: SequenceParallel) -> str:
