@@ -41,11 +41,13 @@ LOWER_PRECISION_OPS = frozenset({
     "conv3d", "conv_transpose1d", "conv_transpose2d", "conv_transpose3d",
 })
 
-# Ops that only rearrange values: a cast before them equals a cast after them.
+# Ops that only rearrange values: a cast before them equals a cast after them, and their
+# backward moves the gradient without summing it (so not ``expand``, whose backward sums:
+# in 16 bits after a shared cast, in fp32 after autocast's).
 LAYOUT_OPS = frozenset({
     "view", "view_as", "_unsafe_view", "reshape", "t", "transpose", "permute", "unsqueeze",
-    "squeeze", "expand", "slice", "select", "split", "split_with_sizes", "chunk", "unbind",
-    "alias", "getitem",
+    "squeeze", "slice", "select", "split", "split_with_sizes", "chunk", "unbind", "alias",
+    "getitem",
 })
 
 
