@@ -48,6 +48,10 @@ def test_a_control_flag_tessera_does_not_act_on_cannot_be_set():
         control.should_save = True
 
 
+def test_max_steps_overrides_epochs_even_at_zero():
+    assert TrainingArguments(num_train_epochs=0, max_steps=10).max_steps == 10
+
+
 def test_the_trainer_takes_keywords_after_args():
     # Hugging Face's positional order puts data_collator third: refused, not misread.
     with pytest.raises(TypeError):
@@ -56,6 +60,7 @@ def test_the_trainer_takes_keywords_after_args():
 
 @pytest.mark.parametrize("kwargs, fragment", [
     (dict(num_train_epochs=-1), "num_train_epochs"),
+    (dict(num_train_epochs=0), "num_train_epochs=0 with max_steps unset"),
     (dict(warmup_ratio=1.5), "warmup_ratio"),
     (dict(warmup_ratio=-0.1), "warmup_ratio"),
     (dict(warmup_steps=-1), "warmup_steps"),

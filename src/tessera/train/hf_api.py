@@ -26,7 +26,7 @@ from typing import Any, Callable, Literal, Mapping, Sequence
 
 import torch
 import torch.distributed as dist
-from pydantic import field_validator
+from pydantic import field_validator, model_validator
 from torch import nn
 from torch.utils.data import Dataset
 
@@ -108,6 +108,13 @@ class TrainingArguments(_Section):
         if value < 0:  # 0 only with max_steps, which overrides it (checked in the Trainer)
             raise ValueError("must be >= 0")
         return value
+
+    @model_validator(mode="after")
+    def _some_training(self) -> "TrainingArguments":
+        if self.max_steps <= 0 and self.num_train_epochs <= 0:
+            raise ValueError("num_train_epochs=0 with max_steps unset trains nothing: set "
+                             "num_train_epochs > 0 or max_steps > 0")
+        return self
 
     @field_validator("warmup_ratio")
     @classmethod
@@ -206,7 +213,7 @@ class Trainer:
             check_callback_events(callback)
         plain = [c for c in callbacks if callable(c)]
         self._core_args, strategy = self._translate(model, train_dataset, eval_dataset)
-        self.state.describe(self._core_args, self.args)
+        self.state.describe(self._core_args, self.args, self._steps_per_epoch)
         collator = hf_collator(data_collator, not labels_shifted(train_dataset, eval_dataset),
                                model_columns(model))  # before layouts wrap model.forward
         self._core = CoreTrainer(model, self._core_args, train_dataset, eval_dataset,
@@ -281,9 +288,6 @@ class Trainer:
         # that fit: len // gbs steps (docs/training.md).
         steps_per_epoch = max(1, len(train_dataset) // strategy.global_batch_size)
         self._steps_per_epoch = steps_per_epoch
-        if a.max_steps <= 0 and a.num_train_epochs <= 0:
-            raise ValueError("num_train_epochs=0 with max_steps unset trains nothing: set "
-                             "num_train_epochs > 0 or max_steps > 0")
         max_steps = a.max_steps if a.max_steps > 0 else math.ceil(
             a.num_train_epochs * steps_per_epoch)
         every = {"no": 0, "steps": None, "epoch": steps_per_epoch}
@@ -402,11 +406,14 @@ class TrainerState:
         self.is_world_process_zero = self.is_local_process_zero = True
         self.log_history: list[dict[str, Any]] = []
 
-    def describe(self, core: CoreArguments, args: TrainingArguments) -> None:
-        """The run's settings, as the core Trainer will run them."""
+    def describe(self, core: CoreArguments, args: TrainingArguments,
+                 steps_per_epoch: int) -> None:
+        """The run's settings, as the core Trainer will run them (epochs as Hugging Face
+        counts them when max_steps decides: the epochs those steps start)."""
         self.max_steps, self.logging_steps = core.max_steps, core.logging_steps
         self.eval_steps, self.save_steps = core.eval_steps, core.save_steps
-        self.num_train_epochs = args.num_train_epochs
+        self.num_train_epochs = (args.num_train_epochs if args.max_steps <= 0
+                                 else math.ceil(core.max_steps / steps_per_epoch))
         self.train_batch_size = args.per_device_train_batch_size
 
 
