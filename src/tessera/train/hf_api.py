@@ -26,7 +26,7 @@ from typing import Any, Callable, Literal, Mapping, Sequence
 
 import torch
 import torch.distributed as dist
-from pydantic import field_validator, model_validator
+from pydantic import field_validator
 from torch import nn
 from torch.utils.data import Dataset
 
@@ -105,16 +105,14 @@ class TrainingArguments(_Section):
     @field_validator("num_train_epochs")
     @classmethod
     def _some_epochs(cls, value: float) -> float:
-        if value < 0:  # 0 only with max_steps, which overrides it (checked in the Trainer)
+        if value < 0:  # 0 only with max_steps, which overrides it (check_some_training)
             raise ValueError("must be >= 0")
         return value
 
-    @model_validator(mode="after")
-    def _some_training(self) -> "TrainingArguments":
-        if self.max_steps <= 0 and self.num_train_epochs <= 0:
-            raise ValueError("num_train_epochs=0 with max_steps unset trains nothing: set "
-                             "num_train_epochs > 0 or max_steps > 0")
-        return self
+    def model_post_init(self, context: Any) -> None:
+        # At construction only (assignments may set max_steps after num_train_epochs=0,
+        # as Hugging Face allows); the Trainer checks again.
+        check_some_training(self)
 
     @field_validator("warmup_ratio")
     @classmethod
@@ -135,6 +133,13 @@ class TrainingArguments(_Section):
         if self.bf16 and self.fp16:
             raise StrategyError("bf16 and fp16 are both set: choose one")
         return "bf16" if self.bf16 else "fp16" if self.fp16 else "fp32"
+
+
+def check_some_training(args: TrainingArguments) -> None:
+    """Refuse arguments that train nothing: ``num_train_epochs=0`` without ``max_steps``."""
+    if args.max_steps <= 0 and args.num_train_epochs <= 0:
+        raise ValueError("num_train_epochs=0 with max_steps unset trains nothing: set "
+                         "num_train_epochs > 0 or max_steps > 0")
 
 
 def shift_for_next_token(batch: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
@@ -272,6 +277,7 @@ class Trainer:
         if a.eval_strategy != "no" and eval_dataset is None:
             raise ValueError(f"eval_strategy={a.eval_strategy!r} needs an eval_dataset "
                              "(or set eval_strategy='no')")
+        check_some_training(a)  # before any planning
         world = dist.get_world_size() if dist.is_initialized() else _env_world_size()
         planned = a.strategy is not None and a.strategy.strip() == "auto"
         strategy = resolve_strategy(a.strategy, model, world, a.per_device_train_batch_size,
@@ -412,7 +418,7 @@ class TrainerState:
         counts them when max_steps decides: the epochs those steps start)."""
         self.max_steps, self.logging_steps = core.max_steps, core.logging_steps
         self.eval_steps, self.save_steps = core.eval_steps, core.save_steps
-        self.num_train_epochs = (args.num_train_epochs if args.max_steps <= 0
+        self.num_train_epochs = (math.ceil(args.num_train_epochs) if args.max_steps <= 0
                                  else math.ceil(core.max_steps / steps_per_epoch))
         self.train_batch_size = args.per_device_train_batch_size
 
