@@ -13,8 +13,10 @@ of the residual stream:
   three attention projections keep three copies of the normed input and the MLP one or two;
   without tensor parallelism each also keeps its 16-bit weight copy, ``2`` bytes per
   weight-matrix element (biases are not kept: their gradient needs no input), and autocast's
-  cache holds every copy until the micro-batch's forward ends, recomputed layers' included
-  (a tensor-parallel shard is not a leaf, so autocast caches none of it).
+  cache holds every copy until the micro-batch's forward ends, recomputed layers' included.
+  1d tp pipeline stages keep a copy of the rank's shard likewise (not cached: a shard is not
+  a leaf; shared per step where the stage shares casts, ``keeps_weight_copies``); the eager
+  tp ops keep their fp32 shard.
 - bf16/fp16 with parameters held in 16 bits (memory=chunk, zero1/2/3): e = r = 2.
 
 Per token of one layer (h hidden, kv the key/value width, f the MLP width):
