@@ -40,6 +40,17 @@ def default_forward_loss(module: nn.Module, batch: Batch) -> torch.Tensor:
 READ_ALWAYS = frozenset({"input_ids", "labels"})
 
 
+def labels_without_padding(batch: Batch) -> torch.Tensor:
+    """The batch's labels with padding ignored (-100), whatever they held: positions with
+    ``attention_mask == 0`` or a negative document id, which attend to nothing."""
+    labels = batch["labels"]
+    if "attention_mask" in batch:
+        labels = labels.masked_fill(batch["attention_mask"] == 0, -100)
+    if "document_ids" in batch:
+        labels = labels.masked_fill(batch["document_ids"] < 0, -100)
+    return labels
+
+
 def fit_batch(batch: Batch, honoured: frozenset[str]) -> Batch:
     """``batch`` as a layout that reads ``READ_ALWAYS`` and ``honoured`` runs it exactly.
 
@@ -60,8 +71,9 @@ def fit_batch(batch: Batch, honoured: frozenset[str]) -> Batch:
                 "layout calls the model with input_ids only, which is exact for right padding "
                 "alone. Pad on the right (tokenizer.padding_side = 'right'), or use sp > 1, "
                 "whose attention reads the mask")
+        labels = labels_without_padding(batch)
         batch = {k: v for k, v in batch.items() if k != "attention_mask"}
-        batch["labels"] = batch["labels"].masked_fill(mask == 0, -100)
+        batch["labels"] = labels
         extra.discard("attention_mask")
     if extra:
         where = ("" if honoured else " document_ids, attention_mask and position_ids are "

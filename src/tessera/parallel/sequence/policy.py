@@ -25,6 +25,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
+from tessera.parallel.plan import labels_without_padding
 from tessera.parallel.sequence.compose import TokenLoss
 from tessera.parallel.sequence.layout import (SequenceParallelError, check_layout,
                                               local_indices, padded_length)
@@ -101,7 +102,7 @@ class SequenceParallel:
         def take(x: torch.Tensor, fill: int) -> torch.Tensor:  # pad, then this rank's tokens
             return F.pad(x, (0, padded - T), value=fill)[:, cols]
 
-        return {"input_ids": take(ids, 0), "labels": take(_labels(batch), IGNORE),
+        return {"input_ids": take(ids, 0), "labels": take(labels_without_padding(batch), IGNORE),
                 "position_ids": take(positions, 0),
                 "meta": torch.stack((index[:, cols], take(segment, -1)), dim=-1)}
 
@@ -135,7 +136,7 @@ class SequenceParallel:
         Every sp rank has the whole batch, so this needs no communication; a rank whose tokens
         are all padding then returns a loss of 0, not 0/0.
         """
-        return (_labels(batch) != IGNORE).sum().clamp_min(1)
+        return (labels_without_padding(batch) != IGNORE).sum().clamp_min(1)
 
     def scale_loss(self, loss_sum: torch.Tensor, count: torch.Tensor) -> torch.Tensor:
         """This rank's summed token loss -> its share of the micro-batch's mean (x sp)."""
@@ -193,17 +194,6 @@ class SequenceParallel:
 def _cross_entropy_sum(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
     return F.cross_entropy(logits.float().flatten(0, 1), labels.flatten(),
                            ignore_index=IGNORE, reduction="sum")
-
-
-def _labels(batch: dict[str, torch.Tensor]) -> torch.Tensor:
-    """The batch's labels with padding (attention_mask == 0, or a negative document id: both
-    attend to nothing) ignored, whatever it held."""
-    labels = batch["labels"]
-    if "attention_mask" in batch:
-        labels = labels.masked_fill(batch["attention_mask"] == 0, IGNORE)
-    if "document_ids" in batch:
-        labels = labels.masked_fill(batch["document_ids"] < 0, IGNORE)
-    return labels
 
 
 # ------------------------------------------------------------------------------ policies
