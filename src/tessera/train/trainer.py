@@ -30,6 +30,7 @@ from tessera.parallel import parallelize
 from tessera.parallel.pipeline.engine import PipelineEngine
 from tessera.parallel.pipeline.recompute import strategy_text
 from tessera.parallel.plan import fit_batch
+from tessera.parallel.rank_rng import rank_stream
 from tessera.strategy import Strategy, StrategyError
 from tessera.train import checkpoint as ckpt
 from tessera.train.engine import Engine
@@ -113,6 +114,7 @@ class Trainer:
             args.device, timeout_s=args.collective_timeout_s)
         self.phase = "set-up"  # what the ranks are doing together, for error messages
         self.mesh = Mesh(self.strategy, self.ctx.device.type)
+        self.coordinates = self.mesh.coordinates()  # keys this rank's dropout stream
         # Weights from args.init_from replace the initial ones before parallelisation, so that
         # every strategy starts alike; a meta-device model is materialised (and loaded) by the
         # layout, only the share this rank keeps under pipeline stages.
@@ -335,7 +337,8 @@ class Trainer:
         mbs = self.strategy.micro_batch_size
         micro_batches = [self._batch(self.train_dataset, indices[j: j + mbs])
                          for j in range(0, len(indices), mbs)]
-        result = self.engine.forward_backward(micro_batches)
+        with rank_stream(self.coordinates, self.ctx.device):  # dropout masks per rank
+            result = self.engine.forward_backward(micro_batches)
         scaler = self.engine.scaler
         if scaler is not None:
             scaler.unscale_(self.optimizer)
