@@ -51,12 +51,9 @@ def layout_limits(model: nn.Module) -> dict[str, int]:
     parallelism needs a policy for the model's class that styles every module holding
     weights (a user's class named like a known one may not fit it); sequence parallelism is
     tested only on the models that have one (its Hugging Face route, AttentionInterface, is
-    generic but untested elsewhere), and refuses to train a model with dropout (every sp rank
-    would draw the same masks). Pipeline and data parallelism need only a capture."""
-    from tessera.parallel.sequence.policy import active_dropout
+    generic but untested elsewhere). Pipeline and data parallelism need only a capture."""
     from tessera.parallel.tensor.policy import PolicyError, policy_for, style_of
 
-    no_sp = {"sp": 1} if active_dropout(model) else {}
     try:
         policy = policy_for(model)
     except PolicyError:
@@ -64,7 +61,7 @@ def layout_limits(model: nn.Module) -> dict[str, int]:
     holders = [path for path, module in model.named_modules()
                if next(module.parameters(recurse=False), None) is not None]
     covered = all(style_of(path, policy) is not None for path in holders)
-    return no_sp if covered else {"tp": 1, "sp": 1}
+    return {} if covered else {"tp": 1, "sp": 1}
 
 
 def best_runnable(model_config, world_size: int, global_batch_size: int, precision: str,

@@ -5,6 +5,10 @@ Each case shards random q/k/v of the full sequence the way the data path does, r
 sequence-parallel attention, back-propagates sum(out * w), and compares this rank's outputs
 and gradients with a float64 reference computed from the same inputs with an explicit mask.
 
+With attention dropout, each mode drops exactly the (query, key) pairs one device drops under
+the same seed (the mask is a hash of token indices, dropout.py), so the same reference applies
+with the mask multiplied in.
+
 Also whole models (tiny, tiny-llama) on padded samples: the ranks' mean loss and gradient
 equal one device's, including ranks that hold only padding.
 
@@ -33,6 +37,7 @@ from tessera.parallel.plan import lm_loss
 from tessera.parallel.sequence import SequenceParallel, SequenceParallelError
 from tessera.parallel.sequence.policy import apply_policy
 from tessera.parallel.sequence import blocks, fused, ring, rsa, ulysses
+from tessera.parallel.sequence.dropout import AttentionDropout
 from tessera.parallel.sequence.layout import local_indices, padded_length
 from tessera.testing import run_distributed
 
@@ -43,8 +48,9 @@ FUNCTIONS = (ring.RingAttention, rsa.RingSelfAttention, ulysses.SeqToHeads,
              ulysses.HeadsToSeq, ulysses.LocalAttention)
 
 
-def reference(q, k, v, segment, causal):
-    """Full attention in float64 with an explicitly built mask (independent of blocks.py)."""
+def reference(q, k, v, segment, causal, keep=None):
+    """Full attention in float64 with an explicitly built mask (independent of blocks.py);
+    ``keep`` (B, NH, T, T): attention dropout's scaled mask, applied to the probabilities."""
     T = q.shape[2]
     q, k, v = (t.double() for t in (q, k, v))
     k, v = (t.repeat_interleave(q.shape[1] // t.shape[1], dim=1) for t in (k, v))
@@ -54,7 +60,7 @@ def reference(q, k, v, segment, causal):
     scores = (q @ k.transpose(-1, -2)) / math.sqrt(q.shape[-1])
     scores = scores.masked_fill(~allowed[:, None], float("-inf"))
     probs = torch.softmax(scores, dim=-1).nan_to_num(0.0)  # fully masked rows -> 0
-    return probs @ v
+    return (probs if keep is None else probs * keep.double()) @ v
 
 
 def _inputs(T, segment_kind, seed):
@@ -75,17 +81,26 @@ def _inputs(T, segment_kind, seed):
     return q, k, v, w, segment
 
 
-def _case(group, mode, causal, dtype, T, segment_kind, layout, seed=0, exportable=False):
+def _case(group, mode, causal, dtype, T, segment_kind, layout, seed=0, exportable=False,
+          dropout_p=0.0):
     """Errors (out, dq, dk, dv) of this rank vs the reference, and whether any is NaN.
 
     ``exportable`` runs the attention through the torch.library custom ops that pipeline
-    stages capture (staged.py) instead of the autograd Functions.
+    stages capture (staged.py) instead of the autograd Functions. With ``dropout_p`` the
+    attention draws its dropout seed from torch's generator, seeded alike on every rank
+    here, and the reference drops the same (query, key) pairs (dropout.py).
     """
     sp, r = dist.get_world_size(group), dist.get_rank(group)
     q, k, v, w, segment = _inputs(T, segment_kind, seed)
     q, k, v = (t.to(dtype) for t in (q, k, v))
     full = [t.detach().clone().requires_grad_() for t in (q, k, v)]
-    ref = reference(*full, segment, causal)
+    keep = None
+    if dropout_p:
+        torch.manual_seed(100 + seed)
+        drawn = int(torch.randint(0, 2 ** 62, (), dtype=torch.int64))  # what attention draws
+        full_meta = torch.stack((torch.arange(T).expand(B, T), segment), -1)
+        keep = AttentionDropout(dropout_p, drawn).keep_scale(full_meta, full_meta, NH)
+    ref = reference(*full, segment, causal, keep)
     (ref * w.double()).sum().backward()
     Tp = padded_length(T, sp, layout)
     pad = lambda t, val=0.0: torch.nn.functional.pad(t, (0, 0, 0, Tp - T), value=val)  # noqa
@@ -96,7 +111,8 @@ def _case(group, mode, causal, dtype, T, segment_kind, layout, seed=0, exportabl
     sp_attn = SequenceParallel(group, mode=mode, causal=causal, layout=layout)
     sp_attn.set_tokens(meta)
     sp_attn.exportable = exportable
-    out = sp_attn.attention(*local)
+    torch.manual_seed(100 + seed)
+    out = sp_attn.attention(*local, dropout_p)
     (out.float() * pad(w)[:, :, idx]).sum().backward()
     real = idx < T  # compare real tokens only (padding rows are 0 in both anyway)
     pairs = [(out, ref)] + [(lo.grad, fu.grad) for lo, fu in zip(local, full)]
@@ -196,10 +212,14 @@ def _silent_model_refusals(group):
             **tiny, moe_intermediate_size=32, shared_expert_intermediate_size=32,
             num_experts=2, num_experts_per_tok=1, use_sliding_window=True, sliding_window=2,
             max_window_layers=2))),
-        # Residual dropout: the same mask at the same local position on every rank.
+        # Residual dropout outside a random stream per rank: the same mask at the same local
+        # position on every rank.
         "dropout": lambda: run(T.GPT2LMHeadModel(T.GPT2Config(
             vocab_size=64, n_embd=32, n_layer=1, n_head=4, resid_pdrop=0.5, embd_pdrop=0.0,
             attn_pdrop=0.0))),
+        # GPT-2's default dropout (attention included) inside one (the Trainer's way): runs.
+        "dropout_in_rank_stream": lambda: _in_rank_stream(group, lambda: run(
+            T.GPT2LMHeadModel(T.GPT2Config(vocab_size=64, n_embd=32, n_layer=1, n_head=4)))),
         "causal_false": lambda: run(Transformer(preset("tiny")),
                                     SequenceParallel(group, "ring", causal=False)),
         # 4 heads over tp=2 leave 2 per rank, not divisible by sp=4: named with the totals.
@@ -225,6 +245,13 @@ def _silent_model_refusals(group):
         # StableLM calls the interface but leaves _supports_attention_backend False: runs.
         "hf_stablelm_runs": lambda: run(T.StableLmForCausalLM(T.StableLmConfig(**tiny))),
     }
+
+
+def _in_rank_stream(group, body):
+    from tessera.parallel.rank_rng import rank_stream
+
+    with rank_stream({"sp": dist.get_rank(group)}):
+        body()
 
 
 def _contiguous_shard_as_zigzag(group):
@@ -298,6 +325,14 @@ EXPLICIT_CASES = [("ring", True, torch.float32, 14, "padding", "zigzag"),
                   ("ulysses", True, torch.float32, 16, "documents", "contiguous")]
 
 
+# Attention dropout: every mode, with padding or documents, against the same dropped pairs.
+DROPOUT_CASES = [("ring", True, torch.float32, 14, "padding", "zigzag"),
+                 ("ring", False, torch.float32, 16, "documents", "contiguous"),
+                 ("rsa", True, torch.float32, 14, "padding", "contiguous"),
+                 ("ulysses", True, torch.float32, 16, "documents", "contiguous"),
+                 ("ring", True, torch.bfloat16, 16, "none", "zigzag")]
+
+
 MODEL_CASES = [(4, m, "tiny-llama", real) for m in ("ring", "rsa", "ulysses") for real in (13, 2)]
 MODEL_CASES += [(2, "ring", "tiny", 13), (2, "ulysses", "tiny", 5)]
 
@@ -317,6 +352,10 @@ def _all_cases(rank, world_size):
     ops = {(sp,) + case: _case(groups[sp], *case, exportable=True)
            for sp in (2, 4) for case in OP_CASES}
     models = {case: _model_case(groups[case[0]], *case[1:]) for case in MODEL_CASES}
+    dropout = {(sp,) + case: _case(groups[sp], *case, dropout_p=0.2)
+               for sp in (1, 2, 4) for case in DROPOUT_CASES}
+    dropout_ops = {(sp,) + case: _case(groups[sp], *case, exportable=True, dropout_p=0.2)
+                   for sp in (2, 4) for case in DROPOUT_CASES[:4]}
     fused_available = fused.available
     fused.available = lambda q: False  # every block through blocks.explicit_*
     try:
@@ -325,7 +364,8 @@ def _all_cases(rank, world_size):
     finally:
         fused.available = fused_available
     return {"results": results, "counts": counts, "refusals": _refusals(groups[4]),
-            "models": models, "ops": ops, "explicit": explicit}
+            "models": models, "ops": ops, "explicit": explicit, "dropout": dropout,
+            "dropout_ops": dropout_ops}
 
 
 @pytest.fixture(scope="module")
@@ -354,6 +394,14 @@ def test_custom_ops_of_pipeline_stages_match_full_attention(runs, sp):
 @pytest.mark.parametrize("sp", [2, 4])
 def test_explicit_block_path_gpus_run_matches_full_attention(runs, sp):
     assert _check_errors(runs, "explicit", sp) == 4 * len(EXPLICIT_CASES)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("sp", [1, 2, 4])
+def test_attention_dropout_drops_the_same_pairs_as_one_device(runs, sp):
+    assert _check_errors(runs, "dropout", sp) == 4 * len(DROPOUT_CASES)
+    if sp > 1:
+        assert _check_errors(runs, "dropout_ops", sp) == 4 * 4
 
 
 def _check_errors(runs, kind, sp) -> int:
@@ -408,6 +456,8 @@ def test_bad_input_is_refused_with_the_rule(runs):
     assert "sliding attention window (sliding_window=2) over a sequence of 16" in \
         msgs["hf_window_in_mask"]
     assert "dropout (transformer.h.0.attn.resid_dropout (p=0.5)" in msgs["dropout"]
+    assert "needs a random stream per sp rank" in msgs["dropout"]
+    assert msgs["dropout_in_rank_stream"] is None
     assert "causal language models" in msgs["causal_false"]
     assert "n_heads must be divisible by sp x tp = 8" in msgs["ulysses_heads_under_tp"]
     assert ("the model's n_kv_heads=6 split over tp=2 leave 3 kv heads per tp rank, which "

@@ -26,7 +26,9 @@ from tessera.train.trainer import Trainer
 FP32_PARITY = dict(rtol=0, atol=2e-5)
 MODELS = {"gpt": {"preset": "tiny"}, "llama": {"preset": "tiny-llama"},
           "hf_gpt2": {"preset": "tiny", "hf": "gpt2"},
-          "hf_llama": {"preset": "tiny-llama", "hf": "llama"}}
+          "hf_llama": {"preset": "tiny-llama", "hf": "llama"},
+          "gpt_dropout": {"preset": "tiny", "dropout": 0.1},
+          "hf_gpt2_dropout": {"preset": "tiny", "hf": "gpt2", "dropout": 0.1}}
 SP2_RUNS = {  # name: (model, strategy)
     "gpt_ring_accum_recompute": ("gpt", "dp=1,sp=2,mbs=4,gbs=8,recompute=full"),
     "llama_ring": ("llama", "dp=1,sp=2,mbs=8,gbs=8"),
@@ -51,6 +53,20 @@ SP4_RUNS = {
 }
 
 
+# Dropout on (residual, embedding and attention): each sp rank draws its own masks
+# (parallel/rank_rng.py), so there is no single-device twin. Recomputation must draw the
+# forward's masks again, so the runs with and without it are equal.
+DROPOUT_RUNS_2 = {
+    "hf_gpt2_dropout_ring": ("hf_gpt2_dropout", "dp=1,sp=2,mbs=8,gbs=8"),
+    "hf_gpt2_dropout_ring_recompute": ("hf_gpt2_dropout", "dp=1,sp=2,mbs=8,gbs=8,recompute=full"),
+}
+DROPOUT_RUNS_4 = {
+    "gpt_dropout_sp2_pp2_ulysses": ("gpt_dropout", "dp=1,sp=2,pp=2,mbs=4,gbs=8,sp_mode=ulysses"),
+    "gpt_dropout_sp2_pp2_ulysses_recompute": (
+        "gpt_dropout", "dp=1,sp=2,pp=2,mbs=4,gbs=8,sp_mode=ulysses,recompute=full"),
+}
+
+
 def _train(out: Path, model: str, strategy: str):
     config = tiny_run_config(out, strategy, model=MODELS[model])
     tokenizer = build_tokenizer(config)
@@ -63,13 +79,15 @@ def _train(out: Path, model: str, strategy: str):
 
 
 def _attention_ops(pipeline, config) -> set[str]:
-    """Names of the sequence-parallel custom ops in this rank's captured training graph."""
+    """Names of the sequence-parallel custom ops in this rank's captured training graph, and
+    of the random draws of their dropout seeds."""
     if pipeline is None:
         return set()
     sp = config.strategy.sp
     local = (config.strategy.micro_batch_size, config.data.seq_len // sp)  # 32 splits by 2*sp
     graph = pipeline.program.get(local, training=True).graph.program.graph
-    return {str(n.target) for n in graph.nodes if "tessera.sp_" in str(n.target)}
+    return {str(n.target) for n in graph.nodes
+            if "tessera.sp_" in str(n.target) or "randint" in str(n.target)}
 
 
 def _runs(rank, world_size, root, runs):
@@ -80,11 +98,11 @@ def _runs(rank, world_size, root, runs):
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory):
     root = str(tmp_path_factory.mktemp("sp_training"))
-    base = {name: (name, "dp=1,mbs=8,gbs=8") for name in MODELS}
+    base = {name: (name, "dp=1,mbs=8,gbs=8") for name in MODELS if "dropout" not in name}
     # Timeouts catch hangs; they are wide because a loaded 2-core machine runs these slowly.
     single = run_distributed(_runs, 1, args=(root, base), timeout=300)[0]
-    double = run_distributed(_runs, 2, args=(root, SP2_RUNS), timeout=600)
-    quad = run_distributed(_runs, 4, args=(root, SP4_RUNS), timeout=900)
+    double = run_distributed(_runs, 2, args=(root, SP2_RUNS | DROPOUT_RUNS_2), timeout=600)
+    quad = run_distributed(_runs, 4, args=(root, SP4_RUNS | DROPOUT_RUNS_4), timeout=900)
     for results in (double, quad):  # every rank logs the mean over the dp x sp loss group
         for name in results[0]:
             assert all(r[name]["losses"] == results[0][name]["losses"] for r in results)
@@ -107,3 +125,20 @@ def test_sequence_parallel_training_equals_single_device(runs, name):
     if ",pp=2" in (SP2_RUNS | SP4_RUNS)[name][1]:  # the attention survived capture as an op
         op = "sp_ring_attention" if "ring" in name else "sp_attention"
         assert runs[name]["graph_ops"] == {f"tessera.{op}.default"}
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name", [n for n in (*DROPOUT_RUNS_2, *DROPOUT_RUNS_4)
+                                  if not n.endswith("_recompute")])
+def test_sequence_parallel_trains_with_dropout_and_recomputes_its_masks(runs, name):
+    losses, recomputed = runs[name]["losses"], runs[f"{name}_recompute"]["losses"]
+    assert len(losses) == 5 and all(torch.isfinite(torch.tensor(losses)))
+    _close(recomputed, losses)
+    undropped = runs["base"]["gpt" if name.startswith("gpt") else "hf_gpt2"]["losses"]
+    assert max(abs(a - b) for a, b in zip(losses, undropped)) > 1e-3  # dropout ran
+    assert losses[-1] < losses[0]
+    if ",pp=2" in (DROPOUT_RUNS_2 | DROPOUT_RUNS_4)[name][1]:
+        # The attention dropout's seed is drawn by the captured graph on every run, not
+        # baked in as a constant at capture.
+        assert runs[name]["graph_ops"] == {"tessera.sp_attention.default",
+                                           "aten.randint.low"}

@@ -40,7 +40,8 @@ def apply_sequence_parallel(plan, strategy, mesh) -> SequenceParallel:
     _check_combination(strategy)
     token_loss = vocab_parallel_loss_sum(mesh.group("tp")) if strategy.tp > 1 else None
     sp = SequenceParallel(mesh.group("sp"), mode=strategy.sp_mode, token_loss=token_loss,
-                          head_ways=strategy.tp)
+                          head_ways=strategy.tp,
+                          head_rank=mesh.rank("tp") if strategy.tp > 1 else 0)
     apply_policy(plan.model, sp)
     plan.forward_loss = sp.forward_loss
     plan.batch_keys = frozenset({"document_ids", "attention_mask", "position_ids"})

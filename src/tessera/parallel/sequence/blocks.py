@@ -31,6 +31,8 @@ import functools
 
 import torch
 
+from tessera.parallel.sequence.dropout import AttentionDropout, grouped_keep_scale
+
 NEG_INF = float("-inf")
 
 
@@ -106,31 +108,36 @@ def safe_lse(lse: torch.Tensor) -> torch.Tensor:
 
 @fp32_numerics
 def block_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, meta_q: torch.Tensor,
-                  meta_k: torch.Tensor, causal: bool, scale: float
+                  meta_k: torch.Tensor, causal: bool, scale: float,
+                  dropout: AttentionDropout | None = None
                   ) -> tuple[torch.Tensor, torch.Tensor]:
     """Softmax attention of one block, normalised within the block.
 
     CPU tensors take the fused kernel (fused.py), others :func:`explicit_forward`; both keep
-    temporaries the size of the queries however long the block is.
+    temporaries the size of the queries however long the block is. With ``dropout`` every
+    device takes the explicit path (the fused kernel takes no mask of ours).
 
     Args:
         q: (B, nh, Tq, hs); k, v: (B, nkv, Tk, hs).
         meta_q: (B, Tq, 2), meta_k: (B, Tk, 2) token metadata (see :func:`block_mask`).
         causal: causal mask by token index.
         scale: multiplier of the scores (usually hs ** -0.5).
+        dropout: attention dropout (dropout.py): the output is that of the dropped
+            probabilities, the LSE that of the undropped ones.
 
     Returns:
         out (B, nh, Tq, hs) fp32 and lse (B, nh, Tq) fp32 (-inf on rows with no visible key).
     """
     from tessera.parallel.sequence import fused  # imports this module: bound at call
 
-    if fused.available(q):
+    if dropout is None and fused.available(q):
         return fused.block_forward(q, k, v, meta_q, meta_k, causal, scale)
-    return explicit_forward(q, k, v, meta_q, meta_k, causal, scale)
+    return explicit_forward(q, k, v, meta_q, meta_k, causal, scale, dropout)
 
 
 @fp32_numerics
-def explicit_forward(q, k, v, meta_q, meta_k, causal: bool, scale: float):
+def explicit_forward(q, k, v, meta_q, meta_k, causal: bool, scale: float,
+                     dropout: AttentionDropout | None = None):
     """:func:`block_forward` with plain matmuls, query rows in pieces (:func:`piece_rows`)."""
     B, nh, Tq, hs = q.shape
     n_kv = k.shape[1]
@@ -142,6 +149,8 @@ def explicit_forward(q, k, v, meta_q, meta_k, causal: bool, scale: float):
         scores = _masked_scores(qg[..., rows, :], kg, meta_q[:, rows], meta_k, causal, scale)
         lse[..., rows] = torch.logsumexp(scores, dim=-1)
         probs = scores.sub_(safe_lse(lse[..., rows]).unsqueeze(-1)).exp_()  # exp(-inf) = 0
+        if dropout is not None:
+            probs.mul_(grouped_keep_scale(dropout, meta_q[:, rows], meta_k, n_kv, nh // n_kv))
         torch.matmul(probs, vg, out=out[..., rows, :])
     return out.reshape(B, nh, Tq, hs), lse.reshape(B, nh, Tq)
 
@@ -169,7 +178,8 @@ def merge_into(out: torch.Tensor, lse: torch.Tensor, block_out: torch.Tensor,
 @fp32_numerics
 def block_backward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, meta_q: torch.Tensor,
                    meta_k: torch.Tensor, causal: bool, scale: float, dout: torch.Tensor,
-                   out: torch.Tensor, lse: torch.Tensor
+                   out: torch.Tensor, lse: torch.Tensor,
+                   dropout: AttentionDropout | None = None
                    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Gradients of one block given the *final* LSE of its query rows.
 
@@ -182,21 +192,23 @@ def block_backward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, meta_q: to
         dout: (B, nh, Tq, hs) gradient of the final output.
         out: (B, nh, Tq, hs) the final output of these rows (all blocks merged).
         lse: (B, nh, Tq) final log-sum-exp of the rows.
+        dropout: the forward's attention dropout (its mask is regenerated, dropout.py).
 
     Returns:
         dq (B, nh, Tq, hs), dk and dv (B, nkv, Tk, hs), all fp32.
     """
     from tessera.parallel.sequence import fused
 
-    if fused.available(q):
+    if dropout is None and fused.available(q):
         return fused.block_backward(q, k, v, meta_q, meta_k, causal, scale, dout, out, lse)
-    return explicit_backward(q, k, v, meta_q, meta_k, causal, scale, dout, out, lse)
+    return explicit_backward(q, k, v, meta_q, meta_k, causal, scale, dout, out, lse, dropout)
 
 
 @fp32_numerics
-def explicit_backward(q, k, v, meta_q, meta_k, causal: bool, scale: float, dout, out, lse):
+def explicit_backward(q, k, v, meta_q, meta_k, causal: bool, scale: float, dout, out, lse,
+                      dropout: AttentionDropout | None = None):
     """:func:`block_backward` with plain matmuls, query rows in pieces."""
-    n_kv = k.shape[1]
+    n_kv, group = k.shape[1], q.shape[1] // k.shape[1]
     delta = row_delta(dout, out)  # (B, nh, Tq)
     qg, dog = _grouped(q.float(), n_kv), _grouped(dout.float(), n_kv)  # (B, nkv, g, Tq, hs)
     kg, vg = k.float().unsqueeze(2), v.float().unsqueeze(2)  # (B, nkv, 1, Tk, hs)
@@ -208,8 +220,13 @@ def explicit_backward(q, k, v, meta_q, meta_k, causal: bool, scale: float, dout,
         qr, dor = qg[..., rows, :], dog[..., rows, :]
         probs = _masked_scores(qr, kg, meta_q[:, rows], meta_k, causal, scale)
         probs.sub_(safe_lse(lse_g[..., rows, :])).exp_()  # (B, nkv, g, rows, Tk)
-        dv += torch.matmul(probs.transpose(-1, -2), dor).sum(2)
         dscores = torch.matmul(dor, vg.transpose(-1, -2))  # dP, then dS in place
+        if dropout is None:
+            dv += torch.matmul(probs.transpose(-1, -2), dor).sum(2)
+        else:  # dV = (P K)^T dO, dP = (dO V^T) K
+            keep = grouped_keep_scale(dropout, meta_q[:, rows], meta_k, n_kv, group)
+            dv += torch.matmul((probs * keep).transpose(-1, -2), dor).sum(2)
+            dscores.mul_(keep)
         dscores.sub_(delta_g[..., rows, :]).mul_(probs).mul_(scale)
         torch.matmul(dscores, kg, out=dq[..., rows, :])
         dk += torch.matmul(dscores.transpose(-1, -2), qr).sum(2)

@@ -27,6 +27,7 @@ from torch import nn
 
 from tessera.parallel.plan import labels_without_padding
 from tessera.parallel.sequence.compose import TokenLoss
+from tessera.parallel.sequence.dropout import AttentionDropout
 from tessera.parallel.sequence.layout import (SequenceParallelError, check_layout,
                                               local_indices, padded_length)
 from tessera.parallel.sequence.ring import ring_attention
@@ -52,6 +53,8 @@ class SequenceParallel:
             vocabulary-parallel one, see compose.py).
         head_ways: how many ways another parallelism already split the heads (tp), so the
             Ulysses head rules are checked on the heads one rank holds.
+        head_rank: this rank's share of those heads (its tp rank): attention dropout masks
+            the layer's heads, not the same local heads on every tp rank.
 
     Raises:
         SequenceParallelError: for an unknown mode or zigzag without a causal mask.
@@ -59,11 +62,13 @@ class SequenceParallel:
 
     def __init__(self, group: dist.ProcessGroup, mode: str = "ring", causal: bool = True,
                  layout: str | None = None, pad: bool = True,
-                 token_loss: TokenLoss | None = None, head_ways: int = 1) -> None:
+                 token_loss: TokenLoss | None = None, head_ways: int = 1,
+                 head_rank: int = 0) -> None:
         if mode not in MODES:
             raise SequenceParallelError(f"sp_mode must be one of {', '.join(MODES)}; got {mode!r}")
         self.group, self.mode, self.causal, self.pad = group, mode, causal, pad
         self.token_loss, self.head_ways = token_loss or _cross_entropy_sum, head_ways
+        self.head_rank = head_rank
         self.size, self.rank = dist.get_world_size(group), dist.get_rank(group)
         self.layout = layout or ("zigzag" if mode == "ring" and causal else "contiguous")
         check_layout(self.layout, causal)
@@ -117,17 +122,21 @@ class SequenceParallel:
         return self.scale_loss(self.token_loss(logits, local["labels"]), self.token_count(batch))
 
     def refuse_dropout(self) -> None:
-        """Refuse training with dropout: every sp rank draws the same mask at the same local
-        position, so masks would repeat along the sequence (tokens of other ranks).
+        """Refuse training with dropout outside :func:`tessera.parallel.rank_rng.rank_stream`:
+        there every sp rank would draw the same mask at the same local position, so masks
+        would repeat along the sequence. The Trainer runs every step inside one.
 
         Raises:
             SequenceParallelError: naming the dropout modules and config fields.
         """
-        if self.dropouts:
+        from tessera.parallel.rank_rng import in_rank_stream
+
+        if self.dropouts and not in_rank_stream():
             raise SequenceParallelError(
-                f"dropout ({', '.join(self.dropouts[:3])}) under sequence parallelism would "
-                "draw the same mask on every sp rank, correlated along the sequence: set the "
-                "model's dropout to 0 to train with sp > 1, or train with sp=1")
+                f"dropout ({', '.join(self.dropouts[:3])}) under sequence parallelism needs "
+                "a random stream per sp rank, or every rank draws the same mask at the same "
+                "local position: run the step inside tessera.parallel.rank_rng.rank_stream "
+                "(tessera's Trainer does), or set the model's dropout to 0")
 
     @staticmethod
     def token_count(batch: dict[str, torch.Tensor]) -> torch.Tensor:
@@ -163,29 +172,33 @@ class SequenceParallel:
                   dropout_p: float = 0.0, scale: float | None = None) -> torch.Tensor:
         """Sequence-parallel attention of local q (B, nh, T/sp, hs), k, v (B, nkv, T/sp, hs).
 
+        With ``dropout_p`` > 0 the probabilities are dropped by a mask hashed from a seed drawn
+        here from torch's generator (dropout.py): a recomputation that restores the
+        generator's state draws the same seed, so the same mask.
+
         Raises:
-            SequenceParallelError: before :meth:`set_tokens`, or with attention dropout.
+            SequenceParallelError: before :meth:`set_tokens`.
         """
         if self._meta is None:
             raise SequenceParallelError(
                 "sequence-parallel attention ran without token metadata: run the model through "
                 "SequenceParallel.forward_loss (or call set_tokens first)")
-        if dropout_p > 0:
-            raise SequenceParallelError(
-                f"attention dropout ({dropout_p}) is not supported with sequence parallelism")
+        seed = torch.randint(0, 2 ** 62, (), dtype=torch.int64) if dropout_p > 0 else None
+        heads = self.head_rank * q.shape[1]  # the layer's index of this rank's first head
         if self.exportable:  # inside pipeline stages: one custom op that export keeps
             from tessera.parallel.sequence.staged import sp_attention
 
             scale = q.shape[-1] ** -0.5 if scale is None else scale
             return sp_attention(q, k, v, self._meta, self.group, self.mode, self.causal, scale,
-                                self.layout)
+                                self.layout, dropout_p, seed, heads)
+        dropout = AttentionDropout(dropout_p, int(seed), heads) if seed is not None else None
         if self.mode == "ring":
             # shard() and staged inputs lay tokens out in self.layout already
             return ring_attention(q, k, v, self._meta, self.group, self.causal, scale,
-                                  self.layout, verify_layout=False)
+                                  self.layout, verify_layout=False, dropout=dropout)
         if self.mode == "rsa":
-            return rsa_attention(q, k, v, self._meta, self.group, self.causal, scale)
-        return ulysses_attention(q, k, v, self._meta, self.group, self.causal, scale)
+            return rsa_attention(q, k, v, self._meta, self.group, self.causal, scale, dropout)
+        return ulysses_attention(q, k, v, self._meta, self.group, self.causal, scale, dropout)
 
     def _multiple(self) -> int:
         return self.size * (2 if self.layout == "zigzag" else 1)

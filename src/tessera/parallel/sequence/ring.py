@@ -21,11 +21,13 @@ import torch.distributed as dist
 
 from tessera.parallel.sequence import comm
 from tessera.parallel.sequence.blocks import block_backward, block_forward, merge_into
+from tessera.parallel.sequence.dropout import AttentionDropout
 from tessera.parallel.sequence.layout import (check_layout, check_shard_layout,
                                               ring_step_slices)
 
 
-def ring_forward(q, k, v, meta, group, causal: bool, scale: float, layout: str
+def ring_forward(q, k, v, meta, group, causal: bool, scale: float, layout: str,
+                 dropout: AttentionDropout | None = None
                  ) -> tuple[torch.Tensor, torch.Tensor]:
     """Forward ring pass: out (B, nh, T/sp, hs) in q's dtype and lse (B, nh, T/sp) in fp32."""
     rank, T = dist.get_rank(group), q.shape[2]
@@ -39,7 +41,7 @@ def ring_forward(q, k, v, meta, group, causal: bool, scale: float, layout: str
             return
         qs, ks = sl
         blk_out, blk_lse = block_forward(q[:, :, qs], k_blk[:, :, ks], v_blk[:, :, ks],
-                                         meta[:, qs], meta_blk[:, ks], causal, scale)
+                                         meta[:, qs], meta_blk[:, ks], causal, scale, dropout)
         merge_into(out[:, :, qs], lse[:, :, qs], blk_out, blk_lse)
 
     comm.ring_pass(group, [k, v, meta], step)
@@ -47,7 +49,8 @@ def ring_forward(q, k, v, meta, group, causal: bool, scale: float, layout: str
 
 
 def ring_backward(q, k, v, meta, out, lse, dout, group, causal: bool, scale: float,
-                  layout: str) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+                  layout: str, dropout: AttentionDropout | None = None
+                  ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Backward ring pass from the forward's out and lse: dq, dk, dv in the inputs' dtypes."""
     rank, T = dist.get_rank(group), q.shape[2]
     dq = torch.zeros_like(q, dtype=torch.float32)
@@ -61,7 +64,7 @@ def ring_backward(q, k, v, meta, out, lse, dout, group, causal: bool, scale: flo
             qs, ks = sl
             dq_b, dk[:, :, ks], dv[:, :, ks] = block_backward(
                 q[:, :, qs], k_blk[:, :, ks], v_blk[:, :, ks], meta[:, qs], meta_blk[:, ks],
-                causal, scale, dout[:, :, qs], out[:, :, qs], lse[:, :, qs])
+                causal, scale, dout[:, :, qs], out[:, :, qs], lse[:, :, qs], dropout)
             dq[:, :, qs] += dq_b
         return [dk, dv]
 
@@ -73,23 +76,23 @@ class RingAttention(torch.autograd.Function):
     """Ring attention over a sequence-parallel group; one gradient per forward input."""
 
     @staticmethod
-    def forward(ctx, q, k, v, meta, group, causal, scale, layout):
-        out, lse = ring_forward(q, k, v, meta, group, causal, scale, layout)
+    def forward(ctx, q, k, v, meta, group, causal, scale, layout, dropout):
+        out, lse = ring_forward(q, k, v, meta, group, causal, scale, layout, dropout)
         ctx.save_for_backward(q, k, v, meta, out, lse)
-        ctx.group, ctx.causal, ctx.scale, ctx.layout = group, causal, scale, layout
+        ctx.args = group, causal, scale, layout, dropout
         return out
 
     @staticmethod
     def backward(ctx, dout):
         q, k, v, meta, out, lse = ctx.saved_tensors
-        dq, dk, dv = ring_backward(q, k, v, meta, out, lse, dout, ctx.group, ctx.causal,
-                                   ctx.scale, ctx.layout)
-        return dq, dk, dv, None, None, None, None, None
+        dq, dk, dv = ring_backward(q, k, v, meta, out, lse, dout, *ctx.args)
+        return dq, dk, dv, None, None, None, None, None, None
 
 
 def ring_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, meta: torch.Tensor,
                    group, causal: bool = True, scale: float | None = None,
-                   layout: str = "zigzag", verify_layout: bool = True) -> torch.Tensor:
+                   layout: str = "zigzag", verify_layout: bool = True,
+                   dropout: AttentionDropout | None = None) -> torch.Tensor:
     """Exact attention of this rank's queries against the whole sequence, by ring passes.
 
     Args:
@@ -101,6 +104,8 @@ def ring_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, meta: torc
         layout: how tokens were distributed, "zigzag" (causal only) or "contiguous".
         verify_layout: check ``meta``'s token indices against ``layout`` (one host sync on a
             GPU); SequenceParallel, whose shards are made in its own layout, skips it.
+        dropout: attention dropout (dropout.py); under one seed on every rank it drops the
+            pairs one device would.
 
     Returns:
         (B, nh, T/sp, hs) in q's dtype.
@@ -113,4 +118,4 @@ def ring_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, meta: torc
     if verify_layout:
         check_shard_layout(meta, dist.get_world_size(group), dist.get_rank(group), layout)
     scale = q.shape[-1] ** -0.5 if scale is None else scale
-    return RingAttention.apply(q, k, v, meta, group, causal, scale, layout)
+    return RingAttention.apply(q, k, v, meta, group, causal, scale, layout, dropout)

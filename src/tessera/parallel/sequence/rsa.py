@@ -7,8 +7,10 @@ Forward, for this rank's queries Q_n (B, nh, L/N, hs):
 2. An exact softmax over each full row of length L: P = softmax(S).
 3. RingAV: pass value blocks around the ring; O_n = sum_j P[:, :, :, block j] V_j.
 
-P is kept for backward, so memory grows as L^2/N per rank: this is the quadratic cost the ring
-mode removes. Backward runs two ring passes, values then keys, mirroring the forward:
+With attention dropout, step 3 multiplies each P_j by its mask, regenerated in backward
+(dropout.py). P is kept for backward, so memory grows as L^2/N per rank: this is the
+quadratic cost the ring mode removes. Backward runs two ring passes, values then keys,
+mirroring the forward:
 
 - values: dP_j = dO V_j^T, dS_j = P_j * (dP_j - rowsum(dO * O)), dV_j = P_j^T dO;
 - keys:   dQ += dS_j K_j * scale, dK_j = dS_j^T Q_n * scale.
@@ -26,6 +28,7 @@ import torch.distributed as dist
 
 from tessera.parallel.sequence import comm
 from tessera.parallel.sequence.blocks import block_mask, fp32_numerics, row_delta
+from tessera.parallel.sequence.dropout import AttentionDropout, grouped_keep_scale
 
 
 def _grouped(x: torch.Tensor, n_kv: int) -> torch.Tensor:
@@ -42,37 +45,42 @@ class RingSelfAttention(torch.autograd.Function):
 
     @staticmethod
     @fp32_numerics  # the score and value matmuls stay fp32 under a bf16 autocast
-    def forward(ctx, q, k, v, meta, group, causal, scale):
+    def forward(ctx, q, k, v, meta, group, causal, scale, dropout):
         B, nh, T, hs = q.shape
         n, n_kv = dist.get_world_size(group), k.shape[1]
         qg = _grouped(q.float(), n_kv)  # (B, nkv, g, T/N, hs)
         scores = q.new_empty((B, n_kv, nh // n_kv, T, n * T), dtype=torch.float32)
         masks = torch.empty((B, 1, 1, T, n * T), dtype=torch.bool, device=q.device)
+        key_meta = meta.new_empty((B, n * T, 2))  # every key's metadata, for dropout masks
 
         def ring_qk(_, src, held):  # step 1: fill the score columns of block src
             k_blk, meta_blk = held
             cols = _cols(src, T)
             scores[..., cols] = torch.matmul(qg, k_blk.float().unsqueeze(2).transpose(-1, -2))
             masks[..., cols] = block_mask(meta, meta_blk, causal)
+            key_meta[:, cols] = meta_blk
 
         comm.ring_pass(group, [k, meta], ring_qk)
         probs = _softmax_rows(scores.mul_(scale), masks)  # step 2, in place: (B, nkv, g, T/N, L)
         out = torch.zeros_like(qg)
 
-        def ring_av(_, src, held):  # step 3: accumulate P_j V_j
-            out.add_(torch.matmul(probs[..., _cols(src, T)], held[0].float().unsqueeze(2)))
+        def ring_av(_, src, held):  # step 3: accumulate P_j V_j (P_j dropped, if dropout)
+            p = probs[..., _cols(src, T)]
+            if dropout is not None:
+                p = p * _keep(dropout, meta, key_meta[:, _cols(src, T)], n_kv, nh)
+            out.add_(torch.matmul(p, held[0].float().unsqueeze(2)))
 
         comm.ring_pass(group, [v], ring_av)
         out = out.reshape(q.shape).to(q.dtype)
-        ctx.save_for_backward(q, k, v, probs, out)
-        ctx.group, ctx.scale = group, scale
+        ctx.save_for_backward(q, k, v, probs, out, meta, key_meta)
+        ctx.group, ctx.scale, ctx.dropout = group, scale, dropout
         return out
 
     @staticmethod
     @fp32_numerics
     def backward(ctx, dout):
-        q, k, v, probs, out = ctx.saved_tensors
-        T, n_kv = q.shape[2], k.shape[1]
+        q, k, v, probs, out, meta, key_meta = ctx.saved_tensors
+        T, n_kv, dropout = q.shape[2], k.shape[1], ctx.dropout
         dog = _grouped(dout.float(), n_kv)  # (B, nkv, g, T/N, hs)
         delta = _grouped(row_delta(dout, out).unsqueeze(-1), n_kv)  # (B, nkv, g, T/N, 1)
         dscores = torch.empty_like(probs)
@@ -80,8 +88,13 @@ class RingSelfAttention(torch.autograd.Function):
         def values(_, src, held):  # dP_j, dS_j and dV_j from the value block of src
             v_blk, p = held[0].float().unsqueeze(2), probs[..., _cols(src, T)]
             dprobs = torch.matmul(dog, v_blk.transpose(-1, -2))
+            dropped = p
+            if dropout is not None:  # dP = (dO V^T) K, dV = (P K)^T dO
+                keep = _keep(dropout, meta, key_meta[:, _cols(src, T)], n_kv, q.shape[1])
+                dprobs.mul_(keep)
+                dropped = p * keep
             dscores[..., _cols(src, T)] = p * (dprobs - delta) * ctx.scale
-            return [torch.matmul(p.transpose(-1, -2), dog).sum(2)]
+            return [torch.matmul(dropped.transpose(-1, -2), dog).sum(2)]
 
         (dv,) = comm.ring_pass_with_grads(ctx.group, [v], values)
         qg, dq = _grouped(q.float(), n_kv), torch.zeros_like(dog)
@@ -93,7 +106,11 @@ class RingSelfAttention(torch.autograd.Function):
 
         (dk,) = comm.ring_pass_with_grads(ctx.group, [k], keys)
         dq = dq.reshape(q.shape).to(q.dtype)
-        return dq, dk.to(k.dtype), dv.to(v.dtype), None, None, None, None
+        return dq, dk.to(k.dtype), dv.to(v.dtype), None, None, None, None, None
+
+
+def _keep(dropout: AttentionDropout, meta_q, meta_k, n_kv: int, n_heads: int) -> torch.Tensor:
+    return grouped_keep_scale(dropout, meta_q, meta_k, n_kv, n_heads // n_kv)
 
 
 def _softmax_rows(scores: torch.Tensor, masks: torch.Tensor) -> torch.Tensor:
@@ -105,7 +122,8 @@ def _softmax_rows(scores: torch.Tensor, masks: torch.Tensor) -> torch.Tensor:
 
 
 def rsa_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, meta: torch.Tensor,
-                  group, causal: bool = True, scale: float | None = None) -> torch.Tensor:
+                  group, causal: bool = True, scale: float | None = None,
+                  dropout: AttentionDropout | None = None) -> torch.Tensor:
     """Exact attention of this rank's queries by Ring Self-Attention (contiguous layout).
 
     Args:
@@ -114,9 +132,11 @@ def rsa_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, meta: torch
         group: the sequence-parallel process group.
         causal: causal mask by token index.
         scale: score multiplier (default hs ** -0.5).
+        dropout: attention dropout (dropout.py); under one seed on every rank it drops the
+            pairs one device would.
 
     Returns:
         (B, nh, T/sp, hs) in q's dtype.
     """
     scale = q.shape[-1] ** -0.5 if scale is None else scale
-    return RingSelfAttention.apply(q, k, v, meta, group, causal, scale)
+    return RingSelfAttention.apply(q, k, v, meta, group, causal, scale, dropout)

@@ -26,6 +26,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from tessera.parallel.sequence.dropout import AttentionDropout
 from tessera.parallel.sequence.ring import ring_backward, ring_forward
 from tessera.parallel.sequence.rsa import rsa_attention
 from tessera.parallel.sequence.ulysses import ulysses_attention
@@ -38,24 +39,40 @@ def group_named(name: str) -> dist.ProcessGroup:
 
 
 def sp_attention(q, k, v, meta, group: dist.ProcessGroup, mode: str, causal: bool,
-                 scale: float, layout: str) -> torch.Tensor:
-    """Sequence-parallel attention through the custom ops (what a captured graph holds)."""
+                 scale: float, layout: str, dropout_p: float = 0.0,
+                 seed: torch.Tensor | None = None, head_offset: int = 0) -> torch.Tensor:
+    """Sequence-parallel attention through the custom ops (what a captured graph holds).
+
+    ``seed``: with ``dropout_p`` > 0, a () int64 tensor, the attention dropout's seed
+    (dropout.py); a graph input of the op, so that the graph draws it on every run.
+    ``head_offset``: the layer's index of q's first head (tp)."""
+    drop = [dropout_p, float(head_offset)]
     if mode == "ring":
-        return ring_attention_op(q, k, v, meta, group.group_name, causal, scale, layout)[0]
-    return sp_attention_op(q, k, v, meta, group.group_name, mode, causal, scale, layout)
+        return ring_attention_op(q, k, v, meta, group.group_name, causal, scale, layout,
+                                 drop, seed)[0]
+    return sp_attention_op(q, k, v, meta, group.group_name, mode, causal, scale, layout,
+                           drop, seed)
+
+
+def _dropout(drop: list[float], seed: torch.Tensor | None) -> AttentionDropout | None:
+    """``drop``: [probability, head offset], as the ops take them."""
+    p, heads = drop
+    return AttentionDropout(p, int(seed), int(heads)) if p > 0 else None
 
 
 # ------------------------------------------------------------------------------ ring
 @torch.library.custom_op("tessera::sp_ring_attention", mutates_args=())
 def ring_attention_op(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, meta: torch.Tensor,
-                      group_name: str, causal: bool, scale: float, layout: str
+                      group_name: str, causal: bool, scale: float, layout: str,
+                      drop: list[float], seed: torch.Tensor | None
                       ) -> tuple[torch.Tensor, torch.Tensor]:
     """Ring attention as one op: out (B, nh, T/sp, hs) and lse (B, nh, T/sp) fp32."""
-    return ring_forward(q, k, v, meta, group_named(group_name), causal, scale, layout)
+    return ring_forward(q, k, v, meta, group_named(group_name), causal, scale, layout,
+                        _dropout(drop, seed))
 
 
 @ring_attention_op.register_fake
-def _(q, k, v, meta, group_name, causal, scale, layout):
+def _(q, k, v, meta, group_name, causal, scale, layout, drop, seed):
     # Contiguous, as ring_forward returns it (empty_like would copy q's strides, a transposed
     # view's): the pipeline's activation estimate (pipeline/kept.py) runs these fakes, and
     # a head-major output makes the output projection's reshape a copy, which it saves.
@@ -69,10 +86,10 @@ def _ring_setup(ctx, inputs, output):
 
 def _ring_backward(ctx, dout, _dlse):  # lse is a by-product: nothing differentiates it
     q, k, v, meta, out, lse = ctx.saved_tensors
-    group_name, causal, scale, layout = ctx.args
+    group_name, causal, scale, layout, drop, seed = ctx.args
     dq, dk, dv = ring_backward(q, k, v, meta, out, lse, dout.contiguous(), group_named(group_name),
-                               causal, scale, layout)
-    return dq, dk, dv, None, None, None, None, None
+                               causal, scale, layout, _dropout(drop, seed))
+    return dq, dk, dv, None, None, None, None, None, None, None
 
 
 ring_attention_op.register_autograd(_ring_backward, setup_context=_ring_setup)
@@ -80,24 +97,24 @@ ring_attention_op.register_autograd(_ring_backward, setup_context=_ring_setup)
 
 # ------------------------------------------------------------------------------ rsa, ulysses
 def _attend(q, k, v, meta, group_name: str, mode: str, causal: bool, scale: float,
-            layout: str) -> torch.Tensor:
-    group = group_named(group_name)
+            layout: str, drop: list[float], seed: torch.Tensor | None) -> torch.Tensor:
+    group, dropout = group_named(group_name), _dropout(drop, seed)
     if mode == "rsa":
-        return rsa_attention(q, k, v, meta, group, causal, scale)
-    return ulysses_attention(q, k, v, meta, group, causal, scale)
+        return rsa_attention(q, k, v, meta, group, causal, scale, dropout)
+    return ulysses_attention(q, k, v, meta, group, causal, scale, dropout)
 
 
 @torch.library.custom_op("tessera::sp_attention", mutates_args=())
 def sp_attention_op(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, meta: torch.Tensor,
                     group_name: str, mode: str, causal: bool, scale: float,
-                    layout: str) -> torch.Tensor:
+                    layout: str, drop: list[float], seed: torch.Tensor | None) -> torch.Tensor:
     """rsa or ulysses attention of q (B, nh, T/sp, hs), k, v (B, nkv, T/sp, hs) as one op."""
     with torch.no_grad():
-        return _attend(q, k, v, meta, group_name, mode, causal, scale, layout)
+        return _attend(q, k, v, meta, group_name, mode, causal, scale, layout, drop, seed)
 
 
 @sp_attention_op.register_fake
-def _(q, k, v, meta, group_name, mode, causal, scale, layout):
+def _(q, k, v, meta, group_name, mode, causal, scale, layout, drop, seed):
     return q.new_empty(q.shape)  # contiguous, as rsa and ulysses return it
 
 
@@ -112,7 +129,7 @@ def _backward(ctx, dout):
         leaves = [t.detach().requires_grad_() for t in (q, k, v)]
         out = _attend(*leaves, meta, *ctx.args)  # the forward again, now recorded
         dq, dk, dv = torch.autograd.grad(out, leaves, dout)
-    return dq, dk, dv, None, None, None, None, None, None
+    return dq, dk, dv, None, None, None, None, None, None, None, None
 
 
 sp_attention_op.register_autograd(_backward, setup_context=_setup_context)

@@ -13,11 +13,14 @@ divisible by nkv each kv head is repeated N/nkv times first, so that every rank'
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import torch
 import torch.distributed as dist
 
 from tessera.parallel.sequence import comm
 from tessera.parallel.sequence.blocks import block_backward, block_forward
+from tessera.parallel.sequence.dropout import AttentionDropout
 from tessera.parallel.sequence.layout import SequenceParallelError
 
 
@@ -69,19 +72,19 @@ class LocalAttention(torch.autograd.Function):
     """Masked fp32 attention of whole sequences on one rank; one gradient per input."""
 
     @staticmethod
-    def forward(ctx, q, k, v, meta, causal, scale):
-        out, lse = block_forward(q, k, v, meta, meta, causal, scale)
+    def forward(ctx, q, k, v, meta, causal, scale, dropout):
+        out, lse = block_forward(q, k, v, meta, meta, causal, scale, dropout)
         out = out.to(q.dtype)
         ctx.save_for_backward(q, k, v, meta, out, lse)
-        ctx.causal, ctx.scale = causal, scale
+        ctx.causal, ctx.scale, ctx.dropout = causal, scale, dropout
         return out
 
     @staticmethod
     def backward(ctx, dout):
         q, k, v, meta, out, lse = ctx.saved_tensors
         dq, dk, dv = block_backward(q, k, v, meta, meta, ctx.causal, ctx.scale, dout, out,
-                                    lse)
-        return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype), None, None, None
+                                    lse, ctx.dropout)
+        return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype), None, None, None, None
 
 
 def check_heads(n_heads: int, n_kv_heads: int, sp: int) -> None:
@@ -99,7 +102,8 @@ def check_heads(n_heads: int, n_kv_heads: int, sp: int) -> None:
 
 
 def ulysses_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, meta: torch.Tensor,
-                      group, causal: bool = True, scale: float | None = None) -> torch.Tensor:
+                      group, causal: bool = True, scale: float | None = None,
+                      dropout: AttentionDropout | None = None) -> torch.Tensor:
     """Exact attention by head redistribution (contiguous layout).
 
     Args:
@@ -108,6 +112,8 @@ def ulysses_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, meta: t
         group: the sequence-parallel process group.
         causal: causal mask by token index.
         scale: score multiplier (default hs ** -0.5).
+        dropout: attention dropout (dropout.py); under one seed on every rank it drops the
+            pairs one device would.
 
     Returns:
         (B, nh, T/sp, hs) in q's dtype.
@@ -122,5 +128,8 @@ def ulysses_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, meta: t
         k, v = (t.repeat_interleave(N // t.shape[1], dim=1) for t in (k, v))
     full_meta = comm.all_gather_cat(meta, group, dim=1)  # (B, T, 2)
     qh, kh, vh = (SeqToHeads.apply(t, group) for t in (q, k, v))  # (B, n/N, T, hs)
-    out = LocalAttention.apply(qh, kh, vh, full_meta, causal, scale)  # (B, nh/N, T, hs)
+    if dropout is not None:  # this rank's heads: keep the masks those of the layer's heads
+        dropout = replace(dropout, head_offset=dropout.head_offset
+                          + dist.get_rank(group) * qh.shape[1])
+    out = LocalAttention.apply(qh, kh, vh, full_meta, causal, scale, dropout)  # (B, nh/N, T, hs)
     return HeadsToSeq.apply(out, group)  # (B, nh, T/N, hs)
