@@ -57,3 +57,28 @@ def test_per_block_recomputation_repeats_dropout_and_holds_one_block():
             torch.testing.assert_close(regrads[name], grad, rtol=0, atol=1e-6)
         # One block rematerialised at a time, beside the blocks' inputs.
         assert peak < 0.5 * kept_peak, (peak, kept_peak)
+
+
+def test_rms_norm_models_recompute_one_block_at_a_time():
+    """An RMSNorm opens each Llama block with ops that read no weight (pow, mean, rsqrt);
+    they belong to that block, so the head still splits at every block boundary."""
+    from tessera.models.hf import build_hf_model, hf_config_from_reference
+    from tessera.parallel.pipeline.capture import module_of
+    from tessera.parallel.pipeline.partition import CostTable
+    from tessera.parallel.pipeline.cost import DeviceRates
+
+    with torch.device("meta"):
+        model = build_hf_model("llama", **hf_config_from_reference(
+            "llama", preset("tiny-llama", n_layers=4, vocab_size=256)))
+    graph = capture(model, 1, 32)
+    for name in graph.compute:  # every node inside a block's module is labelled with it
+        path = module_of(graph.nodes[name].node)
+        if ".layers." in path:
+            assert graph.nodes[name].block == int(path.split(".layers.")[1].split(".")[0])
+    table = CostTable(graph, DeviceRates())
+    head, _ = head_tail(graph, list(graph.compute), 1.0, table)
+    segments = head_segments(graph, head, table)
+    assert len(segments) >= 5  # the embedding, then one segment per block
+    index = graph.compute_index()
+    largest = max(table.activations(index[s[0]], index[s[-1]] + 1) for s in segments)
+    assert largest <= table.largest_block(0, len(graph.compute))  # what the estimate assumes

@@ -167,7 +167,7 @@ def build_proxy(program: ExportedProgram, more_inputs: tuple[str, ...] = (),
             if all(p.kind in ("input", "buffer", "const", "static") for p in preds):
                 nodes[node.name] = ProxyNode(node.name, "static", node)
                 continue
-            block = _block_of(preds, block)
+            block = _block_of(node, preds, block)
             cost = _priced(node, preds)
             nodes[node.name] = ProxyNode(node.name, "compute", node, cost=cost, block=block)
             for pred in preds:
@@ -223,12 +223,23 @@ def _viewed_param(node: fx.Node, preds: list[ProxyNode]) -> ProxyNode | None:
     return preds[0] if preds[0].kind == "param_view" and name in VIEW_OPS else None
 
 
-def _block_of(preds: list[ProxyNode], current: int | None) -> int | None:
+def _block_of(node: fx.Node, preds: list[ProxyNode], current: int | None) -> int | None:
+    """The index of the block that computes ``node``, None outside blocks.
+
+    The module torch.export records decides: a block's norm starts with ops that read no
+    weight (RMSNorm's pow, mean, rsqrt), and they belong to that block, not to the one
+    before (which would leave no block boundary for recomputation to cut at). Nodes of the
+    model's own forward (no module recorded) or of a leaf call take the block of the weight
+    they read, else the block of the node before them."""
+    path = module_of(node)
+    match = _BLOCK_INDEX.search(f".{path}.") if path else None
+    if match:
+        return int(match.group(1))
     for pred in preds:
         if pred.kind in ("param", "param_view"):
             match = _BLOCK_INDEX.search("." + pred.fqn)
             return int(match.group(1)) if match else None
-    return current
+    return None if path and not is_leaf_call(node) else current
 
 
 def _logits_node(program: ExportedProgram, nodes: dict[str, ProxyNode]) -> str:
