@@ -206,6 +206,24 @@ def test_finer_cuts_inside_attention_and_mlp_when_blocks_are_too_coarse():
     assert partition(graph, 2, micro_batches=4, finer=True).crossing_bytes == [residual]
 
 
+def test_an_embedding_narrower_than_the_blocks_leaves_block_boundaries_to_cut():
+    # OPT-350m projects a 512-wide embedding up to 1024: the cuts beside the projections
+    # carry half the residual's bytes, and must not rule out every block boundary.
+    import transformers as T
+    from tessera.parallel.pipeline.partition import candidate_cuts
+    from tessera.parallel.pipeline.split_points import cuts_at
+
+    config = T.OPTConfig(vocab_size=1000, hidden_size=64, ffn_dim=256, num_hidden_layers=6,
+                         num_attention_heads=4, max_position_embeddings=64, use_cache=False,
+                         word_embed_proj_dim=32)
+    with torch.device("meta"):
+        graph = capture(T.OPTForCausalLM(config), 2, 16)
+    assert partition(graph, 2, micro_batches=2).balance <= 1.10  # was 1.77: one stage
+    assert len(partition(graph, 5, micro_batches=5).bounds) == 6  # was refused: "at most 4"
+    allowed = candidate_cuts(CostTable(graph, DeviceRates()))
+    assert cuts_at(graph, ["model.decoder.layers.3"], allowed, 2)
+
+
 def test_scp_fits_the_memory_of_1f1b_with_the_same_recomputation(uniform):
     full = (1.0,)
     one_f_one_b = partition(uniform, 4, micro_batches=8, recompute=full)

@@ -349,10 +349,13 @@ def _crossings(graph: ProxyGraph) -> tuple[list[int], list[int], list[int]]:
 
 
 def candidate_cuts(table: CostTable, finer: bool = False) -> list[int]:
-    """Interior cuts crossed by the fewest activations (and no more bytes than the least).
+    """Interior cuts crossed by the fewest activations, of no more bytes than the least
+    between two blocks (the residual stream), or than the least anywhere when the model has
+    no blocks: an embedding narrower than the blocks (OPT-350m projects 512 up to 1024) must
+    not rule out every block boundary.
 
-    ``finer`` adds cuts crossed by one activation more, of at most FINER_BYTES times the
-    least bytes: inside attention (after its core, before the output projection) and inside
+    ``finer`` adds cuts crossed by one activation more, of at most FINER_BYTES times those
+    bytes: inside attention (after its core, before the output projection) and inside
     the MLP (before the down projection), where a wider tensor crosses beside the residual.
     """
     n = len(table.graph.compute)
@@ -360,7 +363,12 @@ def candidate_cuts(table: CostTable, finer: bool = False) -> list[int]:
     if not interior:
         return []
     fewest = min(table.cross_count[c] for c in interior)
-    least = min(table.cross_bytes[c] for c in interior if table.cross_count[c] == fewest)
+    blocks = [table.graph.nodes[name].block for name in table.graph.compute]
+    between = [c for c in interior if table.cross_count[c] == fewest
+               and blocks[c - 1] is not None and blocks[c] is not None
+               and blocks[c - 1] != blocks[c]]
+    least = min(table.cross_bytes[c] for c in (between or [
+        c for c in interior if table.cross_count[c] == fewest]))
     allowed = table.graph.cut_after  # between LM head slices (head.py)
     count, size = (fewest + 1, FINER_BYTES * least) if finer else (fewest, least)
     return [c for c in interior if table.cross_non_tensor[c] == 0 and (
