@@ -124,9 +124,10 @@ class TrainingArguments(_Section):
     init_from: str | None = None  # a safetensors folder (save_model's layout) to start from
     device: Literal["auto", "cpu", "cuda"] = "auto"
     progress: Literal["auto", "bar", "lines", "off"] = "auto"
-    # Bytes one pipeline stage may hold (weights, AdamW states, activations; estimated from
+    # Bytes one pipeline rank may hold (weights, AdamW states, activations; estimated from
     # the graph captured at the run's shape): each stage then recomputes the least that fits
-    # (stage-aware recomputation), so leave the strategy's recompute unset. pp > 1 only.
+    # (stage-aware recomputation), so leave the strategy's recompute unset. Under
+    # schedule=interleaved each of a rank's virtual stages gets an equal share. pp > 1 only.
     stage_memory_budget: int | None = None
     # pp > 1: module names that each start a stage (e.g. [blocks.4, blocks.8]), instead of the
     # partitioner's search; one per stage boundary (pp - 1, or 2pp - 1 under interleaving).

@@ -64,3 +64,21 @@ def test_unbalanced_stages_are_never_priced_below_the_runtime_schedule(schedule)
                 bwd = [2 * f * rng.uniform(0.8, 1.2) for f in fwd]
                 assert _formula(schedule, m, fwd, bwd) >= (
                     _event_time(schedule, pp, m, fwd, bwd) * (1 - 1e-12)), (pp, m, fwd, bwd)
+
+
+def test_interleaved_activations_in_flight_are_what_the_runtime_order_holds():
+    # A rank's peak of live (micro-batch, chunk) pairs in the runtime's action list, in
+    # units of a whole stage's activations (one chunk holds 1/chunks of them).
+    from tessera.parallel.pipeline.schedules import build
+    from tessera.planner.memory import in_flight
+    from tessera.strategy import Strategy
+
+    for pp in (2, 3, 4):
+        for m in (pp, 2 * pp, 4 * pp):
+            s = Strategy.parse(f"pp={pp},mbs=1,gbs={m},schedule=interleaved")
+            for stage, actions in enumerate(build("interleaved", pp, m)):
+                live = peak = 0
+                for a in actions:
+                    live += 1 if a.kind == "F" else -1
+                    peak = max(peak, live)
+                assert in_flight(s, stage, m) == peak / chunks_for("interleaved"), (pp, m, stage)

@@ -258,9 +258,15 @@ def in_flight(s: Strategy, stage: int, micro_batches: int) -> float:
         return 1
     if s.schedule == "gpipe":
         return micro_batches
-    held = min(s.pp - stage, micro_batches)
     if s.schedule == "interleaved":
-        held *= 1 + (s.pp - 1) / (s.pp * INTERLEAVE_CHUNKS)
+        # Megatron's order: a rank runs (pp - stage - 1) * 2 + (chunks - 1) * pp forwards of
+        # its chunks before the first backward, then alternates; each chunk holds 1/chunks of
+        # the stage's activations. (Korthikanti et al.'s (1 + (pp-1)/(pp v)) x pp is this
+        # count for stage 0 only; later stages hold more than it gives them.)
+        chunks = INTERLEAVE_CHUNKS
+        warmup = (s.pp - stage - 1) * 2 + (chunks - 1) * s.pp
+        return min(warmup + 1, micro_batches * chunks) / chunks
+    held = min(s.pp - stage, micro_batches)
     if s.schedule == "scp" and stage == s.pp - 2 and micro_batches >= 3:
         held += 1  # its third forward runs before its first backward (scp's swap)
     return held

@@ -393,3 +393,37 @@ def test_a_stage_budget_is_refused_with_recompute_given_or_without_stages():
     with pytest.raises(StrategyError, match="leave the strategy's recompute unset"):
         apply_pipeline(None, Strategy.parse("pp=2,mbs=1,gbs=2,recompute=1/0.5"), None,
                        budget=budget)
+
+
+def test_interleaved_in_flight_counts_what_the_schedule_holds():
+    from tessera.parallel.pipeline.partition import in_flight
+    from tessera.parallel.pipeline.schedules import build
+
+    for pp in (2, 3, 4, 5):
+        for m in (pp, 2 * pp, 3 * pp):
+            for rank, actions in enumerate(build("interleaved", pp, m)):
+                live: dict[int, int] = {}
+                peak: dict[int, int] = {}
+                for a in actions:
+                    live[a.stage] = live.get(a.stage, 0) + (1 if a.kind == "F" else -1)
+                    peak[a.stage] = max(peak.get(a.stage, 0), live[a.stage])
+                for stage, held in peak.items():
+                    assert in_flight(stage, 2 * pp, m, "interleaved") == held, (pp, m, stage)
+
+
+def test_a_ranks_virtual_stages_share_its_budget_under_interleaving(uniform):
+    from tessera.parallel.pipeline import _cut
+    from tessera.strategy import Strategy, StrategyError
+
+    strategy = Strategy.parse("pp=2,mbs=1,gbs=8,schedule=interleaved")
+    full = partition(uniform, 4, 8, "interleaved", recompute=(1.0,))
+    none = partition(uniform, 4, 8, "interleaved", recompute=(0.0,))
+    # Between what each rank's pair needs with full recomputation and without.
+    pairs = lambda part: [part.stage_memory[r] + part.stage_memory[r + 2]  # noqa: E731
+                          for r in (0, 1)]
+    budget = int(2 * max(full.stage_memory) + 0.5 * (max(pairs(none)) - max(pairs(full))))
+    part = _cut(uniform, 4, 8, strategy, [0.0] * 4, budget)
+    assert max(pairs(part)) <= budget  # each virtual stage was fitted to half of it
+    assert 0 < max(part.recompute) < 1 or part.recompute != full.recompute
+    with pytest.raises(StrategyError, match="shared by 2 virtual stages per rank"):
+        _cut(uniform, 4, 8, strategy, [0.0] * 4, int(max(full.stage_memory) * 1.5))

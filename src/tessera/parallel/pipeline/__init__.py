@@ -202,11 +202,14 @@ def _cut(graph: ProxyGraph, stages: int, micro_batches: int, strategy: Strategy,
     if split_points:
         allowed = candidate_cuts(CostTable(graph, DeviceRates()))
         cuts = cuts_at(graph, list(split_points), allowed, stages)
+    # The budget is a rank's; its virtual stages (interleaving) share it equally, so that
+    # their estimates sum to it at most.
+    limit = None if budget is None else budget / chunks_for(strategy.schedule)
     try:
         # Cuts inside attention / MLP: checked without tp and sp only (their stage graphs
         # carry collectives and sharded activations across such a cut untested).
         return partition(graph, stages, micro_batches, strategy.schedule,
-                         memory_limit=budget,
+                         memory_limit=limit,
                          recompute=None if budget is not None else tuple(ratios),
                          cuts=cuts, finer=strategy.tp == 1 and strategy.sp == 1)
     except PartitionError as err:
@@ -262,8 +265,14 @@ def _least_need(graph: ProxyGraph, stages: int, micro_batches: int, strategy: St
                          cuts=cuts)
     except PartitionError:  # refused for another reason (too few cuts): said already
         return ""
-    return (f" (train.stage_memory_budget={budget:,} bytes; with full recomputation "
-            f"the fullest stage needs {max(full.stage_memory):,.0f})")
+    chunks = chunks_for(strategy.schedule)
+    fullest = max(full.stage_memory)
+    if chunks == 1:
+        return (f" (train.stage_memory_budget={budget:,} bytes; with full recomputation "
+                f"the fullest stage needs {fullest:,.0f})")
+    return (f" (train.stage_memory_budget={budget:,} bytes, shared by {chunks} virtual "
+            f"stages per rank; with full recomputation the fullest virtual stage needs "
+            f"{fullest:,.0f}, so a budget of {chunks * fullest:,.0f})")
 
 
 def _refuse_unsupported(strategy: Strategy, budget: int | None = None) -> None:

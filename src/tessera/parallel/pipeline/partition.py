@@ -32,7 +32,7 @@ from tessera.parallel.pipeline.capture import ProxyGraph
 from tessera.parallel.pipeline.cost import DeviceRates, value_bytes
 from tessera.parallel.pipeline.kept import kept_bytes
 from tessera.parallel.pipeline.rows import row_reads
-from tessera.parallel.pipeline.schedules import chunks_for, max_kept
+from tessera.parallel.pipeline.schedules import chunks_for, interleaved_actions, max_kept
 
 RATIO_GRID = (0.0, 0.25, 0.5, 0.75, 1.0)
 # Finer cuts (inside attention and MLP) are searched when the block-level split leaves the
@@ -380,10 +380,26 @@ def in_flight(stage: int, stages: int, micro_batches: int, schedule: str) -> int
     """Micro-batches whose activations stage ``stage`` holds at its peak."""
     if schedule == "gpipe":
         return micro_batches
+    if schedule == "interleaved":
+        return _interleaved_in_flight(stage, stages, micro_batches)
     held = min(micro_batches, stages - stage)
     if schedule == "scp" and stage == stages - 2 and micro_batches >= 3:
         return held + 1  # its third forward runs before its first backward (scp's swap)
     return held
+
+
+def _interleaved_in_flight(stage: int, stages: int, micro_batches: int) -> int:
+    """The most micro-batches virtual stage ``stage`` holds in Megatron's interleaved order,
+    counted on its rank's action list: a middle rank's chunks hold more than 1F1B's
+    ``stages - stage`` (pp=4, m=8: rank 1 holds 8 and 4, not 7 and 3)."""
+    chunks = chunks_for("interleaved")
+    pp = stages // chunks
+    live = peak = 0
+    for action in interleaved_actions(stage % pp, pp, micro_batches, chunks):
+        if action.stage == stage:
+            live += 1 if action.kind == "F" else -1
+            peak = max(peak, live)
+    return peak
 
 
 def partition(graph: ProxyGraph, stages: int, micro_batches: int = 1, schedule: str = "1f1b",

@@ -66,7 +66,8 @@ def build(schedule: str, pp: int, micro_batches: int) -> list[list[Action]]:
     if schedule == "gpipe":
         return [_gpipe(r, micro_batches) for r in range(pp)]
     if schedule == "interleaved":
-        return [_interleaved(r, pp, micro_batches, chunks_for(schedule)) for r in range(pp)]
+        return [interleaved_actions(r, pp, micro_batches, chunks_for(schedule))
+                for r in range(pp)]
     actions = [_one_f_one_b(r, pp, micro_batches) for r in range(pp)]
     if schedule == "scp" and micro_batches >= 3:
         actions[pp - 2] = _swap_first_backward(actions[pp - 2])
@@ -95,7 +96,7 @@ def _one_f_one_b(rank: int, pp: int, m: int) -> list[Action]:
     return actions
 
 
-def _interleaved(rank: int, pp: int, m: int, chunks: int) -> list[Action]:
+def interleaved_actions(rank: int, pp: int, m: int, chunks: int) -> list[Action]:
     """Megatron's interleaved 1F1B: forwards walk the chunks in groups of pp micro-batches."""
     total = m * chunks
     warmup = min((pp - rank - 1) * 2 + (chunks - 1) * pp, total)
