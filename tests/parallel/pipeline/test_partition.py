@@ -52,6 +52,32 @@ def test_meta_capture_prices_matmuls_from_shapes(uniform):
     assert {uniform.nodes[n].block for n in uniform.compute} >= set(range(12))
 
 
+def test_expert_and_batched_add_matmuls_are_priced_as_matmuls():
+    # Mixtral's experts (transformers' grouped_mm_fallback: rows x (K, N) of their expert)
+    # and Bloom's scores (baddbmm) were priced as element-wise ops.
+    import transformers as T
+    from tessera.parallel.pipeline.cost import op_name
+
+    def flops_of(graph, op):
+        node = next(graph.nodes[n] for n in graph.compute if op_name(graph.nodes[n].node) == op)
+        shapes = [tuple(a.meta["val"].shape) for a in node.node.args[:3]
+                  if hasattr(a, "meta") and "val" in a.meta]
+        return node.cost.fwd_flops, shapes
+
+    with torch.device("meta"):
+        mixtral = T.MixtralForCausalLM(T.MixtralConfig(
+            vocab_size=256, hidden_size=64, intermediate_size=128, num_hidden_layers=1,
+            num_attention_heads=4, num_key_value_heads=2, num_local_experts=4,
+            num_experts_per_tok=2, use_cache=False))
+        bloom = T.BloomForCausalLM(T.BloomConfig(vocab_size=256, hidden_size=64, n_layer=1,
+                                                 n_head=4, use_cache=False))
+    flops, (rows, experts, *_) = flops_of(capture(mixtral, 2, 16), "grouped_mm_fallback")
+    assert rows[0] == 2 * 16 * 2  # tokens x experts per token
+    assert flops == 2 * rows[0] * rows[1] * experts[-1]
+    flops, (_, batch1, batch2) = flops_of(capture(bloom, 2, 16), "baddbmm")
+    assert flops == 2 * batch1[0] * batch1[1] * batch1[2] * batch2[-1]
+
+
 def test_uniform_transformer_balances_within_ten_percent(uniform):
     for pp in (2, 4):
         part = partition(uniform, pp, micro_batches=8)

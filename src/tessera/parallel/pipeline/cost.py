@@ -36,6 +36,9 @@ TP_COMM_BWD = frozenset({"tp_copy"})
 ALL_REDUCE_TRAFFIC = 2.0
 # Sequence-parallel attention as one custom op each (sequence/staged.py): priced by
 # sequence/cost.py, its ring or all-to-all bytes counted like a tensor-parallel collective's.
+# Matmuls of row groups by their own matrices: Mixture-of-Experts layers, as transformers
+# (grouped_mm_fallback) and torch (_grouped_mm) capture them.
+GROUPED_MATMUL_OPS = frozenset({"grouped_mm_fallback", "_grouped_mm", "grouped_mm"})
 SP_ATTENTION_OPS = frozenset({"sp_ring_attention", "sp_attention"})
 
 
@@ -94,7 +97,8 @@ def _shape(node: Any) -> tuple[int, ...]:
 
 
 def matmul_flops(node: fx.Node) -> float:
-    """Forward FLOPs of linear / addmm / mm / bmm / matmul / sdpa / summa_linear nodes, else 0."""
+    """Forward FLOPs of the matrix products (linear, addmm, mm, bmm, matmul, baddbmm, addbmm,
+    grouped expert matmuls, sdpa, summa_linear), else 0."""
     op, args = op_name(node), node.args
     out = _shape(node)
     if op == "linear":  # x (..., K) @ w (N, K)^T
@@ -102,8 +106,11 @@ def matmul_flops(node: fx.Node) -> float:
         return 2.0 * math.prod(out) * k
     if op == "addmm":  # bias + (M, K) @ (K, N)
         return 2.0 * math.prod(out) * _shape(args[1])[-1]
-    if op in ("mm", "bmm", "matmul"):
+    if op in ("mm", "bmm", "matmul") or op in GROUPED_MATMUL_OPS:
+        # grouped: x (T, K) rows, each multiplied by its group's (K, N) matrix (MoE experts)
         return 2.0 * math.prod(out) * _shape(args[0])[-1]
+    if op in ("baddbmm", "addbmm"):  # input + batch1 (b, M, K) @ batch2 (b, K, N)
+        return 2.0 * math.prod(_shape(args[1])) * _shape(args[2])[-1]
     if op == "summa_linear":  # a 2D tensor-parallel layer (tensor/ops2d.py)
         from tessera.parallel.tensor.ops2d import summa_linear_flops
 
