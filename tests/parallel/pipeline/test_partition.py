@@ -337,6 +337,19 @@ def test_split_points_name_the_modules_that_start_stages():
             cuts_at(graph, names, allowed, stages)
 
 
+def test_a_first_output_that_is_not_logits_is_refused_naming_it():
+    import transformers as T
+
+    with torch.device("meta"):
+        model = T.MixtralForCausalLM(T.MixtralConfig(
+            vocab_size=256, hidden_size=64, intermediate_size=128, num_hidden_layers=1,
+            num_attention_heads=4, num_key_value_heads=2, num_local_experts=4,
+            num_experts_per_tok=2, use_cache=False, output_router_logits=True))
+    with pytest.raises(CaptureError, match=r"has shape \(\), not logits \(2, 16, vocab\).*"
+                                           "output_router_logits=False"):
+        capture(model, 2, 16)
+
+
 class _DataDependent(nn.Module):
     def __init__(self) -> None:
         super().__init__()

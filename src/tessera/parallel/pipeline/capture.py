@@ -252,6 +252,15 @@ def _logits_node(program: ExportedProgram, nodes: dict[str, ProxyNode]) -> str:
     if nodes.get(name) is None or nodes[name].kind != "compute":
         raise CaptureError(f"the model's first output {name!r} is not computed from its "
                            "weights; expected logits")
+    ids = nodes[sig.user_inputs[0]].node.meta["val"].shape  # (B, T)
+    shape = tuple(getattr(nodes[name].node.meta.get("val"), "shape", ()))
+    if len(shape) != 3 or shape[:2] != tuple(ids):
+        raise CaptureError(
+            f"the model's first output {name!r} has shape {shape}, not logits "
+            f"({ids[0]}, {ids[1]}, vocab) for input_ids of shape {tuple(ids)}: pipeline "
+            "stages train on the logits' next-token loss. A Mixture-of-Experts model with "
+            "output_router_logits=True returns its router loss first (and tessera would not "
+            "add it): build it with output_router_logits=False")
     return name
 
 
