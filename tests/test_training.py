@@ -37,6 +37,15 @@ def _single_process_runs(rank, world_size, root):
     shutil.copytree(root / "resumed", root / "resumed_dp2")
     out["second_half"], out["resumed_params"] = _train(
         root / "resumed", "dp=1,mbs=4,gbs=8", steps=10, train={"resume": True})
+    # With dropout: each step's masks come from the run's seed and the step number
+    # (rank_rng.step_seed), not from the generator's state after start-up.
+    dropout = {"preset": "tiny", "dropout": 0.2}
+    out["dropout_straight"], _ = _train(root / "d_straight", "dp=1,mbs=4,gbs=8", steps=6,
+                                        model=dropout)
+    out["dropout_first"], _ = _train(root / "d_resumed", "dp=1,mbs=4,gbs=8", steps=6,
+                                     until=3, model=dropout)
+    out["dropout_second"], _ = _train(root / "d_resumed", "dp=1,mbs=4,gbs=8", steps=6,
+                                      model=dropout, train={"resume": True})
     _train(root / "resize", "dp=1,mbs=4,gbs=8", steps=10, until=4)
     resized, _ = _train(root / "resize", "dp=1,mbs=4,gbs=16", steps=10,
                         train={"resume": True, "learning_rate": 6e-3})
@@ -111,6 +120,13 @@ def test_resume_equals_an_uninterrupted_run(runs):
     _close(first.losses + second.losses, straight.losses, rtol=0, atol=1e-6)
     for name, value in runs["straight_params"].items():
         torch.testing.assert_close(runs["resumed_params"][name], value, rtol=0, atol=1e-6)
+
+
+@pytest.mark.slow
+def test_resume_with_dropout_draws_the_masks_of_an_uninterrupted_run(runs):
+    resumed = runs["dropout_first"].losses + runs["dropout_second"].losses
+    _close(resumed, runs["dropout_straight"].losses, rtol=0, atol=1e-6)
+    assert runs["dropout_straight"].losses != runs["straight"].losses[:6]  # dropout ran
 
 
 @pytest.mark.slow

@@ -30,7 +30,7 @@ from tessera.parallel import parallelize
 from tessera.parallel.pipeline.engine import PipelineEngine
 from tessera.parallel.pipeline.recompute import strategy_text
 from tessera.parallel.plan import fit_batch
-from tessera.parallel.rank_rng import rank_stream
+from tessera.parallel.rank_rng import rank_stream, step_seed
 from tessera.strategy import Strategy, StrategyError
 from tessera.train import checkpoint as ckpt
 from tessera.train.engine import Engine
@@ -337,7 +337,8 @@ class Trainer:
         mbs = self.strategy.micro_batch_size
         micro_batches = [self._batch(self.train_dataset, indices[j: j + mbs])
                          for j in range(0, len(indices), mbs)]
-        with rank_stream(self.coordinates, self.ctx.device):  # dropout masks per rank
+        shared = step_seed(self.args.seed, self.step)  # equal on every rank and on resume
+        with rank_stream(self.coordinates, self.ctx.device, shared):  # dropout masks per rank
             result = self.engine.forward_backward(micro_batches)
         scaler = self.engine.scaler
         if scaler is not None:

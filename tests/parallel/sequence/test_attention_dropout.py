@@ -16,7 +16,7 @@ import math
 import pytest
 import torch
 
-from tessera.parallel.rank_rng import in_rank_stream, rank_stream, stream_seed
+from tessera.parallel.rank_rng import in_rank_stream, rank_stream, step_seed, stream_seed
 from tessera.parallel.sequence import blocks
 from tessera.parallel.sequence.dropout import AttentionDropout
 
@@ -102,25 +102,35 @@ def test_explicit_blocks_with_dropout_equal_dropped_full_attention(monkeypatch):
     assert (plain - out).abs().max() > 1e-2
 
 
-def test_rank_streams_differ_off_tensor_parallel_axes_and_leave_the_shared_one_in_step():
+def test_rank_streams_differ_off_1d_tensor_parallelism_and_follow_the_step():
     base = {"pp": 0, "dp": 0, "sp": 0, "tp": 0}
-    assert stream_seed(5, base) == stream_seed(5, {**base, "tp": 1})
-    assert stream_seed(5, {"pp": 0, "dp": 0, "sp": 0, "tp_row": 0, "tp_col": 0}) == \
-        stream_seed(5, {"pp": 0, "dp": 0, "sp": 0, "tp_row": 1, "tp_col": 1})
+    assert stream_seed(5, base) == stream_seed(5, {**base, "tp": 1})  # 1D peers replicate
+    grid = {"pp": 0, "dp": 0, "sp": 0, "tp_row": 0, "tp_col": 0}  # 2D ranks hold blocks
     seeds = {stream_seed(5, {**base, axis: 1}) for axis in ("pp", "dp", "sp")}
-    assert len(seeds | {stream_seed(5, base), stream_seed(6, base)}) == 5
+    seeds |= {stream_seed(5, {**grid, axis: 1}) for axis in ("tp_row", "tp_col")}
+    assert len(seeds | {stream_seed(5, base), stream_seed(6, base)}) == 7
+    # The step's shared seed is a function of the run's seed and the step only.
+    assert step_seed(7, 3) == step_seed(7, 3) != step_seed(7, 4) != step_seed(8, 4)
 
-    def step(coords):
+    def step(coords, shared=None):
         torch.manual_seed(0)
         assert not in_rank_stream()
-        with rank_stream(coords):
+        with rank_stream(coords, shared=shared):
             assert in_rank_stream()
             drawn = torch.rand(4)
-        return drawn, torch.rand(1)  # the shared generator, after the step
+        return drawn, torch.rand(1)  # the generator outside, after the step
 
     sp0, after0 = step(base)
     sp1, after1 = step({**base, "sp": 1})
     tp1, after_tp = step({**base, "tp": 1})
     assert not torch.equal(sp0, sp1) and torch.equal(sp0, tp1)
-    # Every rank's shared generator advanced alike (one seed drawn), whatever its stream.
+    # Drawing the shared seed advances every rank's generator alike, whatever its stream.
     assert torch.equal(after0, after1) and torch.equal(after0, after_tp)
+    # A given shared seed: the same stream whatever the generator's state, which stays put.
+    given, after = step(base, shared=step_seed(7, 3))
+    torch.manual_seed(1)
+    with rank_stream(base, shared=step_seed(7, 3)):
+        again = torch.rand(4)
+    assert torch.equal(given, again)
+    torch.manual_seed(0)
+    assert torch.equal(after, torch.rand(1))

@@ -61,6 +61,11 @@ DROPOUT_RUNS_2 = {
     "hf_gpt2_dropout_ring_recompute": ("hf_gpt2_dropout", "dp=1,sp=2,mbs=8,gbs=8,recompute=full"),
 }
 DROPOUT_RUNS_4 = {
+    # tp peers share a stream (their residual stream is replicated): the runs would drift
+    # apart between tp ranks otherwise; attention dropout masks the layer's heads (head_rank).
+    "gpt_dropout_sp2_tp2_ring": ("gpt_dropout", "dp=1,tp=2,sp=2,mbs=8,gbs=8"),
+    "gpt_dropout_sp2_tp2_ring_recompute": ("gpt_dropout", "dp=1,tp=2,sp=2,mbs=8,gbs=8,"
+                                                          "recompute=full"),
     "gpt_dropout_sp2_pp2_ulysses": ("gpt_dropout", "dp=1,sp=2,pp=2,mbs=4,gbs=8,sp_mode=ulysses"),
     "gpt_dropout_sp2_pp2_ulysses_recompute": (
         "gpt_dropout", "dp=1,sp=2,pp=2,mbs=4,gbs=8,sp_mode=ulysses,recompute=full"),
@@ -70,12 +75,14 @@ DROPOUT_RUNS_4 = {
 def _train(out: Path, model: str, strategy: str):
     config = tiny_run_config(out, strategy, model=MODELS[model])
     tokenizer = build_tokenizer(config)
-    train_ds, _ = build_datasets(config, tokenizer)
-    trainer = Trainer(build_model(config), config.train, train_ds, None,
-                      strategy=config.strategy)
+    train_ds, eval_ds = build_datasets(config, tokenizer)
+    dropout = "dropout" in model  # evaluated too: the eval graph draws no masks
+    trainer = Trainer(build_model(config), config.train, train_ds,
+                      eval_ds if dropout else None, strategy=config.strategy)
     result = trainer.train()
     return {"losses": result.losses, "features": trainer.plan.features,
-            "graph_ops": _attention_ops(trainer.plan.pipeline, config)}
+            "graph_ops": _attention_ops(trainer.plan.pipeline, config),
+            "eval": trainer.evaluate() if dropout else None}
 
 
 def _attention_ops(pipeline, config) -> set[str]:
@@ -137,6 +144,7 @@ def test_sequence_parallel_trains_with_dropout_and_recomputes_its_masks(runs, na
     undropped = runs["base"]["gpt" if name.startswith("gpt") else "hf_gpt2"]["losses"]
     assert max(abs(a - b) for a, b in zip(losses, undropped)) > 1e-3  # dropout ran
     assert losses[-1] < losses[0]
+    assert 0 < runs[name]["eval"] < losses[0] + 1  # evaluation runs (no dropout there)
     if ",pp=2" in (DROPOUT_RUNS_2 | DROPOUT_RUNS_4)[name][1]:
         # The attention dropout's seed is drawn by the captured graph on every run, not
         # baked in as a constant at capture.

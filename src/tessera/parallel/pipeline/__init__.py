@@ -70,9 +70,11 @@ class Pipeline:
     # Weights this rank reads only through row slices, held as those rows (rows.py).
     rows: RowHolding | None = None
 
-    def prepare(self, batch: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-        """The micro-batch as this rank's stages read it (this rank's tokens under sp)."""
-        return batch if self.inputs is None else self.inputs.shard(batch)
+    def prepare(self, batch: dict[str, torch.Tensor], training: bool
+                ) -> dict[str, torch.Tensor]:
+        """The micro-batch as this rank's stages read it (this rank's tokens under sp), for
+        the training graph or the evaluation one."""
+        return batch if self.inputs is None else self.inputs.shard(batch, training)
 
     def loss(self, logits: torch.Tensor, batch: dict[str, torch.Tensor]) -> torch.Tensor:
         """The last stage's loss of one (prepared) micro-batch; ``logits`` is the per-token

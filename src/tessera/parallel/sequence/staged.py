@@ -160,9 +160,12 @@ class StageInputs:
         return {"position_ids": torch.zeros_like(input_ids),
                 "meta": input_ids.new_zeros(*input_ids.shape, 2)}
 
-    def shard(self, batch: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-        """This rank's tokens of a micro-batch, with the whole micro-batch's label count."""
-        if self.model.training:
+    def shard(self, batch: dict[str, torch.Tensor], training: bool = True
+              ) -> dict[str, torch.Tensor]:
+        """This rank's tokens of a micro-batch, with the whole micro-batch's label count;
+        ``training``: for the training graph, which draws dropout masks (the evaluation
+        graph is captured in eval mode, whatever the user's model's flag says)."""
+        if training:
             self.sp.refuse_dropout()
         local = self.sp.shard(batch)
         local["token_count"] = self.sp.token_count(batch)
