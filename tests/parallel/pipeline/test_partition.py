@@ -78,6 +78,18 @@ def test_expert_and_batched_add_matmuls_are_priced_as_matmuls():
     assert flops == 2 * batch1[0] * batch1[1] * batch1[2] * batch2[-1]
 
 
+def test_reductions_are_priced_by_what_they_read():
+    from tessera.parallel.pipeline.cost import op_name
+
+    with torch.device("meta"):
+        llama = build_hf_model("llama", **hf_config_from_reference(
+            "llama", preset("tiny-llama", n_layers=1, vocab_size=256)))
+    graph = capture(llama, 2, 16)
+    mean = next(graph.nodes[n] for n in graph.compute if op_name(graph.nodes[n].node) == "mean")
+    read = mean.node.args[0].meta["val"].numel()  # RMSNorm's mean of squares: (2, 16, C)
+    assert mean.cost.fwd_flops == read == 2 * 16 * llama.config.hidden_size
+
+
 def test_uniform_transformer_balances_within_ten_percent(uniform):
     for pp in (2, 4):
         part = partition(uniform, pp, micro_batches=8)

@@ -34,11 +34,14 @@ VIEW_OPS = frozenset({
 TP_COMM_FWD = frozenset({"tp_reduce"})
 TP_COMM_BWD = frozenset({"tp_copy"})
 ALL_REDUCE_TRAFFIC = 2.0
-# Sequence-parallel attention as one custom op each (sequence/staged.py): priced by
-# sequence/cost.py, its ring or all-to-all bytes counted like a tensor-parallel collective's.
 # Matmuls of row groups by their own matrices: Mixture-of-Experts layers, as transformers
 # (grouped_mm_fallback) and torch (_grouped_mm) capture them.
 GROUPED_MATMUL_OPS = frozenset({"grouped_mm_fallback", "_grouped_mm", "grouped_mm"})
+# Reductions read every input element for each few they write: priced by their input.
+REDUCTION_OPS = frozenset({"logsumexp", "sum", "mean", "var", "var_mean", "std", "amax",
+                           "amin", "max", "min", "prod", "norm", "linalg_vector_norm"})
+# Sequence-parallel attention as one custom op each (sequence/staged.py): priced by
+# sequence/cost.py, its ring or all-to-all bytes counted like a tensor-parallel collective's.
 SP_ATTENTION_OPS = frozenset({"sp_ring_attention", "sp_attention"})
 
 
@@ -148,7 +151,8 @@ def node_cost(node: fx.Node) -> NodeCost:
         return NodeCost(flops, factor * flops, out, out)
     val = node.meta.get("val")
     numel = val.numel() if isinstance(val, torch.Tensor) else 0
-    if op == "logsumexp":  # a sliced LM head's softmax (head.py): it reads the whole slice
-        numel = node.args[0].meta["val"].numel()
-    # Element-wise or reduction: about one operation per output element.
+    source = node.args[0] if node.args else None
+    if op in REDUCTION_OPS and isinstance(getattr(source, "meta", {}).get("val"), torch.Tensor):
+        numel = source.meta["val"].numel()  # a norm's mean, a sliced LM head's logsumexp
+    # Element-wise: about one operation per output element; reductions per input element.
     return NodeCost(float(numel), BWD_ELEMENTWISE * numel, out, out)
