@@ -20,6 +20,9 @@ Prints JSON lines {"name", "value", "unit", "compared_against", ...context}:
   the formula's value and their ratio.
 - step_time_<mode>: forward+backward of the model on 4 CPU workers (1 thread each, on a shared
   machine: load average reported beside).
+- step_time_ring_attention_dropout: the same for the ring with attention dropout 0.1 (masks
+  hashed from token indices, on the explicit block path), against one device running SDPA
+  with dropout 0.1; each step inside a per-rank random stream, as the Trainer runs it.
 
     python benchmarks/bench_sequence_parallel.py [--quick]
 """
@@ -46,12 +49,14 @@ from tessera.mesh import Mesh
 from tessera.models import Transformer
 from tessera.models.config import preset
 from tessera.parallel.plan import Parallelized, default_forward_loss
+from tessera.parallel.rank_rng import rank_stream
 from tessera.parallel.sequence import SequenceParallel, apply_sequence_parallel
 from tessera.parallel.sequence.cost import attention_comm_bytes
 from tessera.strategy import Strategy
 from tessera.testing import run_distributed
 
 SP = 4
+ATTN_DROPOUT = 0.1
 
 
 class PeakMemory(TorchDispatchMode):
@@ -92,9 +97,9 @@ def _ptr(t: torch.Tensor) -> int:
     return getattr(t, "_local_tensor", t).untyped_storage().data_ptr()
 
 
-def _model(L: int, name: str) -> Transformer:
+def _model(L: int, name: str, dropout: float = 0.0) -> Transformer:
     torch.manual_seed(0)
-    return Transformer(preset(name, max_seq_len=L))
+    return Transformer(preset(name, max_seq_len=L, dropout=dropout))
 
 
 def _batch(B: int, L: int) -> dict[str, torch.Tensor]:
@@ -109,11 +114,11 @@ def _state_bytes(model) -> int:
     return 4 * sum(p.numel() * p.element_size() for p in local)
 
 
-def _build(kind: str, L: int, name: str, meshes: dict):
+def _build(kind: str, L: int, name: str, meshes: dict, dropout: float = 0.0):
     """(forward_loss, module, model) for 'single', 'ring', 'rsa', 'ulysses', 'tp' or 'tp_sp'
     (1D tensor parallelism with Megatron sequence parallelism around norms). ``meshes``
     caches one Mesh per strategy: building one creates process groups (collective, slow)."""
-    model = _model(L, name)
+    model = _model(L, name, dropout)
     if kind == "single":
         return default_forward_loss, model, model
     tp = kind.startswith("tp")
@@ -144,14 +149,16 @@ def _step_memory(kind: str, L: int, name: str, meshes: dict, B: int = 1) -> tupl
     return tracker.peak, _state_bytes(model)
 
 
-def _step_time(kind: str, L: int, name: str, meshes: dict, repeats: int) -> float:
-    forward_loss, module, _ = _build(kind, L, name, meshes)
+def _step_time(kind: str, L: int, name: str, meshes: dict, repeats: int,
+               dropout: float = 0.0) -> float:
+    forward_loss, module, _ = _build(kind, L, name, meshes, dropout)
     batch, times = _batch(1, L), []
     for i in range(repeats + 1):
         if kind != "single":
             dist.barrier()
         start = time.perf_counter()
-        forward_loss(module, batch).backward()
+        with rank_stream({"sp": dist.get_rank()}, shared=i):  # as the Trainer steps
+            forward_loss(module, batch).backward()
         if i:  # the first step warms up allocators and threads
             times.append(time.perf_counter() - start)
     return statistics.median(times)
@@ -246,6 +253,10 @@ def _times(rank, name, L, repeats, meshes):
     dist.barrier()
     for mode in ("ring", "rsa", "ulysses"):
         out[mode] = _max(_step_time(mode, L, name, meshes, repeats))  # slowest rank
+    out["single_dropout"] = (_step_time("single", L, name, meshes, repeats, ATTN_DROPOUT)
+                             if rank == 0 else 0.0)
+    dist.barrier()
+    out["ring_dropout"] = _max(_step_time("ring", L, name, meshes, repeats, ATTN_DROPOUT))
     return out
 
 
@@ -358,6 +369,12 @@ def _time_figures(times, L, ctx):
               ratio_vs_single=round(slowest / single, 3), seq_len=L, cores=os.cpu_count(),
               load_avg_1m_before=times["load_avg_1m_before"],
               note="4 ranks share the machine's cores", **ctx)
+    single, ring = times["single_dropout"], times["ring_dropout"]
+    _emit("step_time_ring_attention_dropout", round(ring, 4), "s per fwd+bwd (slowest rank)",
+          f"one device, whole sequence, torch SDPA, dropout {ATTN_DROPOUT}",
+          single_s=round(single, 4), ratio_vs_single=round(ring / single, 3),
+          ratio_vs_ring_without=round(ring / times["ring"], 3), seq_len=L,
+          cores=os.cpu_count(), note="dropout on residuals and attention alike", **ctx)
 
 
 if __name__ == "__main__":
