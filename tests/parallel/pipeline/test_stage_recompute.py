@@ -82,3 +82,50 @@ def test_rms_norm_models_recompute_one_block_at_a_time():
     index = graph.compute_index()
     largest = max(table.activations(index[s[0]], index[s[-1]] + 1) for s in segments)
     assert largest <= table.largest_block(0, len(graph.compute))  # what the estimate assumes
+
+
+class _Rope(torch.nn.Module):  # no weights; registered on the model, called in each block
+    def forward(self, x):
+        return x * torch.cos(torch.arange(x.shape[1], device=x.device))[None, :, None]
+
+
+class _Block(torch.nn.Module):
+    def __init__(self, rope) -> None:
+        super().__init__()
+        self.proj = torch.nn.Linear(16, 16)
+        self.rope = [rope]  # a reference, not a submodule: the model owns it
+
+    def forward(self, x):
+        h = x.pow(2).mean(-1, keepdim=True).rsqrt() * x  # an RMSNorm opening the block
+        return self.proj(self.rope[0](h))
+
+
+class _Container(torch.nn.Module):
+    def __init__(self, rope) -> None:
+        super().__init__()
+        self.layers = torch.nn.ModuleList(_Block(rope) for _ in range(3))
+
+    def forward(self, x):
+        for layer in self.layers:
+            x = x + layer(x)  # the residual added by the container, not the block
+        return x
+
+
+class _SharedModuleModel(torch.nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.embed, self.rope = torch.nn.Embedding(32, 16), _Rope()
+        self.model, self.head = _Container(self.rope), torch.nn.Linear(16, 32)
+
+    def forward(self, input_ids):
+        return self.head(self.model(self.embed(input_ids)))
+
+
+def test_block_labels_follow_the_calling_block_and_the_node_before():
+    """A model-level module called inside each block is that block's; a residual added by
+    the blocks' container follows the block before it (one run of labels per block)."""
+    with torch.device("meta"):
+        graph = capture(_SharedModuleModel(), 2, 8)
+    labels = [graph.nodes[n].block for n in graph.compute]
+    runs = [b for i, b in enumerate(labels) if i == 0 or labels[i - 1] != b]
+    assert runs == [None, 0, 1, 2, None], labels

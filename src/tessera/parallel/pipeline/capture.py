@@ -226,20 +226,22 @@ def _viewed_param(node: fx.Node, preds: list[ProxyNode]) -> ProxyNode | None:
 def _block_of(node: fx.Node, preds: list[ProxyNode], current: int | None) -> int | None:
     """The index of the block that computes ``node``, None outside blocks.
 
-    The module torch.export records decides: a block's norm starts with ops that read no
-    weight (RMSNorm's pow, mean, rsqrt), and they belong to that block, not to the one
-    before (which would leave no block boundary for recomputation to cut at). Nodes of the
-    model's own forward (no module recorded) or of a leaf call take the block of the weight
-    they read, else the block of the node before them."""
-    path = module_of(node)
-    match = _BLOCK_INDEX.search(f".{path}.") if path else None
-    if match:
-        return int(match.group(1))
+    The modules torch.export records decide, innermost first: a block's norm starts with ops
+    that read no weight (RMSNorm's pow, mean, rsqrt), and they belong to that block, not to
+    the one before (which would leave no block boundary for recomputation to cut at); a
+    module shared by the blocks (a model-level RoPE) runs inside the block calling it. Other
+    nodes (the model's own forward, a container's loop adding each block's output to the
+    residual, a leaf call) take the block of the weight they read, else the node before's."""
+    stack = node.meta.get("nn_module_stack") or {}
+    for path, _ in reversed(list(stack.values())):
+        match = _BLOCK_INDEX.search(f".{path}.")
+        if match:
+            return int(match.group(1))
     for pred in preds:
         if pred.kind in ("param", "param_view"):
             match = _BLOCK_INDEX.search("." + pred.fqn)
             return int(match.group(1)) if match else None
-    return None if path and not is_leaf_call(node) else current
+    return current
 
 
 def _logits_node(program: ExportedProgram, nodes: dict[str, ProxyNode]) -> str:

@@ -109,6 +109,9 @@ def matmul_flops(node: fx.Node) -> float:
         return 2.0 * math.prod(out) * k
     if op == "addmm":  # bias + (M, K) @ (K, N)
         return 2.0 * math.prod(out) * _shape(args[1])[-1]
+    if op in GROUPED_MATMUL_OPS and len(_shape(args[0])) == len(_shape(args[1])) == 2:
+        # (M, K) @ (K, N) with K split into groups (MoE weight gradients): out (G, M, N)
+        return 2.0 * math.prod(out[-2:]) * _shape(args[0])[-1]
     if op in ("mm", "bmm", "matmul") or op in GROUPED_MATMUL_OPS:
         # grouped: x (T, K) rows, each multiplied by its group's (K, N) matrix (MoE experts)
         return 2.0 * math.prod(out) * _shape(args[0])[-1]

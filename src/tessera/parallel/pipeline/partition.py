@@ -388,6 +388,7 @@ def in_flight(stage: int, stages: int, micro_batches: int, schedule: str) -> int
     return held
 
 
+@functools.lru_cache(maxsize=None)  # the partitioner's search asks for every cut it tries
 def _interleaved_in_flight(stage: int, stages: int, micro_batches: int) -> int:
     """The most micro-batches virtual stage ``stage`` holds in Megatron's interleaved order,
     counted on its rank's action list: a middle rank's chunks hold more than 1F1B's
