@@ -48,6 +48,8 @@ def _all_checks(rank, world_size, folder):
     out["scaler"] = tp_checks.grad_scaler_overflow(meshes["1d_tp2"])
     out["refusals"] = tp_checks.refusals(meshes["2d_2x2"])
     out["refusals"]["no_block"] = tp_checks.refusal_without_block(meshes["1d_tp2"])
+    out["refusals"]["megatron_sp_dropout"] = tp_checks.refusal_megatron_sp_dropout(
+        meshes["1d_tp2"])
     out["checkpoints"] = {(m, kind): tp_checks.checkpoint_roundtrip(meshes[m], kind,
                                                                      f"{folder}/{m}-{kind}")
                           for m in ("1d_tp4", "2d_2x2") for kind in ("ref-gpt", "hf-gpt2")}
@@ -119,6 +121,9 @@ def test_bad_input_is_refused_with_the_rule_named(results):
     # 1D column layers leave the input-gradient sum to their attention / MLP block's hook.
     assert "blocks.0.attn.q_proj of Transformer is column-parallel but not inside a module " \
            "of style 'attention' or 'mlp'" in got["no_block"]
+    # tp peers share a random stream, so they would drop their sequence chunks alike.
+    assert "Megatron sequence parallelism with dropout=0.1 would drop every tp rank's " \
+           "sequence chunk with the same mask" in got["megatron_sp_dropout"]
 
 
 @pytest.mark.slow

@@ -241,6 +241,17 @@ def refusals(mesh: Mesh) -> dict[str, str]:
     return out
 
 
+def refusal_megatron_sp_dropout(mesh: Mesh) -> str:
+    """The message refusing Megatron sequence parallelism on a model with dropout (1D)."""
+    model = Transformer(preset("tiny", dropout=0.1))
+    try:
+        apply_tensor_parallel(Parallelized(model, model, None), mesh.strategy, mesh,
+                              sequence_parallel=True)
+    except ValueError as err:
+        return str(err)
+    return ""
+
+
 def checkpoint_roundtrip(mesh: Mesh, kind: str, folder: str) -> dict[str, float]:
     """After one AdamW step: get_state_dict holds the single-device model and Adam states;
     torch.distributed.checkpoint saves them and loads them into a fresh TP model."""

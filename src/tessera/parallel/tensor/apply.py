@@ -74,6 +74,12 @@ def apply_tensor_parallel(plan: Parallelized, strategy: Strategy, mesh: Mesh,
         if sequence_parallel and dims.hf:
             raise PolicyError(f"{what}: sequence parallelism needs the reference model; "
                               f"{type(model).__name__} builds its masks from the local length")
+        if sequence_parallel and model.config.dropout > 0:
+            # tp peers draw from one stream (parallel/rank_rng.py: their replicated regions
+            # need equal masks), so the sequence chunks they split would be dropped alike.
+            raise PolicyError(f"{what}: Megatron sequence parallelism with dropout="
+                              f"{model.config.dropout} would drop every tp rank's sequence "
+                              "chunk with the same mask; set the model's dropout to 0")
         group = TPGroup(mesh.group("tp"), counter)
         check_divisible(dims, group.size, kv_ways_ok=True, what=what)
         builder = _Builder1D(dims, group, mesh.submesh("tp"), sequence_parallel)
