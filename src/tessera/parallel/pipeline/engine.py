@@ -58,8 +58,8 @@ class PipelineEngine:
 
     def forward_backward(self, micro_batches: list[dict[str, torch.Tensor]]):
         """Accumulate gradients of the mean loss over ``micro_batches`` on this rank's stages."""
-        batches = [self.pipe.prepare({k: v.to(self.device) for k, v in b.items()}, True)
-                   for b in micro_batches]
+        batches = [self.pipe.prepare({k: v.to(self.device) for k, v in b.items()},
+                                     training=True) for b in micro_batches]
         n = len(batches)
         built = self.pipe.program.get(tuple(batches[0]["input_ids"].shape), training=True)
         actions = self.pipe.actions(n)
@@ -82,7 +82,8 @@ class PipelineEngine:
     @torch.no_grad()
     def evaluate(self, batch: dict[str, torch.Tensor]) -> torch.Tensor:
         """Mean loss of one batch without gradients (the last stage's, on every rank)."""
-        batch = self.pipe.prepare({k: v.to(self.device) for k, v in batch.items()}, False)
+        batch = self.pipe.prepare({k: v.to(self.device) for k, v in batch.items()},
+                                  training=False)
         built = self.pipe.program.get(tuple(batch["input_ids"].shape), training=False)
         actions = [Action("F", s, 0) for s in self.pipe.local_stages]
         self._refresh_rows()
