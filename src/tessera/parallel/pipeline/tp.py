@@ -64,8 +64,10 @@ class GridInputs:
     def __init__(self, grid: Grid) -> None:
         self.grid = grid
 
-    def shard(self, batch: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-        """Batch slice i (rows [i B/q, (i+1) B/q)) of every tensor of the micro-batch."""
+    def shard(self, batch: dict[str, torch.Tensor], training: bool = True
+              ) -> dict[str, torch.Tensor]:
+        """Batch slice i (rows [i B/q, (i+1) B/q)) of every tensor of the micro-batch, for
+        training and evaluation alike."""
         q, rows = self.grid.q, batch["input_ids"].shape[0]
         if rows % q:
             raise ValueError(f"2D tensor parallelism splits each batch over the {q} grid rows: "
