@@ -29,6 +29,7 @@ from __future__ import annotations
 import contextlib
 import copy
 import dataclasses
+import logging
 import warnings
 from dataclasses import dataclass
 
@@ -71,7 +72,8 @@ def kept_bytes(graph: ProxyGraph) -> KeptBytes | None:
     if graph.kept is None:
         device_type, dtype = graph.run_on
         try:
-            graph.kept = _fake_run(graph, device_type, dtype)
+            with _quiet_fake_tensors():
+                graph.kept = _fake_run(graph, device_type, dtype)
         except Exception as err:  # whatever the op raised: the output-based count stands
             where = (f"torch.autocast({device_type!r}, {dtype})" if dtype
                      else device_type or "the capture's device")
@@ -79,7 +81,7 @@ def kept_bytes(graph: ProxyGraph) -> KeptBytes | None:
                           f"autograd keeps (1.3-1.8x that in fp32 in the models measured; "
                           f"under autocast it misses the weights' 16-bit copies): running "
                           f"the captured graph on fake tensors on {where} failed "
-                          f"({type(err).__name__}: {err})", stacklevel=2)
+                          f"({type(err).__name__}: {_first_line(err)})", stacklevel=2)
             graph.kept = False
     return graph.kept or None
 
@@ -153,6 +155,25 @@ class _Recorder(fx.Interpreter):
             if self.current not in savers[1:]:
                 savers.append(self.current)
         return tensor
+
+
+def _first_line(err: Exception) -> str:
+    """The error's message without the graph interpreter's appended node and traceback."""
+    lines = str(err).strip().splitlines()
+    return lines[0] if lines else ""
+
+
+@contextlib.contextmanager
+def _quiet_fake_tensors():
+    """Silence torch's own error log of a failing fake kernel (a page of traceback for
+    Mixtral's ``histc`` on int32): the warning above names the failure in one line."""
+    logger = logging.getLogger("torch._subclasses.fake_tensor")
+    level = logger.level
+    logger.setLevel(logging.CRITICAL)
+    try:
+        yield
+    finally:
+        logger.setLevel(level)
 
 
 def _fake_run(graph: ProxyGraph, device_type: str | None, dtype: torch.dtype | None
