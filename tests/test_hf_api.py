@@ -106,12 +106,15 @@ def _argument_mapping(root, data) -> dict:
             for s in evaluation]
     unsaved = Trainer(model=_tiny_gpt2(), args=TrainingArguments(
         output_dir=f"{root}/unsaved", per_device_train_batch_size=4, max_steps=2,
-        save_strategy="no", report_to="jsonl"), train_dataset=data)
+        save_strategy="no", report_to="jsonl", average_tokens_across_devices=False),
+        train_dataset=data)
     unsaved.train()
     recorder = trainer._hf_callbacks[0]
     return {"kept": sorted(p.name for p in Path(f"{root}/mapped/checkpoints").glob("step_*")),
             "events": recorder.events, "evaluated": evaluated,
             "per_sample_mean": sum(per_sample) / len(per_sample),
+            "tokens_across": [t._core.args.average_tokens_across_devices
+                              for t in (trainer, unsaved)],
             "mapped_files": sorted(p.name for p in Path(f"{root}/mapped").iterdir()),
             "unsaved_files": sorted(p.name for p in Path(f"{root}/unsaved").iterdir())}
 
@@ -153,6 +156,7 @@ def test_hf_script_runs_on_two_workers(tmp_path):
 
 def _check_argument_mapping(out):
     assert out["kept"] == ["step_00000003", "step_00000004"]  # save_total_limit=2
+    assert out["tokens_across"] == [True, False]  # Hugging Face's default, and passed on
     saves = [e[1] for e in out["events"] if e[0] == "save"]
     assert saves == [1, 2, 3, 4]
     logs = [e[1] for e in out["events"] if e[0] == "log"]

@@ -107,6 +107,9 @@ class TrainingArguments(_Section):
     adam_beta2: float = 0.95
     adam_epsilon: float = 1e-8
     max_grad_norm: float = 1.0
+    # A step's loss: the mean over the labels of all dp ranks' micro-batches (True), or each
+    # rank's own token mean averaged over ranks (False, no collective); as Hugging Face's.
+    average_tokens_across_devices: bool = True
     collective_timeout_s: float = 600.0  # a collective waiting longer fails, naming itself
     nonfinite: Literal["stop", "skip"] = "stop"  # on NaN/inf gradients: stop the run or skip
     logging_steps: int = 10

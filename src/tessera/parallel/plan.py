@@ -27,8 +27,12 @@ def causal_lm_logits(model: nn.Module, input_ids: torch.Tensor) -> torch.Tensor:
 
 
 def lm_loss(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
-    """Mean next-token cross-entropy in fp32; labels equal to -100 are ignored."""
-    return F.cross_entropy(logits.float().flatten(0, 1), labels.flatten(), ignore_index=-100)
+    """Mean next-token cross-entropy in fp32; labels equal to -100 are ignored (none left:
+    0 with a zero gradient, not F.cross_entropy's 0/0, so a micro-batch of padding alone
+    does not poison the step)."""
+    total = F.cross_entropy(logits.float().flatten(0, 1), labels.flatten(), ignore_index=-100,
+                            reduction="sum")
+    return total / (labels != -100).sum().clamp_min(1)
 
 
 def default_forward_loss(module: nn.Module, batch: Batch) -> torch.Tensor:

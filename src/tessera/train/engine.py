@@ -15,6 +15,7 @@ import torch
 
 from tessera.parallel.plan import Parallelized, causal_lm_logits, lm_loss
 from tessera.strategy import Strategy
+from tessera.parallel.loss_weights import TokenWeights, check_weights, equal_weights
 
 __all__ = ["Engine", "StepResult", "causal_lm_logits", "lm_loss"]
 
@@ -25,7 +26,7 @@ _AUTOCAST_DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}
 class StepResult:
     """What one optimizer step's forward/backward produced on this rank."""
 
-    loss: torch.Tensor  # mean loss over this rank's micro-batches (detached, fp32)
+    loss: torch.Tensor  # sum_i w_i * loss_i over this rank's micro-batches (detached, fp32)
     tokens: int  # tokens this rank processed
 
 
@@ -53,11 +54,18 @@ class Engine:
             return contextlib.nullcontext()
         return torch.autocast(self.device.type, dtype=self.dtype)
 
-    def forward_backward(self, micro_batches: list[dict[str, torch.Tensor]]) -> StepResult:
-        """Accumulate gradients of the mean loss over ``micro_batches``."""
+    def forward_backward(self, micro_batches: list[dict[str, torch.Tensor]],
+                         weights: TokenWeights | None = None) -> StepResult:
+        """Accumulate gradients of ``sum_i weights[i] * loss_i`` over ``micro_batches``.
+
+        ``weights`` default to 1/n each (the mean of the micro-batches' means); the Trainer
+        passes :func:`tessera.parallel.loss_weights.token_weights`, the mean over labels.
+        """
         total = torch.zeros((), device=self.device)
         tokens = 0
         n = len(micro_batches)
+        weights = equal_weights(n, self.device) if weights is None else weights
+        check_weights(weights, n)
         with self._step_casts():
             for i, batch in enumerate(micro_batches):
                 batch = {key: self._to_device(value) for key, value in batch.items()}
@@ -65,13 +73,13 @@ class Engine:
                 with self._grad_sync_context(sync=i == n - 1, key=tuple(batch["input_ids"].shape)):
                     with self.autocast():
                         loss = self.plan.loss(batch)
-                    scaled = loss / n
+                    scaled = loss * weights[i]
                     if self.scaler is not None:
                         scaled = self.scaler.scale(scaled)
                     scaled.backward()
-                total += loss.detach()
+                total += loss.detach() * weights[i]
                 tokens += batch["input_ids"].numel()
-        return StepResult(loss=total / n, tokens=tokens)
+        return StepResult(loss=total, tokens=tokens)
 
     def _step_casts(self):
         """Keeps autocast's 16-bit copies of the fp32 weights for the whole step, so each

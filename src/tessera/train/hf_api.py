@@ -64,6 +64,7 @@ class TrainingArguments(_Section):
     adam_beta2: float = 0.999
     adam_epsilon: float = 1e-8
     max_grad_norm: float = 1.0
+    average_tokens_across_devices: bool = True
     lr_scheduler_type: Literal["linear", "cosine", "constant", "constant_with_warmup"] = "linear"
     warmup_steps: int = 0
     warmup_ratio: float = 0.0
@@ -309,6 +310,7 @@ class Trainer:
                           a.warmup_steps or math.ceil(a.warmup_ratio * max_steps)),
             weight_decay=a.weight_decay, adam_beta1=a.adam_beta1, adam_beta2=a.adam_beta2,
             adam_epsilon=a.adam_epsilon, max_grad_norm=a.max_grad_norm,
+            average_tokens_across_devices=a.average_tokens_across_devices,
             logging_steps=a.logging_steps,
             eval_steps=(a.eval_steps or a.logging_steps) if eval_steps is None else eval_steps,
             save_steps=a.save_steps if save_steps is None else save_steps, seed=a.seed,

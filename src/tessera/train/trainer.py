@@ -27,6 +27,7 @@ from tessera.mesh import Mesh
 from tessera.models.materialize import DeferredInit, has_meta
 from tessera.models.hf import flops_per_token as generic_flops_per_token
 from tessera.parallel import parallelize
+from tessera.parallel.loss_weights import token_weights
 from tessera.parallel.pipeline.engine import PipelineEngine
 from tessera.parallel.pipeline.recompute import strategy_text
 from tessera.parallel.plan import fit_batch
@@ -337,9 +338,12 @@ class Trainer:
         mbs = self.strategy.micro_batch_size
         micro_batches = [self._batch(self.train_dataset, indices[j: j + mbs])
                          for j in range(0, len(indices), mbs)]
+        # The step's loss is the mean over all its labels on every dp rank (loss_weights.py).
+        weights = token_weights(micro_batches, self.ctx.device, self.mesh.group("dp"),
+                                self.mesh.size("dp"), self.args.average_tokens_across_devices)
         shared = step_seed(self.args.seed, self.step)  # equal on every rank and on resume
         with rank_stream(self.coordinates, self.ctx.device, shared):  # dropout masks per rank
-            result = self.engine.forward_backward(micro_batches)
+            result = self.engine.forward_backward(micro_batches, weights)
         scaler = self.engine.scaler
         if scaler is not None:
             scaler.unscale_(self.optimizer)

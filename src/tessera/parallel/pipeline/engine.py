@@ -21,6 +21,7 @@ from tessera.loss_scale import GradLossScaler
 from tessera.parallel.pipeline.comm import StageLink, message_plan
 from tessera.parallel.pipeline.partition import in_flight
 from tessera.parallel.pipeline.schedules import Action, recompute_early, recomputes
+from tessera.parallel.loss_weights import TokenWeights, check_weights, equal_weights
 from tessera.parallel.plan import Parallelized
 from tessera.strategy import Strategy
 
@@ -56,11 +57,16 @@ class PipelineEngine:
                        if strategy.precision == "fp16" else None)
         self.timeline = Timeline()
 
-    def forward_backward(self, micro_batches: list[dict[str, torch.Tensor]]):
-        """Accumulate gradients of the mean loss over ``micro_batches`` on this rank's stages."""
+    def forward_backward(self, micro_batches: list[dict[str, torch.Tensor]],
+                         weights: TokenWeights | None = None):
+        """Accumulate gradients of ``sum_i weights[i] * loss_i`` over ``micro_batches`` on
+        this rank's stages (weights: as :meth:`tessera.train.engine.Engine.forward_backward`).
+        """
         batches = [self.pipe.prepare({k: v.to(self.device) for k, v in b.items()},
                                      training=True) for b in micro_batches]
         n = len(batches)
+        weights = equal_weights(n, self.device) if weights is None else weights
+        check_weights(weights, n)
         built = self.pipe.program.get(tuple(batches[0]["input_ids"].shape), training=True)
         actions = self.pipe.actions(n)
         self._refresh_rows()
@@ -69,11 +75,12 @@ class PipelineEngine:
         held = max(in_flight(s, self.pipe.n_stages, n, self.pipe.schedule)
                    for s in self.pipe.local_stages)
         with self.pipe.grad_sync.accumulate(key), self.pipe.program.step_casts(built, held):
-            total = self._run(built, batches, actions, train=True)
+            total = self._run(built, batches, actions, train=True, weights=weights)
+        weights.settle()  # stages without the loss never read a weight
         if self.pipe.rows is not None:  # before the tied and dp rules read the home's grad
             self.pipe.rows.reduce_grads()
         self.pipe.grad_sync.sync()
-        loss = self._broadcast_loss(total / n)
+        loss = self._broadcast_loss(total)
         # Imported here: tessera.train imports this module (the Trainer picks the engine).
         from tessera.train.engine import StepResult
 
@@ -87,7 +94,8 @@ class PipelineEngine:
         built = self.pipe.program.get(tuple(batch["input_ids"].shape), training=False)
         actions = [Action("F", s, 0) for s in self.pipe.local_stages]
         self._refresh_rows()
-        return self._broadcast_loss(self._run(built, [batch], actions, train=False))
+        return self._broadcast_loss(self._run(built, [batch], actions, train=False,
+                                              weights=equal_weights(1, self.device)))
 
     def _refresh_rows(self) -> None:
         """Row holders take their rows from the weight's home (after its last update)."""
@@ -95,7 +103,8 @@ class PipelineEngine:
             self.pipe.rows.refresh()
 
     # ---------------------------------------------------------------------------- private
-    def _run(self, built, batches, actions: list[Action], train: bool) -> torch.Tensor:
+    def _run(self, built, batches, actions: list[Action], train: bool,
+             weights: TokenWeights) -> torch.Tensor:
         pipe, n = self.pipe, len(batches)
         link = StageLink(pipe.channels, pipe.stage_rank, self.device)
         last = pipe.n_stages - 1
@@ -116,10 +125,10 @@ class PipelineEngine:
                 self.timeline.add("F", s, m)
                 if s == last:
                     loss = pipe.loss(state.outputs[0], batches[m])
-                    state.loss = loss / n
+                    state.loss = loss * weights[m]
                     if train and self.scaler is not None:
                         state.loss = self.scaler.scale(state.loss)
-                    total += loss.detach()
+                    total += loss.detach() * weights[m]
                 else:
                     link.send(state.outputs, step.send)
                 if train:

@@ -94,9 +94,10 @@ def slice_head(graph: ProxyGraph, slices: int) -> ProxyGraph:
 
 
 def sliced_head_loss(nll: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
-    """Mean of the per-token loss over labels that are not -100 (as ``F.cross_entropy``)."""
+    """Mean of the per-token loss over labels that are not -100 (as
+    :func:`tessera.parallel.plan.lm_loss`: 0 when there are none)."""
     valid = labels != IGNORE_INDEX
-    return (nll * valid).sum() / valid.sum()
+    return (nll * valid).sum() / valid.sum().clamp_min(1)
 
 
 def _is_sliceable(graph: ProxyGraph, logits: fx.Node) -> bool:

@@ -72,7 +72,7 @@ def sharded_lm_loss(logits: torch.Tensor, labels: torch.Tensor, vocab: TPGroup,
         # each share its own gradient.
         total = ReduceFromTP.apply(total, batch)
         count = batch.all_reduce(count.clone())
-    return total / count
+    return total / count.clamp_min(1)  # no labels: 0, as lm_loss
 
 
 def make_forward_loss_1d(group: TPGroup):
