@@ -3,6 +3,7 @@
 Run: torchrun --nproc-per-node 2 examples/hf_gpt2_trainer.py  (or plain python for 1 worker)
 """
 
+import math
 import sysconfig
 from pathlib import Path
 
@@ -37,8 +38,14 @@ def main(output_dir: str = "runs/hf_gpt2", max_steps: int = 30) -> dict:
                              save_steps=max_steps, report_to="none",
                              strategy=None)  # CHANGED: tessera's layout (None: data parallel)
     trainer = Trainer(model=model, args=args, train_dataset=dataset, eval_dataset=dataset)
-    trainer.train()
+    train_result = trainer.train()
+    trainer.log_metrics("train", train_result.metrics)
+    trainer.save_metrics("train", train_result.metrics)
+    trainer.save_state()
     metrics = trainer.evaluate()
+    metrics["perplexity"] = math.exp(metrics["eval_loss"])
+    trainer.log_metrics("eval", metrics)
+    trainer.save_metrics("eval", metrics)
     trainer.save_model(f"{output_dir}/final")
     return metrics
 

@@ -1,6 +1,7 @@
 """The Hugging Face-style Trainer: same loss as the HF model, callbacks, epochs, save_model."""
 
 import inspect
+import math
 from pathlib import Path
 
 import pytest
@@ -61,11 +62,14 @@ def _script_and_callbacks(rank, world_size, root):
     trainer = Trainer(model=_tiny_gpt2(), args=TrainingArguments(
         output_dir=f"{root}/stopped", per_device_train_batch_size=4, num_train_epochs=2,
         logging_steps=1, learning_rate=1e-3, save_strategy="no"), train_dataset=data,
-        callbacks=[stopper])
+        callbacks=[Recorder])
+    trainer.add_callback(stopper)
+    removed = trainer.pop_callback(Recorder)  # a class: the first of it, returned
     epochs_steps = trainer.state.max_steps
     result = trainer.train()
     return {"metrics": metrics, "losses": result.losses, "stopped_at": result.step,
             "seen": stopper.seen, "epoch_steps": epochs_steps, "n": len(data),
+            "removed": (type(removed).__name__, len(removed.events)),
             **_meta_model_at_pp2(root, data), **_argument_mapping(root, data)}
 
 
@@ -141,9 +145,11 @@ def test_hf_script_runs_on_two_workers(tmp_path):
     assert out["metrics"]["eval_loss"] < 5.0  # trained from ~5.5 (uniform over 256 bytes)
     # Two epochs of n samples at 4 per worker x 2 workers.
     assert out["epoch_steps"] == 2 * (out["n"] // 8)
-    assert out["stopped_at"] == 3 and out["seen"] == [1, 2, 3]
+    assert out["stopped_at"] == 3 and out["seen"] == [1, 2, 3]  # added with add_callback
+    assert out["removed"] == ("Recorder", 0)  # popped before training: saw nothing
     reloaded = GPT2LMHeadModel.from_pretrained(tmp_path / "script" / "final")
     assert reloaded.config.n_layer == 2
+    _check_script_reports(tmp_path / "script", out["metrics"])
     # The meta-device model: each rank left the other stage's weights on meta, trained, and
     # save_model gathered the whole model.
     assert len(out["meta_losses"]) == 2 and all(4.0 < v < 7.0 for v in out["meta_losses"])
@@ -152,6 +158,28 @@ def test_hf_script_runs_on_two_workers(tmp_path):
     whole = GPT2LMHeadModel.from_pretrained(tmp_path / "meta_saved")
     assert sum(p.numel() for p in whole.parameters()) == out["meta_total"]
     _check_argument_mapping(out)
+
+
+def _check_script_reports(folder, eval_metrics):
+    """What the script's log_metrics / save_metrics / save_state calls left, as Hugging
+    Face's names them."""
+    import json
+
+    train = json.loads((folder / "train_results.json").read_text())
+    assert set(train) == {"train_runtime", "train_samples_per_second",
+                          "train_steps_per_second", "train_loss", "epoch"}
+    assert 0 < train["train_loss"] < 6 and train["train_steps_per_second"] > 0
+    # 20 steps of 16 samples: the rates agree with each other and the runtime.
+    assert abs(train["train_samples_per_second"] / train["train_steps_per_second"] - 16) < 0.1
+    evaluated = json.loads((folder / "eval_results.json").read_text())
+    assert evaluated["perplexity"] == pytest.approx(math.exp(eval_metrics["eval_loss"]))
+    assert json.loads((folder / "all_results.json").read_text()) == {**train, **evaluated}
+    state = json.loads((folder / "trainer_state.json").read_text())
+    assert state["global_step"] == state["max_steps"] == 20
+    logged = [r["loss"] for r in state["log_history"] if "loss" in r]
+    assert len(logged) == 4  # logging_steps=5
+    # train_loss is the mean over all 20 steps; the log holds 5-step means: their mean.
+    assert train["train_loss"] == pytest.approx(sum(logged) / 4, rel=1e-6)
 
 
 def _check_argument_mapping(out):
@@ -190,11 +218,18 @@ def test_script_differs_from_its_hf_original_in_two_lines():
     del hf[changed[1]]
     # What is left is a Hugging Face script: every keyword its TrainingArguments and Trainer
     # calls pass is one transformers' own classes take.
-    for call in ast.walk(ast.parse("\n".join(hf))):
+    tree = ast.parse("\n".join(hf))
+    for call in ast.walk(tree):
         name = getattr(getattr(call, "func", None), "id", None)
         if isinstance(call, ast.Call) and name in ("TrainingArguments", "Trainer"):
             accepted = inspect.signature(getattr(transformers, name)).parameters
             assert {kw.arg for kw in call.keywords} <= set(accepted), name
+    # ... and every Trainer method it calls (run_clm.py's train / log_metrics / save_metrics /
+    # save_state / evaluate / save_model) is one transformers' Trainer has, and tessera's.
+    called = {node.attr for node in ast.walk(tree) if isinstance(node, ast.Attribute)
+              and getattr(node.value, "id", None) == "trainer"}
+    assert {"log_metrics", "save_metrics", "save_state"} <= called
+    assert called <= set(dir(transformers.Trainer)) & set(dir(Trainer)), called
 
 
 @pytest.mark.parametrize("kwargs, fragment", [

@@ -127,3 +127,21 @@ def test_a_callback_reading_a_field_tessera_lacks_fails_naming_it():
     with pytest.raises(ValueError, match="EarlyStoppingCallback.on_train_begin reads "
                                          "TrainingArguments.load_best_model_at_end"):
         trainer._each("on_train_begin")
+
+
+def test_metrics_are_printed_and_saved_as_hugging_face_names_them(tmp_path):
+    from tessera.train.hf_reports import format_metrics, write_metrics
+
+    text = format_metrics("eval", {"eval_loss": 2.3456789, "epoch": 1})
+    assert text.splitlines() == ["***** eval metrics *****", "  epoch     = 1",
+                                 "  eval_loss = 2.346"]
+    write_metrics(tmp_path, "train", {"train_loss": 3.0})
+    write_metrics(tmp_path, "eval", {"eval_loss": 2.0})
+    write_metrics(tmp_path, "test", {"test_loss": 1.0}, combined=False)
+    import json
+
+    assert json.loads((tmp_path / "all_results.json").read_text()) == {
+        "train_loss": 3.0, "eval_loss": 2.0}
+    assert json.loads((tmp_path / "test_results.json").read_text()) == {"test_loss": 1.0}
+    with pytest.raises(ValueError, match="metric 'loss' is a Tensor"):
+        write_metrics(tmp_path, "bad", {"loss": torch.tensor(1.0)})

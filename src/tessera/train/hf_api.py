@@ -7,7 +7,9 @@ A Hugging Face training script changes in two lines::
                              strategy="auto")           # added: how to lay the job out
     trainer = Trainer(model=model, args=args, train_dataset=train, eval_dataset=val,
                       data_collator=collator, callbacks=[...])
-    trainer.train(); trainer.evaluate(); trainer.save_model()
+    result = trainer.train(); trainer.log_metrics("train", result.metrics)
+    trainer.save_metrics("train", result.metrics); trainer.save_state()
+    trainer.evaluate(); trainer.save_model()
 
 and runs under ``torchrun --nproc-per-node N script.py`` (or alone, as one worker).
 
@@ -21,6 +23,7 @@ from __future__ import annotations
 
 import inspect
 import math
+import time
 from pathlib import Path
 from typing import Any, Callable, Literal, Mapping, Sequence
 
@@ -36,7 +39,8 @@ from tessera.data.dataset import collate
 from tessera.strategy import Strategy, StrategyError
 from tessera.train.checkpoint import checkpoint_root, find_latest
 from tessera.train.trainer import Trainer as CoreTrainer
-from tessera.train.trainer import TrainResult
+from tessera.train.hf_reports import (TrainOutput, format_metrics, train_output,
+                                      write_metrics, write_state)
 
 
 class TrainingArguments(_Section):
@@ -195,6 +199,8 @@ class Trainer:
         callbacks: Hugging Face-style callback objects or plain functions of a record. The
             events fired are ``SUPPORTED_EVENTS``; a callback defining another is refused,
             as is a control flag other than ``should_training_stop``.
+        processing_class: the tokenizer (or processor), kept with the model: ``save_model``
+            writes it beside the weights when it has ``save_pretrained``, as Hugging Face.
 
     Arguments after ``args`` are keyword-only: Hugging Face's positional order differs.
     Sample keys the model's forward does not take (a ``text`` column) are dropped, as
@@ -205,18 +211,19 @@ class Trainer:
     def __init__(self, model: nn.Module, args: TrainingArguments | None = None, *,
                  train_dataset: Dataset | None = None, eval_dataset: Dataset | None = None,
                  data_collator: Callable[[list], dict] | None = None,
-                 callbacks: Sequence[Any] = ()) -> None:
+                 callbacks: Sequence[Any] = (), processing_class: Any = None) -> None:
         if train_dataset is None:
             raise ValueError("Trainer needs a train_dataset")
         self.args = args or TrainingArguments()
         seed_everything(self.args.seed)
         self.state = TrainerState()
         self.control = TrainerControl()
+        self.processing_class = processing_class
         # A callback class is instantiated, as Hugging Face does.
         callbacks = [c() if isinstance(c, type) else c for c in callbacks]
-        self._hf_callbacks = [c for c in callbacks if not callable(c)]
-        for callback in self._hf_callbacks:
-            check_callback_events(callback)
+        self._hf_callbacks: list[Any] = []
+        for callback in (c for c in callbacks if not callable(c)):
+            self.add_callback(callback)
         plain = [c for c in callbacks if callable(c)]
         self._core_args, strategy = self._translate(model, train_dataset, eval_dataset)
         self.state.describe(self._core_args, self.args, self._steps_per_epoch)
@@ -232,8 +239,12 @@ class Trainer:
         self._each("on_init_end")
 
     # ------------------------------------------------------------------------------- API
-    def train(self, resume_from_checkpoint: str | bool | None = None) -> TrainResult:
+    def train(self, resume_from_checkpoint: str | bool | None = None) -> TrainOutput:
         """Train; ``resume_from_checkpoint`` is a checkpoint folder or True (the newest).
+
+        Returns tessera's :class:`TrainResult` with Hugging Face's ``global_step``,
+        ``training_loss`` and ``metrics`` (``train_runtime``, ``train_samples_per_second``,
+        ``train_steps_per_second``, ``train_loss``, ``epoch``) of this call.
 
         Raises:
             ValueError: for True when ``output_dir`` holds no checkpoint (as Hugging Face).
@@ -248,10 +259,13 @@ class Trainer:
         # A stop asked for in an earlier train() does not end this one (as Hugging Face).
         self.control.should_training_stop = self._core.stop_requested = False
         self._each("on_train_begin")
+        first, started = self._core.step, time.perf_counter()
         result = self._core.train()
+        runtime = time.perf_counter() - started
         self.state.global_step = result.step
         self._each("on_train_end")
-        return result
+        return train_output(result, result.step - first, runtime,
+                            self._core.strategy.global_batch_size, self._steps_per_epoch)
 
     def evaluate(self) -> dict[str, float]:
         """``{"eval_loss": ...}`` over the whole evaluation set, each sample once (all ranks
@@ -269,7 +283,51 @@ class Trainer:
         """Write the full (unsharded) weights for ``from_pretrained`` or reloading."""
         from tessera.train.export import save_full_model
 
-        return save_full_model(self._core, Path(output_dir or self.args.output_dir))
+        folder = save_full_model(self._core, Path(output_dir or self.args.output_dir))
+        if self._core.ctx.is_main and hasattr(self.processing_class, "save_pretrained"):
+            self.processing_class.save_pretrained(folder)
+        return folder
+
+    def add_callback(self, callback: Any) -> None:
+        """Add a Hugging Face-style callback (a class is instantiated); refused, naming it,
+        when it handles an event this Trainer never fires."""
+        callback = callback() if isinstance(callback, type) else callback
+        check_callback_events(callback)
+        self._hf_callbacks.append(callback)
+
+    def pop_callback(self, callback: Any) -> Any:
+        """Remove a callback (an instance, or the first of a class) and return it; None when
+        there is none."""
+        for found in self._hf_callbacks:
+            if found is callback or (isinstance(callback, type) and type(found) is callback):
+                self._hf_callbacks.remove(found)
+                return found
+        return None
+
+    def remove_callback(self, callback: Any) -> None:
+        """Remove a callback (an instance, or the first of a class)."""
+        self.pop_callback(callback)
+
+    def is_world_process_zero(self) -> bool:
+        """Whether this is the process that logs and saves (global rank 0)."""
+        return self._core.ctx.is_main
+
+    def log_metrics(self, split: str, metrics: dict[str, Any]) -> None:
+        """Print ``metrics`` under a ``***** {split} metrics *****`` header (rank 0)."""
+        if self.is_world_process_zero():
+            print(format_metrics(split, metrics), flush=True)
+
+    def save_metrics(self, split: str, metrics: dict[str, Any], combined: bool = True) -> None:
+        """Write ``{split}_results.json`` in ``output_dir`` and, with ``combined``, merge the
+        metrics into ``all_results.json`` (rank 0)."""
+        if self.is_world_process_zero():
+            write_metrics(self.args.output_dir, split, metrics, combined)
+
+    def save_state(self) -> None:
+        """Write ``trainer_state.json`` (step counters and log history) in ``output_dir``
+        (rank 0)."""
+        if self.is_world_process_zero():
+            write_state(self.args.output_dir, self.state)
 
     # --------------------------------------------------------------------------- helpers
     def _translate(self, model: nn.Module, train_dataset: Dataset,
