@@ -89,6 +89,13 @@ class Recorder(TrainerCallback):
         self.events.append(("save", state.global_step))
 
 
+class Processor:
+    """What save_model needs of a processing_class (a tokenizer): save_pretrained(folder)."""
+
+    def save_pretrained(self, folder):
+        (Path(folder) / "processor.txt").write_text("saved")
+
+
 def _argument_mapping(root, data) -> dict:
     """save_total_limit, save_strategy="no", report_to, on_save / on_log / on_evaluate, and
     evaluation over the whole set, each sample once, at per_device_eval_batch_size."""
@@ -111,8 +118,9 @@ def _argument_mapping(root, data) -> dict:
     unsaved = Trainer(model=_tiny_gpt2(), args=TrainingArguments(
         output_dir=f"{root}/unsaved", per_device_train_batch_size=4, max_steps=2,
         save_strategy="no", report_to="jsonl", average_tokens_across_devices=False),
-        train_dataset=data)
+        train_dataset=data, processing_class=Processor())
     unsaved.train()
+    unsaved.save_model(f"{root}/unsaved_model")
     recorder = trainer._hf_callbacks[0]
     return {"kept": sorted(p.name for p in Path(f"{root}/mapped/checkpoints").glob("step_*")),
             "events": recorder.events, "evaluated": evaluated,
@@ -120,7 +128,8 @@ def _argument_mapping(root, data) -> dict:
             "tokens_across": [t._core.args.average_tokens_across_devices
                               for t in (trainer, unsaved)],
             "mapped_files": sorted(p.name for p in Path(f"{root}/mapped").iterdir()),
-            "unsaved_files": sorted(p.name for p in Path(f"{root}/unsaved").iterdir())}
+            "unsaved_files": sorted(p.name for p in Path(f"{root}/unsaved").iterdir()),
+            "processor_saved": (Path(root) / "unsaved_model" / "processor.txt").exists()}
 
 
 def _meta_model_at_pp2(root, data) -> dict:
@@ -184,6 +193,7 @@ def _check_script_reports(folder, eval_metrics):
 
 def _check_argument_mapping(out):
     assert out["kept"] == ["step_00000003", "step_00000004"]  # save_total_limit=2
+    assert out["processor_saved"]  # save_model writes the processing_class beside the model
     assert out["tokens_across"] == [True, False]  # Hugging Face's default, and passed on
     saves = [e[1] for e in out["events"] if e[0] == "save"]
     assert saves == [1, 2, 3, 4]
