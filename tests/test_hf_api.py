@@ -65,11 +65,16 @@ def _script_and_callbacks(rank, world_size, root):
         callbacks=[Recorder])
     trainer.add_callback(stopper)
     removed = trainer.pop_callback(Recorder)  # a class: the first of it, returned
+    try:
+        trainer.remove_callback(Recorder())  # an instance it does not hold
+        refused = None
+    except ValueError as err:
+        refused = str(err)
     epochs_steps = trainer.state.max_steps
     result = trainer.train()
     return {"metrics": metrics, "losses": result.losses, "stopped_at": result.step,
             "seen": stopper.seen, "epoch_steps": epochs_steps, "n": len(data),
-            "removed": (type(removed).__name__, len(removed.events)),
+            "removed": (type(removed).__name__, len(removed.events)), "refused": refused,
             **_meta_model_at_pp2(root, data), **_argument_mapping(root, data)}
 
 
@@ -110,6 +115,11 @@ def _argument_mapping(root, data) -> dict:
         callbacks=[Recorder])
     trainer.train()
     evaluated = trainer.evaluate()["eval_loss"]
+    # Resumed at step 4 (the newest kept checkpoint) and run to 6: the metrics count 2 steps.
+    resumed = Trainer(model=_tiny_gpt2(), args=TrainingArguments(
+        output_dir=f"{root}/mapped", per_device_train_batch_size=4, max_steps=6,
+        save_strategy="no", learning_rate=1e-3), train_dataset=data)
+    step, loss, resumed_metrics = resumed.train(resume_from_checkpoint=True)
     model = trainer._core.model.eval()  # DDP replicas: every rank holds the trained weights
     with torch.no_grad():
         per_sample = [torch.nn.functional.cross_entropy(
@@ -129,7 +139,8 @@ def _argument_mapping(root, data) -> dict:
                               for t in (trainer, unsaved)],
             "mapped_files": sorted(p.name for p in Path(f"{root}/mapped").iterdir()),
             "unsaved_files": sorted(p.name for p in Path(f"{root}/unsaved").iterdir()),
-            "processor_saved": (Path(root) / "unsaved_model" / "processor.txt").exists()}
+            "processor_saved": (Path(root) / "unsaved_model" / "processor.txt").exists(),
+            "resumed": (step, loss, resumed_metrics)}
 
 
 def _meta_model_at_pp2(root, data) -> dict:
@@ -154,8 +165,10 @@ def test_hf_script_runs_on_two_workers(tmp_path):
     assert out["metrics"]["eval_loss"] < 5.0  # trained from ~5.5 (uniform over 256 bytes)
     # Two epochs of n samples at 4 per worker x 2 workers.
     assert out["epoch_steps"] == 2 * (out["n"] // 8)
-    assert out["stopped_at"] == 3 and out["seen"] == [1, 2, 3]  # added with add_callback
+    # Added with add_callback; the last is train()'s closing entry (train_runtime, ...).
+    assert out["stopped_at"] == 3 and out["seen"] == [1, 2, 3, 3]
     assert out["removed"] == ("Recorder", 0)  # popped before training: saw nothing
+    assert "Recorder is not one of this Trainer's callbacks" in out["refused"]
     reloaded = GPT2LMHeadModel.from_pretrained(tmp_path / "script" / "final")
     assert reloaded.config.n_layer == 2
     _check_script_reports(tmp_path / "script", out["metrics"])
@@ -185,6 +198,8 @@ def _check_script_reports(folder, eval_metrics):
     assert json.loads((folder / "all_results.json").read_text()) == {**train, **evaluated}
     state = json.loads((folder / "trainer_state.json").read_text())
     assert state["global_step"] == state["max_steps"] == 20
+    closing = state["log_history"][-1]  # train()'s closing log entry, as Hugging Face's
+    assert closing["train_loss"] == train["train_loss"] and closing["step"] == 20
     logged = [r["loss"] for r in state["log_history"] if "loss" in r]
     assert len(logged) == 4  # logging_steps=5
     # train_loss is the mean over all 20 steps; the log holds 5-step means: their mean.
@@ -193,6 +208,11 @@ def _check_script_reports(folder, eval_metrics):
 
 def _check_argument_mapping(out):
     assert out["kept"] == ["step_00000003", "step_00000004"]  # save_total_limit=2
+    step, loss, metrics = out["resumed"]  # unpacked as Hugging Face's TrainOutput
+    assert step == 6 and loss == metrics["train_loss"] and 0 < loss < 6
+    # Two steps ran after the resume (not six): rate x runtime, to the rounding of both.
+    ran = metrics["train_steps_per_second"] * metrics["train_runtime"]
+    assert abs(ran - 2) < 0.05, metrics
     assert out["processor_saved"]  # save_model writes the processing_class beside the model
     assert out["tokens_across"] == [True, False]  # Hugging Face's default, and passed on
     saves = [e[1] for e in out["events"] if e[0] == "save"]

@@ -132,9 +132,12 @@ def test_a_callback_reading_a_field_tessera_lacks_fails_naming_it():
 def test_metrics_are_printed_and_saved_as_hugging_face_names_them(tmp_path):
     from tessera.train.hf_reports import format_metrics, write_metrics
 
-    text = format_metrics("eval", {"eval_loss": 2.3456789, "epoch": 1})
-    assert text.splitlines() == ["***** eval metrics *****", "  epoch     = 1",
-                                 "  eval_loss = 2.346"]
+    text = format_metrics("eval", {"eval_loss": 2.3456789, "epoch": 1,
+                                   "eval_runtime": 3725.5})
+    assert text.splitlines() == ["***** eval metrics *****",
+                                 "  epoch        =          1",
+                                 "  eval_loss    =     2.3457",
+                                 "  eval_runtime = 1:02:05.50"]
     write_metrics(tmp_path, "train", {"train_loss": 3.0})
     write_metrics(tmp_path, "eval", {"eval_loss": 2.0})
     write_metrics(tmp_path, "test", {"test_loss": 1.0}, combined=False)

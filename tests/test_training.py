@@ -8,6 +8,7 @@ A resume in the same world size replays the same operations, so it must match to
 
 from __future__ import annotations
 
+import json
 import shutil
 from pathlib import Path
 
@@ -43,16 +44,41 @@ class IgnoredTails(torch.utils.data.Dataset):
         return sample
 
 
+def _evaluate_with_unlabelled_samples(out):
+    """(evaluate() over 6 samples of which 3 have no labels, one per micro-batch; the mean
+    loss of the 3 labelled ones, computed directly)."""
+    from tessera.parallel.plan import lm_loss
+    from tessera.run import build_datasets, build_model, build_tokenizer
+    from tessera.testing import tiny_run_config
+    from tessera.train.trainer import Trainer
+
+    config = tiny_run_config(out, "dp=1,mbs=2,gbs=2",
+                             train={"eval_micro_batch_size": 1, "eval_batches": 0})
+    train_ds, val_ds = build_datasets(config, build_tokenizer(config))
+    samples = [dict(val_ds[i]) for i in range(6)]
+    for sample in samples[1::2]:
+        sample["labels"] = torch.full_like(sample["labels"], -100)
+    trainer = Trainer(build_model(config), config.train, train_ds, samples,
+                      strategy=config.strategy)
+    with torch.no_grad():
+        direct = [float(lm_loss(trainer.model(s["input_ids"][None]), s["labels"][None]))
+                  for s in samples[0::2]]
+    return trainer.evaluate(), sum(direct) / len(direct)
+
+
 def _train_ignored_tails(out, strategy: str, **train):
-    """Five steps of the tiny model on :class:`IgnoredTails`; returns the TrainResult."""
+    """Five steps of the tiny model on :class:`IgnoredTails`: (per-step losses, per-step
+    gradient norms before clipping, from metrics.jsonl)."""
     from tessera.run import build_datasets, build_model, build_tokenizer
     from tessera.testing import tiny_run_config
     from tessera.train.trainer import Trainer
 
     config = tiny_run_config(out, strategy, train=train)
     train_ds, _ = build_datasets(config, build_tokenizer(config))
-    return Trainer(build_model(config), config.train, IgnoredTails(train_ds),
-                   strategy=config.strategy).train()
+    result = Trainer(build_model(config), config.train, IgnoredTails(train_ds),
+                     strategy=config.strategy).train()
+    records = [json.loads(line) for line in (Path(out) / "metrics.jsonl").open()]
+    return result.losses, [r["grad_norm"] for r in records if "grad_norm" in r]
 
 
 def _single_process_runs(rank, world_size, root):
@@ -92,6 +118,7 @@ def _single_process_runs(rank, world_size, root):
                               model={"preset": "tiny", "hf": arch})
     out["tails_dp1"] = _train_ignored_tails(root / "tails_dp1", "dp=1,mbs=8,gbs=8")
     out["tails_accum"] = _train_ignored_tails(root / "tails_accum", "dp=1,mbs=2,gbs=8")
+    out["eval_unlabelled"] = _evaluate_with_unlabelled_samples(root / "eval_unlabelled")
     return out
 
 
@@ -138,13 +165,24 @@ def test_the_loss_is_the_mean_over_all_labels_of_the_step(runs):
     """With unequal label counts per micro-batch, accumulation, dp=2 and pp=2 train as one
     micro-batch of the whole global batch does: each micro-batch is weighted by its labels
     (as Hugging Face's num_items_in_batch), not 1/n."""
+    losses, norms = runs["tails_dp1"]
+    assert len(losses) == len(norms) == 5
     for name in ("tails_accum", "tails_dp2", "tails_pp2"):
-        _close(runs[name].losses, runs["tails_dp1"].losses, **FP32_PARITY)
+        _close(runs[name][0], losses, **FP32_PARITY)
+        # The gradients' scale too (clipping and Adam hide it from the losses): norms of
+        # about 4, reduced in another order, to 1e-4 relative.
+        _close(runs[name][1], norms, rtol=1e-4, atol=0)
     # Each rank's own token mean, averaged over ranks (Hugging Face's other choice), is not
     # the global mean when the ranks hold unequal counts: the losses differ by far more than
     # the parity tolerance (about 1e-3 on losses near ln 256 from an untrained model).
-    local, whole = runs["tails_dp2_local"].losses, runs["tails_dp1"].losses
-    assert max(abs(a - b) for a, b in zip(local, whole)) > 1e-4, (local, whole)
+    local = runs["tails_dp2_local"][0]
+    assert max(abs(a - b) for a, b in zip(local, losses)) > 1e-4, (local, losses)
+
+
+@pytest.mark.slow
+def test_evaluation_leaves_out_micro_batches_without_labels(runs):
+    got, want = runs["eval_unlabelled"]
+    assert abs(got - want) < 1e-5, (got, want)  # fp32, the same forward: rounding only
 
 
 @pytest.mark.slow

@@ -223,7 +223,8 @@ class Trainer:
         callbacks = [c() if isinstance(c, type) else c for c in callbacks]
         self._hf_callbacks: list[Any] = []
         for callback in (c for c in callbacks if not callable(c)):
-            self.add_callback(callback)
+            check_callback_events(callback)
+            self._hf_callbacks.append(callback)
         plain = [c for c in callbacks if callable(c)]
         self._core_args, strategy = self._translate(model, train_dataset, eval_dataset)
         self.state.describe(self._core_args, self.args, self._steps_per_epoch)
@@ -259,13 +260,14 @@ class Trainer:
         # A stop asked for in an earlier train() does not end this one (as Hugging Face).
         self.control.should_training_stop = self._core.stop_requested = False
         self._each("on_train_begin")
-        first, started = self._core.step, time.perf_counter()
+        started = time.perf_counter()
         result = self._core.train()
-        runtime = time.perf_counter() - started
+        output = train_output(result, time.perf_counter() - started,
+                              self._core.strategy.global_batch_size, self._steps_per_epoch)
         self.state.global_step = result.step
+        self.log(dict(output.metrics))  # the run's closing log entry, as Hugging Face's
         self._each("on_train_end")
-        return train_output(result, result.step - first, runtime,
-                            self._core.strategy.global_batch_size, self._steps_per_epoch)
+        return output
 
     def evaluate(self) -> dict[str, float]:
         """``{"eval_loss": ...}`` over the whole evaluation set, each sample once (all ranks
@@ -289,28 +291,50 @@ class Trainer:
         return folder
 
     def add_callback(self, callback: Any) -> None:
-        """Add a Hugging Face-style callback (a class is instantiated); refused, naming it,
-        when it handles an event this Trainer never fires."""
+        """Add a Hugging Face-style callback (a class is instantiated; refused, naming it,
+        when it handles an event this Trainer never fires) or a plain function of a record."""
         callback = callback() if isinstance(callback, type) else callback
+        if callable(callback):
+            self._core.callbacks.append(callback)
+            return
         check_callback_events(callback)
         self._hf_callbacks.append(callback)
 
     def pop_callback(self, callback: Any) -> Any:
-        """Remove a callback (an instance, or the first of a class) and return it; None when
-        there is none."""
-        for found in self._hf_callbacks:
-            if found is callback or (isinstance(callback, type) and type(found) is callback):
-                self._hf_callbacks.remove(found)
+        """Remove a callback (an instance, or the first instance of a class) and return it;
+        None when there is none."""
+        for found in self._hf_callbacks + self._core.callbacks[1:]:  # [0] is _dispatch
+            if found is callback or (isinstance(callback, type) and isinstance(found, callback)):
+                owner = self._hf_callbacks if found in self._hf_callbacks else self._core.callbacks
+                owner.remove(found)
                 return found
         return None
 
     def remove_callback(self, callback: Any) -> None:
-        """Remove a callback (an instance, or the first of a class)."""
-        self.pop_callback(callback)
+        """Remove a callback (an instance, or the first instance of a class).
+
+        Raises:
+            ValueError: for an instance this Trainer does not hold (as Hugging Face's).
+        """
+        if self.pop_callback(callback) is None and not isinstance(callback, type):
+            raise ValueError(f"{type(callback).__name__} is not one of this Trainer's callbacks")
+
+    def log(self, logs: dict[str, float]) -> None:
+        """Log ``logs`` (rank 0): the epoch is added, the record with the step goes to
+        ``state.log_history``, and callbacks' ``on_log`` see it, as Hugging Face's log."""
+        if not self.is_world_process_zero():
+            return
+        record = {**logs, "epoch": self.state.epoch, "step": self.state.global_step}
+        self.state.log_history.append(record)
+        self._each("on_log", logs=record)  # with the step, as the training logs here
 
     def is_world_process_zero(self) -> bool:
         """Whether this is the process that logs and saves (global rank 0)."""
         return self._core.ctx.is_main
+
+    def is_local_process_zero(self) -> bool:
+        """Whether this is the first process on its machine."""
+        return self._core.ctx.local_rank == 0
 
     def log_metrics(self, split: str, metrics: dict[str, Any]) -> None:
         """Print ``metrics`` under a ``***** {split} metrics *****`` header (rank 0)."""

@@ -38,13 +38,23 @@ class TrainOutput(TrainResult):
     training_loss: float = math.nan
     metrics: dict[str, float] = field(default_factory=dict)
 
+    def __iter__(self):
+        """``global_step, training_loss, metrics = trainer.train()``, as Hugging Face's
+        NamedTuple unpacks."""
+        return iter((self.global_step, self.training_loss, self.metrics))
 
-def train_output(result: TrainResult, steps_run: int, runtime_s: float, global_batch: int,
+    def __getitem__(self, index: int):
+        return tuple(self)[index]
+
+
+def train_output(result: TrainResult, runtime_s: float, global_batch: int,
                  steps_per_epoch: int) -> TrainOutput:
-    """``result`` with Hugging Face's fields, for a call that ran ``steps_run`` steps of
-    ``global_batch`` samples in ``runtime_s`` seconds."""
-    ran = result.losses[-steps_run:] if steps_run else []
-    loss = sum(ran) / len(ran) if ran else math.nan
+    """``result`` with Hugging Face's fields, for a call that ran from step
+    ``result.first_step`` (after its resume) to ``result.step``, taking ``runtime_s`` seconds
+    in all, of ``global_batch`` samples a step. No step run: a NaN loss, as Hugging Face's
+    0/0."""
+    steps_run = result.step - result.first_step
+    loss = sum(result.losses) / len(result.losses) if result.losses else math.nan
     runtime = max(runtime_s, 1e-9)
     metrics = {"train_runtime": round(runtime_s, 4),
                "train_samples_per_second": round(steps_run * global_batch / runtime, 3),
@@ -56,14 +66,23 @@ def train_output(result: TrainResult, steps_run: int, runtime_s: float, global_b
                        metrics=metrics)
 
 
+def _shown(key: str, value: Any) -> str:
+    """A metric as Hugging Face's log_metrics shows it: runtimes as h:mm:ss.ss, other
+    floats to 4 decimals."""
+    if "_runtime" in key and isinstance(value, (int, float)):
+        minutes, seconds = divmod(float(value), 60)
+        hours, minutes = divmod(int(minutes), 60)
+        return f"{hours}:{minutes:02d}:{seconds:05.2f}"
+    return str(round(value, 4)) if isinstance(value, float) else str(value)
+
+
 def format_metrics(split: str, metrics: dict[str, Any]) -> str:
     """The lines ``log_metrics`` prints: a header, then ``key = value`` aligned, sorted."""
-    width = max((len(k) for k in metrics), default=0)
+    shown = {key: _shown(key, value) for key, value in metrics.items()}
+    key_width = max((len(k) for k in shown), default=0)
+    value_width = max((len(v) for v in shown.values()), default=0)
     lines = [f"***** {split} metrics *****"]
-    for key in sorted(metrics):
-        value = metrics[key]
-        shown = f"{value:.4g}" if isinstance(value, float) else str(value)
-        lines.append(f"  {key:<{width}} = {shown}")
+    lines += [f"  {key:<{key_width}} = {shown[key]:>{value_width}}" for key in sorted(shown)]
     return "\n".join(lines)
 
 

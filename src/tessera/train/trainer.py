@@ -27,7 +27,7 @@ from tessera.mesh import Mesh
 from tessera.models.materialize import DeferredInit, has_meta
 from tessera.models.hf import flops_per_token as generic_flops_per_token
 from tessera.parallel import parallelize
-from tessera.parallel.loss_weights import token_weights
+from tessera.parallel.loss_weights import label_count, token_weights
 from tessera.parallel.pipeline.engine import PipelineEngine
 from tessera.parallel.pipeline.recompute import strategy_text
 from tessera.parallel.plan import fit_batch
@@ -74,6 +74,7 @@ class TrainResult:
     eval_losses: list[tuple[int, float]] = field(default_factory=list)
     checkpoint: str | None = None  # the last checkpoint written, if any
     paused: bool = False  # stopped early because a pause was requested
+    first_step: int = 0  # steps completed when this call began (after its resume)
 
 
 class Trainer:
@@ -172,7 +173,7 @@ class Trainer:
         if self.args.resume or self.args.resume_from:
             self.resume()
         stop = self.args.max_steps if until_step is None else min(until_step, self.args.max_steps)
-        result = TrainResult(step=self.step)
+        result = TrainResult(step=self.step, first_step=self.step)
         progress = ProgressReporter(self.args.max_steps, self.step, self.args.progress,
                                     self.ctx.is_main)
         writer = MetricsWriter(Path(self.args.output_dir) / "metrics.jsonl"
@@ -238,7 +239,8 @@ class Trainer:
         """Mean loss over the first ``args.eval_batches`` global batches of the evaluation set
         (``eval_batches * global_batch_size`` samples, wrapping around a shorter set), or over
         the whole set, each sample once, with ``eval_batches=0`` (micro-batch losses weighted
-        by their samples, as Hugging Face's evaluation weighs batches).
+        by their samples, as Hugging Face's evaluation weighs batches; a micro-batch whose
+        labels are all ignored is left out, where Hugging Face's would give NaN).
 
         The samples depend on the global batch size only, so strategies that differ in dp,
         micro-batch size or any other axis evaluate the same samples and report comparable
@@ -262,7 +264,7 @@ class Trainer:
                 batch["labels"] = batch["labels"].clone()
                 batch["labels"][real:] = -100
             loss = self.engine.evaluate(batch)  # fill only too: every rank takes each step
-            if real:
+            if real and label_count(batch) > 0:  # no labels: a loss of 0 that means nothing
                 total[0] += loss.double() * real
                 total[1] += real
         self.wrapped.train()
