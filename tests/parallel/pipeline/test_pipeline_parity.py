@@ -246,12 +246,14 @@ def test_trainer_materialises_and_loads_only_its_stages(two):
 def test_stage_activation_estimate_is_what_a_pipeline_step_saves(two):
     # The estimate is the fake run of the graph the stages run, times the micro-batches
     # 1F1B holds, plus fp32 logits on the last stage. What it leaves out is the loss's
-    # int64 targets and its scalar (1 KB here), so it must be within that, fp32 and bf16,
+    # int64 targets and its scalars (1 KB here: the targets, the fp32 total weight, the int64
+    # label count it divides by, and the step's fp32 loss weights, one per micro-batch of
+    # the 4, which the weighted loss keeps), so it must be within that, fp32 and bf16,
     # also where a stage's input is cast once for several readers (HF Llama's last stage
     # starts after a norm: its q, k and v projections share the bf16 copy of their input),
     # and where stage 0's two micro-batches in flight share one bf16 copy of each weight
     # (PipelineProgram.step_casts; a copy each would be 196,608 bytes more there).
-    loss_extras = pp_checks.MBS * pp_checks.SEQ * 8 + 4
+    loss_extras = pp_checks.MBS * pp_checks.SEQ * 8 + 4 + 8 + 4 * 4
     for rank_out in two:
         for arch, by_precision in rank_out["estimate"].items():
             for precision, (estimate, saved) in by_precision.items():
