@@ -107,7 +107,8 @@ def apply_tensor_parallel(plan: Parallelized, strategy: Strategy, mesh: Mesh,
     # 1D: attention dropout masks per head (attention.py); sp > 1 installs its own attention,
     # whose masks are already keyed by the layer's heads.
     if (isinstance(builder, _Builder1D) and strategy.sp == 1
-            and install_head_dropout(model, builder.attentions, builder.group.rank)):
+            and install_head_dropout(model, builder.attentions, builder.group.rank,
+                                     exportable=strategy.pp > 1)):
         plan.features.append("tp_attention_dropout")
 
 

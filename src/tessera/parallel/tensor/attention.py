@@ -17,8 +17,11 @@ backward (the backward regenerates the mask). It is one custom op, so pipeline c
 it with its backward, and the seed is a ``randint`` node of the captured graph: drawn on each
 run, repeated by recomputation, which restores the generator's state.
 
-With p = 0, or in eval, the model's own attention runs (SDPA's fused kernel). The explicit
-path is slower than fused SDPA (docs/tensor_parallel.md gives a measurement).
+With p = 0, or in eval, the model's own attention runs (SDPA's fused kernel). Under pipeline
+capture (pp > 1) the op runs then too, without dropout, as sequence/blocks.py's block (the
+fused flash kernel on CPU): the stages' eval graph must hold the nodes of the training graph
+the partition was made on. The explicit path is slower than fused SDPA
+(docs/tensor_parallel.md gives a measurement).
 
 Policies: the reference model through ``Attention.attention_fn``; Hugging Face GPT-2 / Llama
 through transformers' AttentionInterface (whose masks this path does not take: tp's loss
@@ -32,7 +35,7 @@ from typing import Callable
 import torch
 from torch import nn
 
-from tessera.parallel.sequence.blocks import explicit_backward, explicit_forward
+from tessera.parallel.sequence.blocks import block_backward, block_forward
 from tessera.parallel.sequence.dropout import AttentionDropout
 from tessera.parallel.tensor.policy import PolicyError
 
@@ -45,7 +48,7 @@ def head_dropout_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, p:
     """Causal attention of q (B, nh, T, hs), k, v (B, nkv, T, hs) with hashed dropout.
 
     Args:
-        p: attention dropout probability, in (0, 1).
+        p: attention dropout probability, in [0, 1) (0: none, and no seed drawn).
         head_offset: the layer's index of q's first head (tp rank x local heads).
         scale: score multiplier (default hs ** -0.5).
 
@@ -55,9 +58,11 @@ def head_dropout_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, p:
     if q.shape[1] % k.shape[1]:
         raise ValueError(f"query heads ({q.shape[1]}) must be a multiple of key/value heads "
                          f"({k.shape[1]})")
+    if not 0.0 <= p < 1.0:
+        raise ValueError(f"attention dropout p must lie in [0, 1), got {p}")
     scale = q.shape[-1] ** -0.5 if scale is None else scale
     # From torch's generator, so recomputation that restores its state draws it again.
-    seed = torch.randint(0, SEED_RANGE, (), dtype=torch.int64)
+    seed = torch.randint(0, SEED_RANGE, (), dtype=torch.int64) if p > 0 else None
     return dropout_attention_op(q, k, v, scale, p, head_offset, seed)[0]
 
 
@@ -68,15 +73,20 @@ def _causal_meta(q: torch.Tensor) -> torch.Tensor:
     return torch.stack((index, torch.zeros_like(index)), dim=-1)
 
 
+def _dropout(p: float, seed: torch.Tensor | None, head_offset: int
+             ) -> AttentionDropout | None:
+    return AttentionDropout(p, int(seed), head_offset) if p > 0 else None
+
+
 @torch.library.custom_op("tessera::tp_dropout_attention", mutates_args=())
 def dropout_attention_op(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float,
-                         p: float, head_offset: int, seed: torch.Tensor
+                         p: float, head_offset: int, seed: torch.Tensor | None
                          ) -> tuple[torch.Tensor, torch.Tensor]:
     """out (B, nh, T, hs) in q's dtype and lse (B, nh, T) fp32 of :func:`head_dropout_attention`
-    (the LSE is kept for the backward)."""
+    (the LSE is kept for the backward). The whole sequence is one block of blocks.py: with
+    dropout its explicit path, without the fused kernel on CPU."""
     meta = _causal_meta(q)
-    out, lse = explicit_forward(q, k, v, meta, meta, True, scale,
-                                AttentionDropout(p, int(seed), head_offset))
+    out, lse = block_forward(q, k, v, meta, meta, True, scale, _dropout(p, seed, head_offset))
     return out.to(q.dtype), lse
 
 
@@ -95,8 +105,8 @@ def _backward(ctx, dout, _dlse):  # lse is a by-product: nothing differentiates 
     q, k, v, out, lse = ctx.saved_tensors
     scale, p, head_offset, seed = ctx.args
     meta = _causal_meta(q)
-    dq, dk, dv = explicit_backward(q, k, v, meta, meta, True, scale, dout, out, lse,
-                                   AttentionDropout(p, int(seed), head_offset))
+    dq, dk, dv = block_backward(q, k, v, meta, meta, True, scale, dout.contiguous(), out, lse,
+                                _dropout(p, seed, head_offset))
     return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype), None, None, None, None
 
 
@@ -110,17 +120,24 @@ class HeadGroupAttention:
 
     Args:
         head_rank: this rank's tp rank (its heads are head_rank * local heads onwards).
-        fallback: the attention function replaced (default SDPA), run when nothing drops.
+        fallback: the attention function replaced (default SDPA), run when nothing drops
+            (None: the caller runs its own, as :func:`hf_attention` does).
+        exportable: under pipeline capture: the op runs without dropout too (module doc).
     """
 
-    def __init__(self, head_rank: int, fallback: Callable) -> None:
-        self.head_rank, self.fallback = head_rank, fallback
+    def __init__(self, head_rank: int, fallback: Callable | None, exportable: bool = False
+                 ) -> None:
+        self.head_rank, self.fallback, self.exportable = head_rank, fallback, exportable
+
+    def drops(self, dropout_p: float) -> bool:
+        """Whether a call with ``dropout_p`` takes the op rather than the fallback."""
+        return dropout_p > 0 or self.exportable
 
     def __call__(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
-                 dropout_p: float = 0.0) -> torch.Tensor:
-        if dropout_p == 0:
+                 dropout_p: float = 0.0, scale: float | None = None) -> torch.Tensor:
+        if not self.drops(dropout_p):
             return self.fallback(q, k, v, dropout_p=0.0)
-        return head_dropout_attention(q, k, v, dropout_p, self.head_rank * q.shape[1])
+        return head_dropout_attention(q, k, v, dropout_p, self.head_rank * q.shape[1], scale)
 
 
 # Keyword arguments transformers passes for attention this path does not compute.
@@ -138,7 +155,8 @@ def hf_attention(module: nn.Module, query: torch.Tensor, key: torch.Tensor,
     """
     from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
-    if dropout == 0:
+    heads: HeadGroupAttention = module.tessera_tp_attention
+    if not heads.drops(dropout):
         return sdpa_attention_forward(module, query, key, value, attention_mask,
                                       dropout=0.0, scaling=scaling, **kwargs)
     used = [name for name in _VARIANTS if kwargs.get(name) is not None]
@@ -148,10 +166,7 @@ def hf_attention(module: nn.Module, query: torch.Tensor, key: torch.Tensor,
             f"{type(module).__name__}: tensor parallelism's attention dropout computes full "
             f"causal attention only, and this call asks for {what}; set the model's "
             "attention dropout to 0")
-    head_rank = module.tessera_tp_head_rank
-    out = head_dropout_attention(query, key, value, dropout, head_rank * query.shape[1],
-                                 scaling)
-    return out.transpose(1, 2), None
+    return heads(query, key, value, dropout, scaling).transpose(1, 2), None
 
 
 def attention_dropout_p(module: nn.Module) -> float:
@@ -166,8 +181,8 @@ def attention_dropout_p(module: nn.Module) -> float:
     return 0.0
 
 
-def install_head_dropout(model: nn.Module, attentions: list[nn.Module], head_rank: int
-                         ) -> bool:
+def install_head_dropout(model: nn.Module, attentions: list[nn.Module], head_rank: int,
+                         exportable: bool = False) -> bool:
     """Route ``model``'s attention through the hashed dropout when any of its attention
     modules drops probabilities; returns whether it did (else nothing changes).
 
@@ -175,6 +190,7 @@ def install_head_dropout(model: nn.Module, attentions: list[nn.Module], head_ran
         model: the tensor-parallel model (head counts already local).
         attentions: its attention modules (the policy's "attention" style).
         head_rank: this rank's tp rank.
+        exportable: the model will be captured for pipeline stages (pp > 1).
 
     Raises:
         PolicyError: for a Hugging Face model whose attention does not go through
@@ -183,23 +199,23 @@ def install_head_dropout(model: nn.Module, attentions: list[nn.Module], head_ran
     if not any(attention_dropout_p(m) > 0 for m in attentions):
         return False
     if hasattr(model, "set_attn_implementation"):
-        _install_hugging_face(model, attentions, head_rank)
+        _install_hugging_face(model, attentions, HeadGroupAttention(head_rank, None, exportable))
         return True
     for module in attentions:
         if not hasattr(module, "attention_fn"):
             raise PolicyError(f"{type(module).__name__} has no attention_fn hook for "
                               "tensor parallelism's attention dropout")
-        module.attention_fn = HeadGroupAttention(head_rank, module.attention_fn)
+        module.attention_fn = HeadGroupAttention(head_rank, module.attention_fn, exportable)
     return True
 
 
-def _install_hugging_face(model: nn.Module, attentions: list[nn.Module], head_rank: int
-                          ) -> None:
+def _install_hugging_face(model: nn.Module, attentions: list[nn.Module],
+                          heads: HeadGroupAttention) -> None:
     from transformers import AttentionInterface
 
     AttentionInterface.register(HF_ATTENTION_NAME, hf_attention)
     for module in attentions:
-        module.tessera_tp_head_rank = head_rank
+        module.tessera_tp_attention = heads
     model.set_attn_implementation(HF_ATTENTION_NAME)
     used = getattr(model.config, "_attn_implementation", None)
     if used != HF_ATTENTION_NAME:
