@@ -30,10 +30,12 @@ MODELS = ("ref-gpt", "ref-llama", "hf-gpt2", "hf-llama")
 # it), GPT-2's fused q|k|v, and tp=4 Llama whose 2 kv heads are replicated.
 ALL_REDUCE_CASES = (("1d_tp2", "ref-llama", False), ("1d_tp2", "ref-llama", True),
                     ("1d_tp2", "hf-gpt2", False), ("1d_tp4", "hf-llama", False))
-# Attention dropout under 1D tp (tensor/attention.py): every model at tp=2, and Llama at tp=4,
-# where each rank holds one query head and a replicated kv head.
-ATTENTION_DROPOUT_CASES = (*(("1d_tp2", kind) for kind in MODELS), ("1d_tp4", "ref-llama"),
-                           ("1d_tp4", "hf-llama"))
+# Attention dropout under 1D tp (tensor/attention.py): (mesh, model, exportable) for every
+# model at tp=2, Llama at tp=4 (each rank holds one query head and a replicated kv head), and
+# two models as pipeline stages build them (the custom op in eval too), run eagerly.
+ATTENTION_DROPOUT_CASES = (*(("1d_tp2", kind, False) for kind in MODELS),
+                           ("1d_tp4", "ref-llama", False), ("1d_tp4", "hf-llama", False),
+                           ("1d_tp2", "ref-llama", True), ("1d_tp2", "hf-gpt2", True))
 
 
 def _all_checks(rank, world_size, folder):
@@ -49,8 +51,9 @@ def _all_checks(rank, world_size, folder):
                 out["models"][name, kind + "+sp"] = tp_checks.model_parity(mesh, kind, True)
     out["from_meta"] = {(m, kind): tp_checks.from_meta(meshes[m], kind)
                         for m, kind in (("1d_tp2", "hf-gpt2"), ("2d_2x2", "ref-llama"))}
-    out["attention_dropout"] = {(m, kind): tp_checks.attention_dropout_parity(meshes[m], kind)
-                                for m, kind in ATTENTION_DROPOUT_CASES}
+    out["attention_dropout"] = {case: tp_checks.attention_dropout_parity(meshes[case[0]],
+                                                                         *case[1:])
+                                for case in ATTENTION_DROPOUT_CASES}
     out["counts"] = counts
     out["all_reduces"] = {(m, kind, exp): tp_checks.backward_all_reduces(meshes[m], kind, exp)
                           for m, kind, exp in ALL_REDUCE_CASES}
@@ -181,8 +184,8 @@ def test_one_input_gradient_all_reduce_per_attention_and_mlp_block(results):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("mesh, kind", ATTENTION_DROPOUT_CASES)
-def test_attention_dropout_equals_one_device_dropping_the_same_pairs(results, mesh, kind):
+@pytest.mark.parametrize("case", ATTENTION_DROPOUT_CASES)
+def test_attention_dropout_equals_one_device_dropping_the_same_pairs(results, case):
     # Attention dropout p=0.3, every other dropout 0: the tp model (hashed masks on each
     # rank's heads, tensor/attention.py) against one device whose dense fp32 attention drops
     # the pairs the hashed mask drops over all heads under the same seed. Same tolerance as
@@ -191,7 +194,7 @@ def test_attention_dropout_equals_one_device_dropping_the_same_pairs(results, me
     # 1.43, still unit scale. A head group dropped with another group's mask moves the loss
     # and gradients by O(1e-2).
     for rank, res in enumerate(results):
-        got = res["attention_dropout"][mesh, kind]
+        got = res["attention_dropout"][case]
         assert "tp_attention_dropout" in got["features"], (rank, got["features"])
         assert got["params"] > 10
         assert got["loss"] <= TOL, (rank, got)
@@ -200,7 +203,8 @@ def test_attention_dropout_equals_one_device_dropping_the_same_pairs(results, me
         # Dropout took effect: it moves the loss of these tiny models by 3e-4 to 7e-3, well
         # above TOL, so the parity above is not that of an undropped model.
         assert got["dropped"] > 10 * TOL, (rank, got)
-        # In eval nothing drops: SDPA on both sides (HF: transformers' sdpa path).
+        # In eval nothing drops: SDPA on both sides (HF: transformers' sdpa path), or under
+        # pipeline stages the op's fused block against SDPA.
         assert got["eval_loss"] <= TOL, (rank, got)
 
 
@@ -210,7 +214,7 @@ def test_tp_ranks_drop_their_head_groups_with_different_masks(results, kind):
     # The installed attention of tp ranks 0 and 1 (global ranks 0, 1; 2 and 3 are the other
     # tp group), probed with 2 local heads under one torch seed: rank r's first local head is
     # head 2r of the layer, and its mask is one device's mask of that head (exact: booleans).
-    masks = [res["attention_dropout"]["1d_tp2", kind]["mask"] for res in results]
+    masks = [res["attention_dropout"]["1d_tp2", kind, False]["mask"] for res in results]
     assert not torch.equal(masks[0], masks[1])  # before the fix: one mask on both ranks
     torch.manual_seed(tp_checks.MASK_SEED)
     seed = int(torch.randint(0, SEED_RANGE, (), dtype=torch.int64))

@@ -490,10 +490,11 @@ def _use_dense_attention(model: nn.Module) -> None:
         block.attn.attention_fn = dense_dropped_attention
 
 
-def attention_dropout_parity(mesh: Mesh, kind: str) -> dict:
+def attention_dropout_parity(mesh: Mesh, kind: str, exportable: bool = False) -> dict:
     """1D tp with attention dropout against one device dropping the same pairs: loss and
     every gradient (training), the loss in eval (SDPA there), and for the reference model the
-    mask its installed attention draws on this rank's first head."""
+    mask its installed attention draws on this rank's first head. ``exportable`` builds the
+    model as pipeline stages run it (the op in eval too), run eagerly here."""
     single = with_attention_dropout(build(kind), P_ATTN)
     parallel = copy.deepcopy(single)
     _use_dense_attention(single)
@@ -503,8 +504,9 @@ def attention_dropout_parity(mesh: Mesh, kind: str) -> dict:
     ref_loss.backward()
     plan = Parallelized(module=parallel, model=parallel, loss_group=None)
     strategy = mesh.strategy
-    apply_tensor_parallel(plan, strategy.replace(dp=1, global_batch_size=1)
-                          if strategy.dp > 1 else strategy, mesh)
+    if strategy.dp > 1:
+        strategy = strategy.replace(dp=1, global_batch_size=1)
+    apply_tensor_parallel(plan, strategy.replace(pp=2) if exportable else strategy, mesh)
     torch.manual_seed(11)
     tp_loss = plan.forward_loss(plan.module, data)
     tp_loss.backward()
