@@ -2,7 +2,8 @@
 
 GPT-2-like dropout (0.1 on embeddings, residuals and attention probabilities) on the reference
 model: dp=2 x tp=2 eagerly and tp=2 x pp=2 as captured pipeline stages, each with and without
-full recomputation, and dp=2 x tp=2 without dropout to compare with. Attention dropout runs
+full recomputation, and dp=2 x tp=2 without dropout to compare with; Hugging Face GPT-2 at
+tp=2 x pp=2 with and without recomputation. Attention dropout runs
 the hashed masks per head (tensor/attention.py); the other dropout draws from the stream tp
 peers share (parallel/rank_rng.py). Each run is 5 steps of a tiny model on 32-token samples.
 
@@ -30,13 +31,18 @@ from tessera.testing import run_distributed, tiny_run_config
 from tessera.train.trainer import Trainer
 
 RECOMPUTE_PARITY = dict(rtol=0, atol=1e-6)
-MODELS = {"gpt": {"preset": "tiny"}, "gpt_dropout": {"preset": "tiny", "dropout": 0.1}}
+MODELS = {"gpt": {"preset": "tiny"}, "gpt_dropout": {"preset": "tiny", "dropout": 0.1},
+          "hf_gpt2_dropout": {"preset": "tiny", "hf": "gpt2", "dropout": 0.1}}
 RUNS = {  # name: (model, strategy)
     "dp2_tp2": ("gpt", "dp=2,tp=2,mbs=4,gbs=8"),
     "dropout_dp2_tp2": ("gpt_dropout", "dp=2,tp=2,mbs=4,gbs=8"),
     "dropout_dp2_tp2_recompute": ("gpt_dropout", "dp=2,tp=2,mbs=4,gbs=8,recompute=full"),
     "dropout_tp2_pp2": ("gpt_dropout", "dp=1,tp=2,pp=2,mbs=4,gbs=8"),
     "dropout_tp2_pp2_recompute": ("gpt_dropout", "dp=1,tp=2,pp=2,mbs=4,gbs=8,recompute=full"),
+    # Hugging Face GPT-2 (attn_pdrop through transformers' AttentionInterface), captured.
+    "hf_dropout_tp2_pp2": ("hf_gpt2_dropout", "dp=1,tp=2,pp=2,mbs=4,gbs=8"),
+    "hf_dropout_tp2_pp2_recompute": ("hf_gpt2_dropout",
+                                     "dp=1,tp=2,pp=2,mbs=4,gbs=8,recompute=full"),
 }
 
 
@@ -84,15 +90,16 @@ def _close(a, b, **tol):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("name", ["dropout_dp2_tp2", "dropout_tp2_pp2"])
+@pytest.mark.parametrize("name", ["dropout_dp2_tp2", "dropout_tp2_pp2", "hf_dropout_tp2_pp2"])
 def test_tp_trains_with_dropout_and_recomputes_its_masks(runs, name):
     got = runs[0][name]
     losses = got["losses"]
     assert len(losses) == 5 and all(torch.isfinite(torch.tensor(losses)))
     assert "tp_attention_dropout" in got["features"]
     assert losses[-1] < losses[0]  # it trains
-    undropped = runs[0]["dp2_tp2"]["losses"]
-    assert max(abs(a - b) for a, b in zip(losses, undropped)) > 1e-3  # dropout ran
+    if not name.startswith("hf"):  # the same model and data without dropout
+        undropped = runs[0]["dp2_tp2"]["losses"]
+        assert max(abs(a - b) for a, b in zip(losses, undropped)) > 1e-3  # dropout ran
     recomputed = runs[0][f"{name}_recompute"]
     assert recomputed["recomputes"] and not got["recomputes"]
     _close(recomputed["losses"], losses, **RECOMPUTE_PARITY)
@@ -109,5 +116,6 @@ def test_pipeline_stages_hold_the_attention_op_and_draw_its_seed(runs):
     # Each stage's captured training graph holds the op of its attention layers and the
     # randint of their seeds, drawn on every run rather than baked in at capture.
     for rank, res in enumerate(runs):
-        assert res["dropout_tp2_pp2"]["graph_ops"] == {"tessera.tp_dropout_attention.default",
-                                                       "aten.randint.low"}, rank
+        for name in ("dropout_tp2_pp2", "hf_dropout_tp2_pp2"):
+            assert res[name]["graph_ops"] == {"tessera.tp_dropout_attention.default",
+                                              "aten.randint.low"}, (rank, name)
