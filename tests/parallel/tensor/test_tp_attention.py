@@ -134,3 +134,27 @@ def test_the_pipeline_prices_the_op_like_sdpa():
     graph = torch.export.export(Attend(), (q, k, v)).graph
     node = next(n for n in graph.nodes if "tp_dropout_attention" in str(n.target))
     assert matmul_flops(node) == 4.0 * B * NH * T * HS * T  # q k^T and p v
+
+
+@pytest.mark.parametrize("p", [0.0, 0.3])
+def test_under_bf16_autocast_the_op_computes_in_fp32_and_returns_bf16(p):
+    # On bf16 inputs the op equals itself on the same values in fp32 but for the rounding of
+    # the output to bf16: relative 2^-8 (8 mantissa bits). The gradients also read that
+    # rounded output, saved in q's dtype as sp's ring op saves it, in the row term
+    # rowsum(dO * out) (blocks.py): up to hs x 2^-9 x |out| = 1.6% of |out| (hs = 8), times
+    # scale x |k| (about 1) in dq and dk: 3e-2 absolute (1.3e-2 seen). What this checks is
+    # that autocast neither crashes the op nor lowers its inner precision to bf16.
+    q, k, v, _ = (t.bfloat16() for t in _inputs())
+    low = [t.clone().requires_grad_() for t in (q, k, v)]
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        torch.manual_seed(1)
+        out = head_dropout_attention(*low, p, head_offset=2)
+    out.float().sum().backward()
+    full = [t.float().requires_grad_() for t in (q, k, v)]
+    torch.manual_seed(1)
+    ref = head_dropout_attention(*full, p, head_offset=2)
+    ref.sum().backward()
+    assert out.dtype == torch.bfloat16 and all(t.grad.dtype == torch.bfloat16 for t in low)
+    torch.testing.assert_close(out.float(), ref.detach(), rtol=2 ** -8, atol=1e-6)
+    for a, b in zip(low, full):
+        torch.testing.assert_close(a.grad.float(), b.grad, rtol=2 ** -8, atol=3e-2)

@@ -17,7 +17,9 @@ backward (the backward regenerates the mask). It is one custom op, so pipeline c
 it with its backward, and the seed is a ``randint`` node of the captured graph: drawn on each
 run, repeated by recomputation, which restores the generator's state.
 
-With p = 0, or in eval, the model's own attention runs (SDPA's fused kernel). Under pipeline
+With p = 0, or in eval, SDPA's fused kernel runs: the reference model's own attention, for
+Hugging Face models transformers' ``sdpa`` attention (whatever implementation the model was
+built with; a model without attention dropout is left alone). Under pipeline
 capture (pp > 1) the op runs then too, without dropout, as sequence/blocks.py's block (the
 fused flash kernel on CPU): the stages' eval graph must hold the nodes of the training graph
 the partition was made on. The explicit path is slower than fused SDPA
@@ -92,7 +94,7 @@ def dropout_attention_op(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scal
 
 @dropout_attention_op.register_fake
 def _(q, k, v, scale, p, head_offset, seed):
-    # Contiguous, as explicit_forward returns it (see staged.py's ring op).
+    # Contiguous, as block_forward returns it (see staged.py's ring op).
     return q.new_empty(q.shape), q.new_empty(q.shape[:3], dtype=torch.float32)
 
 
