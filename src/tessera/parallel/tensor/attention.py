@@ -19,11 +19,11 @@ run, repeated by recomputation, which restores the generator's state.
 
 With p = 0, or in eval, SDPA's fused kernel runs: the reference model's own attention, for
 Hugging Face models transformers' ``sdpa`` attention (whatever implementation the model was
-built with; a model without attention dropout is left alone). Under pipeline
-capture (pp > 1) the op runs then too, without dropout, as sequence/blocks.py's block (the
-fused flash kernel on CPU): the stages' eval graph must hold the nodes of the training graph
-the partition was made on. The explicit path is slower than fused SDPA
-(docs/tensor_parallel.md gives a measurement).
+built with; a model without attention dropout is left alone). Under pipeline capture
+(pp > 1) the op runs then too, without dropout, as sequence/blocks.py's block (the fused
+flash kernel on CPU): the stages' eval graph must hold the nodes of the training graph the
+partition was made on. The explicit path is slower than fused SDPA (docs/tensor_parallel.md
+gives a measurement).
 
 Policies: the reference model through ``Attention.attention_fn``; Hugging Face GPT-2 / Llama
 through transformers' AttentionInterface (whose masks this path does not take: tp's loss
