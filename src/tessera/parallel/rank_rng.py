@@ -17,14 +17,18 @@ shared seed (:func:`step_seed`: the run's seed and the step number, so the same 
 and after a resume, whatever state the generators are in) with the rank's coordinates on
 every axis but 1D tensor parallelism's, and runs the step on a generator seeded with that.
 Everything the step draws (dropout modules, ``F.dropout``, the attention dropout seeds of
-sequence parallelism) then differs per (pp, dp, sp, 2D grid) coordinate and is equal across
-1D tp peers. Activation recomputation restores the state it saved inside the step, so masks
-repeat as before. Megatron-LM keys its dropout seeds by pipeline stage and tensor region; it
-keeps data-parallel ranks equal.
+sequence parallelism and of 1D tp) then differs per (pp, dp, sp, 2D grid) coordinate and is
+equal across 1D tp peers. Activation recomputation restores the state it saved inside the
+step, so masks repeat as before. Megatron-LM keys its dropout seeds by pipeline stage and
+tensor region; it keeps data-parallel ranks equal.
 
-Not covered: attention dropout on the heads of 1D tp peers (and dropout on other tensors they
-split) draws from their shared stream, so head group 2 of rank 1 repeats head group 1's mask
-of rank 0; Megatron forks a second generator for those regions (docs/sequence_parallel.md).
+Attention dropout falls on what 1D tp peers split (each holds its own heads), so it must not
+draw its mask from their shared stream, or rank 1's head group would repeat rank 0's. It
+draws only a seed from it (equal on the peers) and keys the mask by the layer's head index
+with a hash (sequence/dropout.py): sequence-parallel attention does so at sp > 1,
+tensor/attention.py at sp = 1. Not covered: other dropout on split tensors (Megatron
+sequence parallelism's sequence chunks, which therefore refuses dropout); Megatron forks a
+second generator for those regions.
 """
 
 from __future__ import annotations

@@ -15,7 +15,10 @@ or more (gradients are also compared relative to their own size).
 from __future__ import annotations
 
 import pytest
+import torch
 
+from tessera.parallel.sequence.dropout import AttentionDropout
+from tessera.parallel.tensor.attention import SEED_RANGE
 from tessera.testing import run_distributed
 
 import tp_checks
@@ -27,6 +30,12 @@ MODELS = ("ref-gpt", "ref-llama", "hf-gpt2", "hf-llama")
 # it), GPT-2's fused q|k|v, and tp=4 Llama whose 2 kv heads are replicated.
 ALL_REDUCE_CASES = (("1d_tp2", "ref-llama", False), ("1d_tp2", "ref-llama", True),
                     ("1d_tp2", "hf-gpt2", False), ("1d_tp4", "hf-llama", False))
+# Attention dropout under 1D tp (tensor/attention.py): (mesh, model, exportable) for every
+# model at tp=2, Llama at tp=4 (each rank holds one query head and a replicated kv head), and
+# two models as pipeline stages build them (the custom op in eval too), run eagerly.
+ATTENTION_DROPOUT_CASES = (*(("1d_tp2", kind, False) for kind in MODELS),
+                           ("1d_tp4", "ref-llama", False), ("1d_tp4", "hf-llama", False),
+                           ("1d_tp2", "ref-llama", True), ("1d_tp2", "hf-gpt2", True))
 
 
 def _all_checks(rank, world_size, folder):
@@ -42,6 +51,9 @@ def _all_checks(rank, world_size, folder):
                 out["models"][name, kind + "+sp"] = tp_checks.model_parity(mesh, kind, True)
     out["from_meta"] = {(m, kind): tp_checks.from_meta(meshes[m], kind)
                         for m, kind in (("1d_tp2", "hf-gpt2"), ("2d_2x2", "ref-llama"))}
+    out["attention_dropout"] = {case: tp_checks.attention_dropout_parity(meshes[case[0]],
+                                                                         *case[1:])
+                                for case in ATTENTION_DROPOUT_CASES}
     out["counts"] = counts
     out["all_reduces"] = {(m, kind, exp): tp_checks.backward_all_reduces(meshes[m], kind, exp)
                           for m, kind, exp in ALL_REDUCE_CASES}
@@ -169,3 +181,47 @@ def test_one_input_gradient_all_reduce_per_attention_and_mlp_block(results):
             assert got["activations"] == 2 * got["layers"] + 1, case
             # tp=4 replicates tiny-llama's 2 kv heads: k and v weight gradients are summed.
             assert got["other"] == (2 * got["layers"] if mesh == "1d_tp4" else 0), case
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("case", ATTENTION_DROPOUT_CASES)
+def test_attention_dropout_equals_one_device_dropping_the_same_pairs(results, case):
+    # Attention dropout p=0.3, every other dropout 0: the tp model (hashed masks on each
+    # rank's heads, tensor/attention.py) against one device whose dense fp32 attention drops
+    # the pairs the hashed mask drops over all heads under the same seed. Same tolerance as
+    # the plain model parity (TOL): both sides are fp32, the tp side sums in another order
+    # (explicit blocks, row-parallel all-reduce); kept probabilities are scaled by 1/(1-p) =
+    # 1.43, still unit scale. A head group dropped with another group's mask moves the loss
+    # and gradients by O(1e-2).
+    for rank, res in enumerate(results):
+        got = res["attention_dropout"][case]
+        assert "tp_attention_dropout" in got["features"], (rank, got["features"])
+        assert got["params"] > 10
+        assert got["loss"] <= TOL, (rank, got)
+        assert got["grad"] <= TOL, (rank, got)
+        assert got["grad_rel"] <= 1e-3, (rank, got)
+        # Dropout took effect: it moves the loss of these tiny models by 3e-4 to 7e-3, well
+        # above TOL, so the parity above is not that of an undropped model.
+        assert got["dropped"] > 10 * TOL, (rank, got)
+        # In eval nothing drops: SDPA on both sides (HF: transformers' sdpa path), or under
+        # pipeline stages the op's fused block against SDPA.
+        assert got["eval_loss"] <= TOL, (rank, got)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("kind", ("ref-gpt", "ref-llama"))
+def test_tp_ranks_drop_their_head_groups_with_different_masks(results, kind):
+    # The installed attention of tp ranks 0 and 1 (global ranks 0, 1; 2 and 3 are the other
+    # tp group), probed with 2 local heads under one torch seed: rank r's first local head is
+    # head 2r of the layer, and its mask is one device's mask of that head (exact: booleans).
+    masks = [res["attention_dropout"]["1d_tp2", kind, False]["mask"] for res in results]
+    assert not torch.equal(masks[0], masks[1])  # before the fix: one mask on both ranks
+    torch.manual_seed(tp_checks.MASK_SEED)
+    seed = int(torch.randint(0, SEED_RANGE, (), dtype=torch.int64))
+    T = tp_checks.T
+    index = torch.arange(T).expand(1, T)
+    meta = torch.stack((index, torch.zeros_like(index)), -1)  # (1, T, 2)
+    keep = AttentionDropout(tp_checks.P_ATTN, seed).keep_scale(meta, meta, 4)[0] > 0
+    causal = torch.ones(T, T, dtype=torch.bool).tril()
+    for rank, mask in enumerate(masks):
+        assert torch.equal(mask, keep[2 * (rank % 2)] & causal), rank

@@ -432,3 +432,111 @@ def from_meta(mesh: Mesh, kind: str) -> dict[str, float]:
             "peak_over_largest_unit": max(init.held) / max(units.values()),
             "requests": len(init.held) - 1, "units": sum(1 for b in units.values() if b),
             "peak_over_model": max(init.held) / model_bytes}
+
+
+# ------------------------------------------------------------------ attention dropout (1D)
+P_ATTN = 0.3  # attention dropout of the parity checks; every other dropout is 0
+MASK_SEED = 5  # torch's seed before the probe of head_group_mask
+
+
+def with_attention_dropout(model: nn.Module, p: float) -> nn.Module:
+    """``model`` with attention dropout ``p`` and no other dropout (so parity is exact)."""
+    for module in model.modules():
+        if isinstance(module, nn.Dropout):
+            module.p = 0.0  # residual and embedding dropout (GPT-2's attn_dropout: below)
+    for module in model.modules():
+        if type(module).__name__.endswith("Attention"):
+            if hasattr(module, "attn_dropout"):  # HF GPT-2
+                module.attn_dropout.p = p
+            elif hasattr(module, "attention_dropout"):  # HF Llama
+                module.attention_dropout = p
+            else:  # the reference model's Attention
+                module.dropout = p
+    return model.train()
+
+
+def dense_dropped_attention(q, k, v, dropout_p: float = 0.0, scale: float | None = None):
+    """One device's causal attention, fp32 through autograd, dropping the pairs the hashed
+    mask drops over *all* heads; the seed is drawn as tensor/attention.py draws it."""
+    from tessera.parallel.sequence.dropout import AttentionDropout
+    from tessera.parallel.tensor.attention import SEED_RANGE
+
+    Bq, nh, Tq, hs = q.shape
+    k, v = (t.repeat_interleave(nh // k.shape[1], dim=1) for t in (k, v))  # (B, nh, T, hs)
+    scores = (q @ k.transpose(-1, -2)) * (hs ** -0.5 if scale is None else scale)
+    causal = torch.ones(Tq, Tq, dtype=torch.bool).tril()
+    probs = torch.softmax(scores.masked_fill(~causal, float("-inf")), dim=-1)
+    if dropout_p > 0:
+        seed = int(torch.randint(0, SEED_RANGE, (), dtype=torch.int64))
+        index = torch.arange(Tq).expand(Bq, Tq)
+        meta = torch.stack((index, torch.zeros_like(index)), -1)  # (B, T, 2)
+        probs = probs * AttentionDropout(dropout_p, seed).keep_scale(meta, meta, nh)
+    return probs @ v
+
+
+def _hf_dense(module, query, key, value, attention_mask, scaling=None, dropout=0.0, **kwargs):
+    assert attention_mask is None  # unregistered for masks: transformers passes none
+    return dense_dropped_attention(query, key, value, dropout, scaling).transpose(1, 2), None
+
+
+def _use_dense_attention(model: nn.Module) -> None:
+    if hasattr(model, "set_attn_implementation"):
+        from transformers import AttentionInterface
+
+        AttentionInterface.register("tessera_test_dense_dropout", _hf_dense)
+        model.set_attn_implementation("tessera_test_dense_dropout")
+        return
+    for block in model.blocks:
+        block.attn.attention_fn = dense_dropped_attention
+
+
+def attention_dropout_parity(mesh: Mesh, kind: str, exportable: bool = False) -> dict:
+    """1D tp with attention dropout against one device dropping the same pairs: loss and
+    every gradient (training), the loss in eval (SDPA there), and for the reference model the
+    mask its installed attention draws on this rank's first head. ``exportable`` builds the
+    model as pipeline stages run it (the op in eval too), run eagerly here."""
+    single = with_attention_dropout(build(kind), P_ATTN)
+    parallel = copy.deepcopy(single)
+    _use_dense_attention(single)
+    data = batch()
+    torch.manual_seed(11)  # both sides draw one seed per layer from here, in the same order
+    ref_loss = default_forward_loss(single, data)
+    ref_loss.backward()
+    plan = Parallelized(module=parallel, model=parallel, loss_group=None)
+    strategy = mesh.strategy
+    if strategy.dp > 1:
+        strategy = strategy.replace(dp=1, global_batch_size=1)
+    apply_tensor_parallel(plan, strategy.replace(pp=2) if exportable else strategy, mesh)
+    torch.manual_seed(11)
+    tp_loss = plan.forward_loss(plan.module, data)
+    tp_loss.backward()
+    out = {"loss": abs(tp_loss.item() - ref_loss.item()), "grad": 0.0, "params": 0,
+           "features": list(plan.features)}
+    ref_grads, scale = dict(single.named_parameters()), 0.0
+    for name, p in parallel.named_parameters():
+        owner = parallel.get_submodule(name.rpartition(".")[0])
+        full = unsharded(owner, name.rpartition(".")[2], p.grad)
+        out["grad"] = max(out["grad"], _diff(full, ref_grads[name].grad))
+        scale = max(scale, ref_grads[name].grad.abs().max().item())
+        out["params"] += 1
+    out["grad_rel"] = out["grad"] / scale
+    with torch.no_grad():
+        single.eval(), parallel.eval()
+        eval_loss = default_forward_loss(single, data)
+        out["eval_loss"] = abs(plan.forward_loss(plan.module, data).item() - eval_loss.item())
+        out["dropped"] = abs(eval_loss.item() - ref_loss.item())  # dropout took effect
+    if kind.startswith("ref"):
+        out["mask"] = head_group_mask(parallel.blocks[0].attn.attention_fn)
+    return out
+
+
+def head_group_mask(attention_fn) -> torch.Tensor:
+    """(T, T) bool: the pairs ``attention_fn`` (a tp rank's installed attention) keeps on its
+    first local head, read off a probe: zero scores make the probabilities of query i 1/(i+1)
+    on keys 0..i, and identity values copy each (query, key) probability to the output."""
+    heads = 2  # local heads of the probe; kv heads alike
+    q = torch.zeros(1, heads, T, T)
+    v = torch.eye(T).expand(1, heads, T, T)  # (1, heads, T keys, hs = T)
+    torch.manual_seed(MASK_SEED)
+    out = attention_fn(q, q.clone(), v, dropout_p=P_ATTN)  # (1, heads, T, T)
+    return out[0, 0] > 0

@@ -101,7 +101,7 @@ def _shape(node: Any) -> tuple[int, ...]:
 
 def matmul_flops(node: fx.Node) -> float:
     """Forward FLOPs of the matrix products (linear, addmm, mm, bmm, matmul, baddbmm, addbmm,
-    grouped expert matmuls, sdpa, summa_linear), else 0."""
+    grouped expert matmuls, sdpa and tp_dropout_attention, summa_linear), else 0."""
     op, args = op_name(node), node.args
     out = _shape(node)
     if op == "linear":  # x (..., K) @ w (N, K)^T
@@ -122,7 +122,8 @@ def matmul_flops(node: fx.Node) -> float:
 
         return summa_linear_flops(node)
     if op in ("scaled_dot_product_attention", "_scaled_dot_product_flash_attention",
-              "_scaled_dot_product_efficient_attention"):
+              "_scaled_dot_product_efficient_attention", "tp_dropout_attention"):
+        # (tp_dropout_attention: 1D tp's attention dropout, tensor/attention.py)
         q, k = _shape(args[0]), _shape(args[1])  # (B, nh, Tq, hs), (B, nkv, Tk, hs)
         return 4.0 * math.prod(q) * k[-2]  # q k^T and p v, each 2 * B nh Tq Tk hs
     return 0.0

@@ -3,7 +3,8 @@
 Files: ``comm`` (every collective), ``layers1d`` / ``summa`` / ``layers2d`` / ``loss`` (the
 algorithms, as autograd functions), ``modules`` (layers that replace a model's), ``shard``
 (DTensor parameters), ``policy`` (per-architecture patterns), ``apply`` (the step run by
-``parallelize``), ``data_parallel`` (dp over shards). Design: docs/tensor_parallel.md.
+``parallelize``), ``data_parallel`` (dp over shards), ``attention`` (1D attention dropout with
+a mask per head). Design: docs/tensor_parallel.md.
 """
 
 from tessera.parallel.tensor.apply import apply_tensor_parallel

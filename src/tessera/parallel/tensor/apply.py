@@ -15,6 +15,7 @@ from torch.distributed.tensor import DTensor, Replicate, Shard
 from tessera.mesh import Mesh
 from tessera.models.materialize import DeferredInit, FewAtATime, materialize_unit
 from tessera.parallel.plan import Parallelized
+from tessera.parallel.tensor.attention import install_head_dropout
 from tessera.parallel.tensor.comm import CommCounter, Grid, TPGroup
 from tessera.parallel.tensor.data_parallel import ShardGradSync
 from tessera.parallel.tensor.deferred import PendingShards, ShardRecipe
@@ -103,6 +104,12 @@ def apply_tensor_parallel(plan: Parallelized, strategy: Strategy, mesh: Mesh,
     if strategy.dp * strategy.sp > 1 and strategy.pp == 1 and strategy.memory != "chunk":
         ShardGradSync(model, mesh.flat_group("dp", "sp")).attach(plan.module)
     plan.features.append(f"tensor_parallel_{strategy.tp_mode}")
+    # 1D: attention dropout masks per head (attention.py); sp > 1 installs its own attention,
+    # whose masks are already keyed by the layer's heads.
+    if (isinstance(builder, _Builder1D) and strategy.sp == 1
+            and install_head_dropout(model, builder.attentions, builder.group.rank,
+                                     exportable=strategy.pp > 1)):
+        plan.features.append("tp_attention_dropout")
 
 
 def _make_exportable(model: nn.Module, builder: "_Builder1D | _Builder2D") -> None:
@@ -262,6 +269,7 @@ class _Builder1D(_Builder):
         # input gradient once (f), or under SP gathers the input (backward: reduce-scatter).
         self.inner = "gathered"
         self.block_inputs: dict[int, BlockInput] = {}  # id(block module) -> its pre-hook
+        self.attentions: list[nn.Module] = []  # the modules of style "attention"
 
     def hook_block_input(self, block: nn.Module) -> None:
         """Give ``block`` (attention or MLP) the pre-hook that applies f to its input once."""
@@ -304,6 +312,7 @@ class _Builder1D(_Builder):
             if style == "attention":
                 kv = self.dims.n_kv_heads
                 self.attention(m, g.size, kv // g.size if kv % g.size == 0 else 1)
+                self.attentions.append(m)
             self.hook_block_input(m)
             return None
         raise PolicyError(f"unknown tensor-parallel style {style!r}")
