@@ -125,6 +125,20 @@ def _argument_mapping(root, data) -> dict:
         per_sample = [torch.nn.functional.cross_entropy(
             model(s["input_ids"][None, :-1]).logits[0], s["input_ids"][1:]).item()
             for s in evaluation]
+    # Evaluation only (run_clm.py's --do_eval alone): no train_dataset.
+    untrained = _tiny_gpt2().eval()
+    with torch.no_grad():
+        untrained_mean = sum(torch.nn.functional.cross_entropy(
+            untrained(s["input_ids"][None, :-1]).logits[0], s["input_ids"][1:]).item()
+            for s in evaluation) / len(evaluation)
+    only_eval = Trainer(model=_tiny_gpt2(), args=TrainingArguments(
+        output_dir=f"{root}/only_eval", per_device_eval_batch_size=2), eval_dataset=evaluation)
+    only_eval_loss = only_eval.evaluate()["eval_loss"]
+    try:
+        only_eval.train()
+        train_refused = None
+    except ValueError as err:
+        train_refused = str(err)
     unsaved = Trainer(model=_tiny_gpt2(), args=TrainingArguments(
         output_dir=f"{root}/unsaved", per_device_train_batch_size=4, max_steps=2,
         save_strategy="no", report_to="jsonl", average_tokens_across_devices=False),
@@ -140,7 +154,8 @@ def _argument_mapping(root, data) -> dict:
             "mapped_files": sorted(p.name for p in Path(f"{root}/mapped").iterdir()),
             "unsaved_files": sorted(p.name for p in Path(f"{root}/unsaved").iterdir()),
             "processor_saved": (Path(root) / "unsaved_model" / "processor.txt").exists(),
-            "resumed": (step, loss, resumed_metrics)}
+            "resumed": (step, loss, resumed_metrics),
+            "only_eval": (only_eval_loss, untrained_mean, train_refused)}
 
 
 def _meta_model_at_pp2(root, data) -> dict:
@@ -208,6 +223,9 @@ def _check_script_reports(folder, eval_metrics):
 
 def _check_argument_mapping(out):
     assert out["kept"] == ["step_00000003", "step_00000004"]  # save_total_limit=2
+    only_eval, direct, refused = out["only_eval"]
+    assert abs(only_eval - direct) < 1e-5  # fp32 sums in another order
+    assert "training requires a train_dataset" in refused
     step, loss, metrics = out["resumed"]  # unpacked as Hugging Face's TrainOutput
     assert step == 6 and loss == metrics["train_loss"] and 0 < loss < 6
     # Two steps ran after the resume (not six): rate x runtime, to the rounding of both.

@@ -193,8 +193,9 @@ class Trainer:
     Args:
         model: any causal LM returning logits or an output with ``.logits``.
         args: :class:`TrainingArguments`.
-        train_dataset: map-style dataset of ``{"input_ids", ["labels"], ["attention_mask"]}``.
-        eval_dataset: same kind, optional.
+        train_dataset: map-style dataset of ``{"input_ids", ["labels"], ["attention_mask"]}``;
+            None for a Trainer that only evaluates (``train()`` is then refused).
+        eval_dataset: same kind, optional (required without a train_dataset).
         data_collator: pads/stacks samples into a batch (as in Hugging Face).
         callbacks: Hugging Face-style callback objects or plain functions of a record. The
             events fired are ``SUPPORTED_EVENTS``; a callback defining another is refused,
@@ -212,8 +213,9 @@ class Trainer:
                  train_dataset: Dataset | None = None, eval_dataset: Dataset | None = None,
                  data_collator: Callable[[list], dict] | None = None,
                  callbacks: Sequence[Any] = (), processing_class: Any = None) -> None:
-        if train_dataset is None:
-            raise ValueError("Trainer needs a train_dataset")
+        if train_dataset is None and eval_dataset is None:
+            raise ValueError("Trainer needs a train_dataset or an eval_dataset (without a "
+                             "train_dataset it can evaluate but not train)")
         self.args = args or TrainingArguments()
         seed_everything(self.args.seed)
         self.state = TrainerState()
@@ -228,7 +230,8 @@ class Trainer:
         plain = [c for c in callbacks if callable(c)]
         self._core_args, strategy = self._translate(model, train_dataset, eval_dataset)
         self.state.describe(self._core_args, self.args, self._steps_per_epoch)
-        collator = hf_collator(data_collator, not labels_shifted(train_dataset, eval_dataset),
+        shifted = labels_shifted(*[d for d in (train_dataset, eval_dataset) if d is not None])
+        collator = hf_collator(data_collator, not shifted,
                                model_columns(model))  # before layouts wrap model.forward
         self._core = CoreTrainer(model, self._core_args, train_dataset, eval_dataset,
                                  strategy=strategy, callbacks=[self._dispatch, *plain],
@@ -250,6 +253,9 @@ class Trainer:
         Raises:
             ValueError: for True when ``output_dir`` holds no checkpoint (as Hugging Face).
         """
+        if self._core.train_dataset is None:
+            raise ValueError("Trainer: training requires a train_dataset (this one was built "
+                             "with eval_dataset only)")
         resume = resume_from_checkpoint or self.args.resume_from_checkpoint
         if resume is True and find_latest(checkpoint_root(self.args.output_dir)) is None:
             raise ValueError(f"resume_from_checkpoint=True: no valid checkpoint found in "
@@ -354,7 +360,7 @@ class Trainer:
             write_state(self.args.output_dir, self.state)
 
     # --------------------------------------------------------------------------- helpers
-    def _translate(self, model: nn.Module, train_dataset: Dataset,
+    def _translate(self, model: nn.Module, train_dataset: Dataset | None,
                    eval_dataset: Dataset | None) -> tuple[CoreArguments, Strategy]:
         a = self.args
         if a.eval_strategy != "no" and eval_dataset is None:
@@ -362,10 +368,11 @@ class Trainer:
                              "(or set eval_strategy='no')")
         check_some_training(a)  # before any planning
         world = dist.get_world_size() if dist.is_initialized() else _env_world_size()
+        shaping = train_dataset if train_dataset is not None else eval_dataset
         planned = a.strategy is not None and a.strategy.strip() == "auto"
         strategy = resolve_strategy(a.strategy, model, world, a.per_device_train_batch_size,
                                     a.gradient_accumulation_steps, a.precision,
-                                    seq_len=_sample_length(train_dataset) if planned else None)
+                                    seq_len=_sample_length(shaping) if planned else None)
         check_batch_arguments(a, strategy)
         for key in ("pipeline_split_points", "pipeline_leaf_modules"):
             if planned and getattr(a, key):
@@ -375,7 +382,7 @@ class Trainer:
         strategy.check_leaf_modules(a.pipeline_leaf_modules)
         # Global batches are whole (no short last batch), so an epoch is the full batches
         # that fit: len // gbs steps (docs/training.md).
-        steps_per_epoch = max(1, len(train_dataset) // strategy.global_batch_size)
+        steps_per_epoch = max(1, len(shaping) // strategy.global_batch_size)
         self._steps_per_epoch = steps_per_epoch
         max_steps = a.max_steps if a.max_steps > 0 else math.ceil(
             a.num_train_epochs * steps_per_epoch)
@@ -536,7 +543,7 @@ def seed_everything(seed: int) -> None:
     numpy.random.seed(seed)
 
 
-def labels_shifted(train: Dataset, eval_dataset: Dataset | None) -> bool:
+def labels_shifted(train: Dataset, eval_dataset: Dataset | None = None) -> bool:
     """Whether the datasets hold labels already shifted (tessera's own), looking through
     torch's Subset and ConcatDataset wrappers.
 

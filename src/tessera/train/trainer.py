@@ -86,7 +86,8 @@ class Trainer:
             weights seeded per name by ``args.seed`` (models/materialize.py): under pipeline
             stages without tensor parallelism each rank materialises only its stages' share.
         args: optimisation, logging and checkpointing settings.
-        train_dataset: map-style dataset of ``{"input_ids", "labels"}`` samples of equal length.
+        train_dataset: map-style dataset of ``{"input_ids", "labels"}`` samples of equal length
+            (None: a Trainer that evaluates only; ``train()`` is refused).
         eval_dataset: optional dataset of the same kind, for evaluation.
         strategy: the parallel layout; its world size must equal the number of workers.
         run_info: extra JSON-ready facts stored in checkpoints (e.g. the run config).
@@ -98,12 +99,15 @@ class Trainer:
     the model's weights before parallelisation; a resumed checkpoint then replaces them again.
     """
 
-    def __init__(self, model: nn.Module, args: TrainingArguments, train_dataset: Dataset,
+    def __init__(self, model: nn.Module, args: TrainingArguments,
+                 train_dataset: Dataset | None,
                  eval_dataset: Dataset | None = None, strategy: Strategy | None = None,
                  run_info: dict[str, Any] | None = None,
                  callbacks: Sequence[Callable[[dict[str, Any]], None]] = (),
                  data_collator: Callable[[list], dict[str, torch.Tensor]] | None = None,
                  memory: Any = None) -> None:
+        if train_dataset is None and eval_dataset is None:
+            raise ValueError("a Trainer needs a train_dataset or an eval_dataset")
         self.args, self.strategy = args, strategy or Strategy()
         self.train_dataset, self.eval_dataset = train_dataset, eval_dataset
         self.data_collator = data_collator or collate
@@ -149,8 +153,8 @@ class Trainer:
         self.engine = engine_cls(self.plan, self.strategy, self.ctx.device)
         if self.plan.grad_scaler is not None:
             self.engine.scaler = self.plan.grad_scaler
-        self.order = GlobalBatchOrder(len(train_dataset), self.strategy.global_batch_size,
-                                      args.seed)
+        self.order = (GlobalBatchOrder(len(train_dataset), self.strategy.global_batch_size,
+                                       args.seed) if train_dataset is not None else None)
         self.step = 0
         self.skipped_steps: list[int] = []  # steps whose update was skipped (nonfinite=skip)
         self.ckpt_root = ckpt.checkpoint_root(args.output_dir)
@@ -170,6 +174,9 @@ class Trainer:
             until_step: stop early at this step, with a checkpoint, keeping the LR schedule
                 of the whole run (to pause a job that will be resumed, e.g. when resized).
         """
+        if self.train_dataset is None:
+            raise ValueError("train() needs a train_dataset: this Trainer was built to "
+                             "evaluate only")
         if self.args.resume or self.args.resume_from:
             self.resume()
         stop = self.args.max_steps if until_step is None else min(until_step, self.args.max_steps)
@@ -414,7 +421,9 @@ class Trainer:
             callback(record)
 
     def _seq_len(self) -> int:
-        return len(self.train_dataset[0]["input_ids"])
+        """Tokens per sample: the run's shape (the evaluation set's without training data)."""
+        data = self.train_dataset if self.train_dataset is not None else self.eval_dataset
+        return len(data[0]["input_ids"])
 
     def _throughput(self) -> Throughput:
         config = getattr(self.model, "config", None)
