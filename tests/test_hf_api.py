@@ -118,7 +118,8 @@ def _argument_mapping(root, data) -> dict:
     # Resumed at step 4 (the newest kept checkpoint) and run to 6: the metrics count 2 steps.
     resumed = Trainer(model=_tiny_gpt2(), args=TrainingArguments(
         output_dir=f"{root}/mapped", per_device_train_batch_size=4, max_steps=6,
-        save_strategy="no", learning_rate=1e-3), train_dataset=data)
+        save_strategy="no", learning_rate=1e-3), train_dataset=data,
+        compute_metrics=None, preprocess_logits_for_metrics=None, optimizers=(None, None))
     step, loss, resumed_metrics = resumed.train(resume_from_checkpoint=True)
     model = trainer._core.model.eval()  # DDP replicas: every rank holds the trained weights
     with torch.no_grad():

@@ -62,6 +62,20 @@ def test_the_trainer_takes_keywords_after_args():
 
 
 @pytest.mark.parametrize("kwargs, fragment", [
+    (dict(compute_metrics=lambda prediction: {}), "compute_metrics is not supported"),
+    (dict(preprocess_logits_for_metrics=lambda x, y: x), "preprocess_logits_for_metrics"),
+    (dict(optimizers=(object(), None)), "optimizers is not supported"),
+    (dict(train_dataset=None), "needs a train_dataset or an eval_dataset"),
+])
+def test_trainer_arguments_it_does_not_act_on_are_refused(kwargs, fragment):
+    # Refused before any worker starts; Hugging Face's defaults (None, (None, None)) pass
+    # this check (the two-worker launch in test_hf_api.py builds Trainers with them).
+    arguments = {"train_dataset": [0, 1], **kwargs}
+    with pytest.raises(ValueError, match=fragment):
+        Trainer(model=torch.nn.Linear(2, 2), args=TrainingArguments(), **arguments)
+
+
+@pytest.mark.parametrize("kwargs, fragment", [
     (dict(num_train_epochs=-1), "num_train_epochs"),
     (dict(num_train_epochs=0), "num_train_epochs=0 with max_steps unset"),
     (dict(warmup_ratio=1.5), "warmup_ratio"),

@@ -202,6 +202,10 @@ class Trainer:
             as is a control flag other than ``should_training_stop``.
         processing_class: the tokenizer (or processor), kept with the model: ``save_model``
             writes it beside the weights when it has ``save_pretrained``, as Hugging Face.
+        compute_metrics, preprocess_logits_for_metrics, optimizers: taken so that scripts
+            passing Hugging Face's defaults (None, (None, None)) run; anything else is
+            refused, naming it (``evaluate()`` computes ``eval_loss`` only, and the optimizer
+            is built by the layout: chunk memory's HybridAdam, sharded states).
 
     Arguments after ``args`` are keyword-only: Hugging Face's positional order differs.
     Sample keys the model's forward does not take (a ``text`` column) are dropped, as
@@ -212,10 +216,16 @@ class Trainer:
     def __init__(self, model: nn.Module, args: TrainingArguments | None = None, *,
                  train_dataset: Dataset | None = None, eval_dataset: Dataset | None = None,
                  data_collator: Callable[[list], dict] | None = None,
-                 callbacks: Sequence[Any] = (), processing_class: Any = None) -> None:
+                 callbacks: Sequence[Any] = (), processing_class: Any = None,
+                 compute_metrics: Callable | None = None,
+                 preprocess_logits_for_metrics: Callable | None = None,
+                 optimizers: tuple[Any, Any] = (None, None)) -> None:
         if train_dataset is None and eval_dataset is None:
             raise ValueError("Trainer needs a train_dataset or an eval_dataset (without a "
                              "train_dataset it can evaluate but not train)")
+        refuse_unsupported(compute_metrics=compute_metrics,
+                           preprocess_logits_for_metrics=preprocess_logits_for_metrics,
+                           optimizers=None if optimizers == (None, None) else optimizers)
         self.args = args or TrainingArguments()
         seed_everything(self.args.seed)
         self.state = TrainerState()
@@ -457,6 +467,28 @@ SUPPORTED_EVENTS = ("on_init_end", "on_train_begin", "on_log", "on_evaluate", "o
 _UNFIRED_EVENTS = ("on_epoch_begin", "on_epoch_end", "on_step_begin", "on_step_end",
                    "on_substep_end", "on_pre_optimizer_step", "on_optimizer_step",
                    "on_prediction_step", "on_predict", "on_push_begin")
+
+
+# Why each Hugging Face Trainer argument tessera takes only at its default is not supported.
+_UNSUPPORTED = {
+    "compute_metrics": "evaluate() computes eval_loss only: logits are not gathered across "
+                       "the layouts that shard them (vocabulary, sequence, pipeline stages)",
+    "preprocess_logits_for_metrics": "evaluate() computes eval_loss only (no logits kept)",
+    "optimizers": "the optimizer and scheduler are built by the layout (sharded states, "
+                  "chunk memory's HybridAdam); set learning_rate, weight_decay, adam_* and "
+                  "lr_scheduler_type instead",
+}
+
+
+def refuse_unsupported(**given: Any) -> None:
+    """Refuse Hugging Face Trainer arguments tessera does not act on, when set.
+
+    Raises:
+        ValueError: naming the argument and why.
+    """
+    for name, value in given.items():
+        if value is not None:
+            raise ValueError(f"{name} is not supported by tessera's Trainer: {_UNSUPPORTED[name]}")
 
 
 def check_callback_events(callback: Any) -> None:
