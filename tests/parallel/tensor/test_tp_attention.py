@@ -158,3 +158,17 @@ def test_under_bf16_autocast_the_op_computes_in_fp32_and_returns_bf16(p):
     torch.testing.assert_close(out.float(), ref.detach(), rtol=2 ** -8, atol=1e-6)
     for a, b in zip(low, full):
         torch.testing.assert_close(a.grad.float(), b.grad, rtol=2 ** -8, atol=3e-2)
+
+
+def test_the_op_and_its_fake_agree_on_strides_and_dtypes():
+    # Pipeline capture traces the fake: its outputs must match the real op's layout (the CPU
+    # flash kernel's LSE comes back transposed and is made contiguous). Without dropout: with
+    # it the backward reads the seed's value, which opcheck's dynamic AOT test rejects.
+    from tessera.parallel.tensor.attention import dropout_attention_op
+
+    torch.manual_seed(0)
+    q = torch.randn(2, 4, 16, 8, requires_grad=True)
+    k, v = (torch.randn(2, 2, 16, 8, requires_grad=True) for _ in range(2))
+    torch.library.opcheck(dropout_attention_op, (q, k, v, 8 ** -0.5, 0.0, 0, None),
+                          test_utils=("test_schema", "test_faketensor",
+                                      "test_autograd_registration"))

@@ -89,7 +89,8 @@ def dropout_attention_op(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scal
     dropout its explicit path, without the fused kernel on CPU."""
     meta = _causal_meta(q)
     out, lse = block_forward(q, k, v, meta, meta, True, scale, _dropout(p, seed, head_offset))
-    return out.to(q.dtype), lse
+    # CPU's flash kernel returns the LSE transposed: contiguous, as the fake says.
+    return out.to(q.dtype), lse.contiguous()
 
 
 @dropout_attention_op.register_fake
