@@ -53,6 +53,20 @@ def record_gradient_counts() -> dict[str, set]:
     return seen
 
 
+def _gradient_gap(single: nn.Module, parallel: nn.Module) -> dict:
+    """The largest gradient difference between the tp model (shards gathered) and one
+    device's: absolute, relative to the largest gradient, and how many were compared."""
+    ref_grads, scale, worst, count = dict(single.named_parameters()), 0.0, 0.0, 0
+    for name, p in parallel.named_parameters():
+        owner = parallel.get_submodule(name.rpartition(".")[0])
+        full = unsharded(owner, name.rpartition(".")[2], p.grad)
+        worst = max(worst, _diff(full, ref_grads[name].grad))
+        scale = max(scale, ref_grads[name].grad.abs().max().item())
+        count += 1
+    # Relative to the largest gradient: a missing reduction is off by a sizeable fraction.
+    return {"grad": worst, "grad_rel": worst / scale, "params": count}
+
+
 def _diff(a: torch.Tensor, b: torch.Tensor) -> float:
     assert a.shape == b.shape, (a.shape, b.shape)
     return (a.detach().float() - b.detach().float()).abs().max().item()
@@ -98,17 +112,7 @@ def model_parity(mesh: Mesh, kind: str, sequence_parallel: bool = False) -> dict
                           if strategy.dp > 1 else strategy, mesh, sequence_parallel)
     tp_loss = plan.forward_loss(plan.module, data)
     tp_loss.backward()
-    out = {"loss": abs(tp_loss.item() - ref_loss.item()), "grad": 0.0, "grad_rel": 0.0,
-           "params": 0}
-    ref_grads, scale = dict(single.named_parameters()), 0.0
-    for name, p in parallel.named_parameters():
-        owner = parallel.get_submodule(name.rpartition(".")[0])
-        full = unsharded(owner, name.rpartition(".")[2], p.grad)
-        out["grad"] = max(out["grad"], _diff(full, ref_grads[name].grad))
-        scale = max(scale, ref_grads[name].grad.abs().max().item())
-        out["params"] += 1
-    # Relative to the largest gradient: a missing reduction is off by a sizeable fraction.
-    out["grad_rel"] = out["grad"] / scale
+    out = {"loss": abs(tp_loss.item() - ref_loss.item()), **_gradient_gap(single, parallel)}
     out["state_dict"] = _state_dict_roundtrip(single, parallel)
     return out
 
@@ -510,16 +514,8 @@ def attention_dropout_parity(mesh: Mesh, kind: str, exportable: bool = False) ->
     torch.manual_seed(11)
     tp_loss = plan.forward_loss(plan.module, data)
     tp_loss.backward()
-    out = {"loss": abs(tp_loss.item() - ref_loss.item()), "grad": 0.0, "params": 0,
+    out = {"loss": abs(tp_loss.item() - ref_loss.item()), **_gradient_gap(single, parallel),
            "features": list(plan.features)}
-    ref_grads, scale = dict(single.named_parameters()), 0.0
-    for name, p in parallel.named_parameters():
-        owner = parallel.get_submodule(name.rpartition(".")[0])
-        full = unsharded(owner, name.rpartition(".")[2], p.grad)
-        out["grad"] = max(out["grad"], _diff(full, ref_grads[name].grad))
-        scale = max(scale, ref_grads[name].grad.abs().max().item())
-        out["params"] += 1
-    out["grad_rel"] = out["grad"] / scale
     with torch.no_grad():
         single.eval(), parallel.eval()
         eval_loss = default_forward_loss(single, data)
