@@ -13,9 +13,9 @@ from dataclasses import dataclass
 
 import torch
 
+from tessera.parallel.loss_weights import TokenWeights, check_weights, equal_weights
 from tessera.parallel.plan import Parallelized, causal_lm_logits, lm_loss
 from tessera.strategy import Strategy
-from tessera.parallel.loss_weights import TokenWeights, check_weights, equal_weights
 
 __all__ = ["Engine", "StepResult", "causal_lm_logits", "lm_loss"]
 

@@ -241,8 +241,8 @@ class Trainer:
         self._core_args, strategy = self._translate(model, train_dataset, eval_dataset)
         self.state.describe(self._core_args, self.args, self._steps_per_epoch)
         shifted = labels_shifted(*[d for d in (train_dataset, eval_dataset) if d is not None])
-        collator = hf_collator(data_collator, not shifted,
-                               model_columns(model))  # before layouts wrap model.forward
+        # before layouts wrap model.forward
+        collator = hf_collator(data_collator, not shifted, model_columns(model))
         self._core = CoreTrainer(model, self._core_args, train_dataset, eval_dataset,
                                  strategy=strategy, callbacks=[self._dispatch, *plain],
                                  data_collator=collator)

@@ -18,10 +18,10 @@ import torch
 import torch.distributed as dist
 
 from tessera.loss_scale import GradLossScaler
+from tessera.parallel.loss_weights import TokenWeights, check_weights, equal_weights
 from tessera.parallel.pipeline.comm import StageLink, message_plan
 from tessera.parallel.pipeline.partition import in_flight
 from tessera.parallel.pipeline.schedules import Action, recompute_early, recomputes
-from tessera.parallel.loss_weights import TokenWeights, check_weights, equal_weights
 from tessera.parallel.plan import Parallelized
 from tessera.strategy import Strategy
 
