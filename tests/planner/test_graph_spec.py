@@ -105,6 +105,15 @@ def test_what_the_planner_prices_differently_is_warned_about():
         assert describe_module(_meta_model(config), seq_len=64).config.bias
 
 
+def test_a_graph_read_model_keeps_its_dropout():
+    # The graph is captured in eval (no random ops); the modules give the dropout to price.
+    config, _ = _arch("qwen2")
+    assert describe_module(_meta_model(config), seq_len=64).config.dropout == 0.0
+    config.attention_dropout = 0.1
+    with pytest.warns(UserWarning):  # Qwen2's biases, as above
+        assert describe_module(_meta_model(config), seq_len=64).config.dropout == 0.1
+
+
 @pytest.mark.parametrize("name", ["qwen2", "gpt_neox"])  # GPT-NeoX splits its fused q|k|v
 def test_eager_attention_reads_like_sdpa(name):
     config, expected = _arch(name)

@@ -10,7 +10,6 @@ from tessera.planner import estimate, parse_cluster
 from tessera.planner.cluster import CollectiveFit
 from tessera.planner.compute import (elementwise_time, fused_causal_share, layer_elements,
                                      sp_attention_time, sp_causal_fraction)
-from tessera.planner.simulator import SimOptions
 from tessera.strategy import Strategy
 
 MODEL = ModelConfig(n_layers=4, d_model=128, n_heads=4, vocab_size=256, max_seq_len=128)
@@ -226,3 +225,58 @@ def test_tensor_parallel_layer_overhead_is_charged_per_layer_micro_batch_and_ste
     plain = Strategy.parse("dp=4,mbs=2,gbs=8")
     assert estimate(MODEL, cluster, plain).step_time == pytest.approx(
         estimate(MODEL, bare, plain).step_time)
+
+
+def test_attention_dropout_is_priced_on_the_path_each_layout_runs():
+    """With attention dropout, sp and 1D tp run the hashed explicit blocks (profiled as
+    attn_drop_*, computed in full: no fused causal skipping), other layouts SDPA at its
+    dropping efficiency; without dropout nothing changes."""
+    from tessera.planner.compute import MASK_PASSES, layer_core_time
+
+    plain = {"attn_fwd_call": 1e-4, "attn_fwd_elem": 2e-9, "attn_fwd_elem_hs": 1e-11,
+             "attn_bwd_call": 2e-4, "attn_bwd_elem": 3e-9, "attn_bwd_elem_hs": 2e-11}
+    dropping = {k.replace("attn_", "attn_drop_"): 10 * v for k, v in plain.items()}
+    cluster = _cpu_cluster(1.0, {**plain, **dropping})
+    drops = dataclasses.replace(MODEL, dropout=0.1)
+    ring = sp_attention_time(cluster, drops, 2, 128, 1, "1d", 4, "ring", dropout=True)
+    elements = 2 * 4 * 32 * 128 * 5 / 8  # the explicit ring's causal share, (sp + 1) / 2 sp
+    assert ring.forward == pytest.approx(4 * 1e-3 + elements * (2e-8 + 32 * 1e-10))
+    # 1D tp at sp = 1: one call on the whole sequence, its heads split over tp.
+    tp = layer_core_time(cluster, drops, 2, 128, 2, "1d", 1, "fp32")
+    tp_plain = layer_core_time(cluster, MODEL, 2, 128, 2, "1d", 1, "fp32")
+    call = sp_attention_time(cluster, drops, 2, 128, 2, "1d", 1, "ulysses", dropout=True)
+    assert call.forward == pytest.approx(1e-3 + 2 * 2 * 128 * 128 * (2e-8 + 32 * 1e-10))
+    assert tp.forward > tp_plain.forward
+    # dp: SDPA at the device's dropping efficiency, when it has one.
+    half = dataclasses.replace(cluster.device, attention_efficiency=0.5,
+                               attention_dropout_efficiency=0.25)
+    slower = dataclasses.replace(cluster, device=half)
+    dp, dp_plain = (layer_core_time(slower, m, 2, 128, 1, "1d", 1, "fp32") for m in (drops, MODEL))
+    # Half the efficiency: the attention term doubles (causal FLOPs 4 b s s h / 2).
+    attention = 4 * 2 * 128 * 128 * 128 * 0.5 / (half.peak("fp32") * 0.5)
+    assert dp.forward - dp_plain.forward == pytest.approx(attention)
+    unprofiled = _cpu_cluster(1.0)  # analytic: the mask's int64 passes added each way
+    without = sp_attention_time(unprofiled, drops, 2, 128, 1, "1d", 4, "ulysses")
+    with_mask = sp_attention_time(unprofiled, drops, 2, 128, 1, "1d", 4, "ulysses",
+                                  dropout=True)
+    bw = unprofiled.device.memory_bandwidth * unprofiled.device.memory_efficiency
+    full = 2 * 4 * 32 * 128  # no fused causal skipping under dropout
+    explicit = dataclasses.replace(unprofiled.device, name="explicit")  # not the fused CPU
+    fused_off = sp_attention_time(dataclasses.replace(unprofiled, device=explicit), drops, 2,
+                                  128, 1, "1d", 4, "ulysses")
+    assert with_mask.forward == pytest.approx(fused_off.forward + MASK_PASSES * 16 * full / bw)
+    assert with_mask.forward > without.forward
+
+
+def test_hugging_face_configs_are_described_with_their_dropout():
+    from tessera.planner.model_spec import from_hf_dict
+
+    gpt2 = dict(model_type="gpt2", vocab_size=256, n_layer=2, n_embd=64, n_head=4,
+                n_positions=128)
+    assert from_hf_dict(gpt2).dropout == 0.1  # GPT2Config's default where the dict has none
+    assert from_hf_dict({**gpt2, "attn_pdrop": 0.0, "resid_pdrop": 0.0,
+                         "embd_pdrop": 0.0}).dropout == 0.0
+    llama = dict(model_type="llama", vocab_size=256, num_hidden_layers=2, hidden_size=64,
+                 num_attention_heads=4, intermediate_size=128, max_position_embeddings=128)
+    assert from_hf_dict(llama).dropout == 0.0
+    assert from_hf_dict({**llama, "attention_dropout": 0.2}).dropout == 0.2

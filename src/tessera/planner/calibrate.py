@@ -99,14 +99,15 @@ BLOCK_SHAPES = [(1, 2, 16, 32, 32), (2, 4, 32, 32, 32), (1, 4, 64, 256, 32),
                 (1, 8, 256, 256, 16)]
 
 
-def time_attention_block(batch: int, heads: int, rows: int, keys: int, head_size: int
-                         ) -> tuple[float, float]:
+def time_attention_block(batch: int, heads: int, rows: int, keys: int, head_size: int,
+                         dropout: bool = False) -> tuple[float, float]:
     """(forward, backward) seconds of one step of the sequence-parallel runtime's block
-    attention (on CPU the fused kernel, sequence/fused.py) on one block, every key visible:
-    forward is ``blocks.block_forward`` and the online-softmax merge into the running output
-    (as a ring step does), backward is ``block_backward`` and the accumulation of the query
-    gradient."""
+    attention (on CPU the fused kernel, sequence/fused.py; with ``dropout`` the explicit path
+    with a hashed mask, p = 0.1) on one block, every key visible: forward is
+    ``blocks.block_forward`` and the online-softmax merge into the running output (as a ring
+    step does), backward is ``block_backward`` and the accumulation of the query gradient."""
     from tessera.parallel.sequence.blocks import block_backward, block_forward, merge_into
+    from tessera.parallel.sequence.dropout import AttentionDropout
 
     torch.manual_seed(0)
     q = torch.randn(batch, heads, rows, head_size)
@@ -115,37 +116,40 @@ def time_attention_block(batch: int, heads: int, rows: int, keys: int, head_size
     meta_k = torch.stack([torch.arange(keys), torch.zeros(keys, dtype=torch.long)], -1)
     meta_q, meta_k = meta_q.expand(batch, -1, -1), meta_k.expand(batch, -1, -1)  # (B, T, 2)
     scale = head_size ** -0.5
-    out, lse = block_forward(q, k, v, meta_q, meta_k, False, scale)
+    drop = AttentionDropout(0.1, seed=1) if dropout else None
+    out, lse = block_forward(q, k, v, meta_q, meta_k, False, scale, drop)
     dout = torch.randn_like(out)
     acc_out, acc_lse, dq = out.clone(), lse.clone(), torch.zeros_like(q)
 
     def forward():
-        merge_into(acc_out, acc_lse, *block_forward(q, k, v, meta_q, meta_k, False, scale))
+        merge_into(acc_out, acc_lse, *block_forward(q, k, v, meta_q, meta_k, False, scale,
+                                                    drop))
 
     def backward():
         dq_block, _, _ = block_backward(q, k, v, meta_q, meta_k, False, scale, dout, out,
-                                        lse)
+                                        lse, drop)
         dq.add_(dq_block)
 
     return _best_of(forward), _best_of(backward)
 
 
-def calibrate_block_attention() -> dict[str, float]:
+def calibrate_block_attention(dropout: bool = False) -> dict[str, float]:
     """Seconds of the sequence-parallel runtime's block attention as ``c + E (a + b hs)`` for
     a call on E score elements: ``attn_fwd_call`` (c, kernel launches and the merge),
     ``attn_fwd_elem`` (a, the element-wise passes over the scores: scale, mask,
     log-sum-exp, exp) and ``attn_fwd_elem_hs`` (b, the two matmuls per score); likewise
-    ``attn_bwd_*``. Least squares over :data:`BLOCK_SHAPES`, kept non-negative."""
+    ``attn_bwd_*``. With ``dropout``, the hashed-dropout path's, as ``attn_drop_*``. Least
+    squares over :data:`BLOCK_SHAPES`, kept non-negative."""
     rows = []
     for shape in BLOCK_SHAPES:
         batch, heads, q_rows, keys, head_size = shape
         elements = batch * heads * q_rows * keys
-        rows.append((elements, head_size, *time_attention_block(*shape)))
-    out = {}
+        rows.append((elements, head_size, *time_attention_block(*shape, dropout=dropout)))
+    out, key = {}, "attn_drop" if dropout else "attn"
     for phase, col in (("fwd", 2), ("bwd", 3)):
         c, a, b = _fit_call_elements(rows, col)
-        out[f"attn_{phase}_call"], out[f"attn_{phase}_elem"], out[f"attn_{phase}_elem_hs"] = \
-            c, a, b
+        out[f"{key}_{phase}_call"], out[f"{key}_{phase}_elem"] = c, a
+        out[f"{key}_{phase}_elem_hs"] = b
     return out
 
 

@@ -38,6 +38,10 @@ from tessera.planner.cluster import Cluster
 from tessera.planner.elementwise import eager_bytes_per_token
 
 KERNELS_FWD = 16
+# int64 passes over the scores that hash one attention-dropout keep mask (sequence/dropout.py:
+# the xor of row and key hashes, one mix32 of ten shift / xor / multiply / mask ops, the
+# compare, the cast and the scale).
+MASK_PASSES = 14
 KERNELS_BWD = 32
 BWD_MATMUL_FACTOR = 2.0
 BWD_ATTENTION_FACTOR = 2.5
@@ -125,14 +129,16 @@ def fused_causal_share(tokens: float) -> float:
     return min(1.0, (tokens + FUSED_CPU_KEY_TILE) / (2 * tokens))
 
 
-def sp_causal_fraction(device_name: str, seq: int, sp: int, sp_mode: str) -> float:
+def sp_causal_fraction(device_name: str, seq: int, sp: int, sp_mode: str,
+                       dropout: bool = False) -> float:
     """Share of a causal layer's score elements the sequence-parallel runtime computes.
 
     The zigzag ring computes half blocks off the diagonal and its (seq/sp)-token diagonal
-    block; Ulysses one causal block of the whole sequence. The explicit kernel (GPU) computes
-    those causal blocks in full, masked; the fused CPU kernel (sequence/fused.py) skips their
-    future tiles (:func:`fused_causal_share`). RSA builds full score rows everywhere."""
-    fused = device_name == "cpu"
+    block; Ulysses one causal block of the whole sequence. The explicit kernel (GPU, and any
+    device with attention dropout) computes those causal blocks in full, masked; the fused
+    CPU kernel (sequence/fused.py) skips their future tiles (:func:`fused_causal_share`). RSA
+    builds full score rows everywhere."""
+    fused = device_name == "cpu" and not dropout
     if sp_mode == "ring":
         diagonal = fused_causal_share(seq / sp) if fused else 1.0
         return (diagonal + (sp - 1) / 2) / sp  # explicit: (sp + 1) / (2 sp)
@@ -142,9 +148,10 @@ def sp_causal_fraction(device_name: str, seq: int, sp: int, sp_mode: str) -> flo
 
 
 def sp_attention_time(cluster: Cluster, model: ModelConfig, b: int, seq: int, tp: int,
-                      tp_mode: str, sp: int, sp_mode: str) -> LayerTime:
+                      tp_mode: str, sp: int, sp_mode: str, dropout: bool = False) -> LayerTime:
     """Seconds of the sequence-parallel runtime's block attention (fp32; backward recomputes
-    the probabilities) on one rank for one layer, at a lone worker's rate.
+    the probabilities) on one rank for one layer, at a lone worker's rate. Also 1D tensor
+    parallelism's attention while it drops (sp = 1, one call on the whole sequence).
 
     Score elements per rank: ``b * heads * (seq / sp) * seq`` (Ulysses: heads / sp ranks of
     whole sequences, the same count), times the causal fraction the runtime computes
@@ -153,31 +160,39 @@ def sp_attention_time(cluster: Cluster, model: ModelConfig, b: int, seq: int, tp
     Ulysses. A profiled device prices each call at its measured ``c + E (a + b head_size)``;
     otherwise four (eight backward) FLOPs per score and head dimension at the matmul rate,
     six (ten) fp32 passes over the scores at the memory bandwidth and twenty kernel launches
-    per call."""
+    per call.
+
+    With ``dropout`` the blocks take the explicit path and hash a keep mask per score
+    (sequence/dropout.py), forward and again backward: the profile's ``attn_drop_*`` figures,
+    else :data:`MASK_PASSES` int64 passes over the scores more each way."""
     device = cluster.device
     heads = model.n_heads / (math.isqrt(tp) if tp_mode == "2d" else tp)
     hs = model.head_dim
-    elements = b * heads * seq / sp * seq * sp_causal_fraction(device.name, seq, sp, sp_mode)
+    share = sp_causal_fraction(device.name, seq, sp, sp_mode, dropout)
+    elements = b * heads * seq / sp * seq * share
     calls = {"ring": sp, "rsa": 2 * sp}.get(sp_mode, 1)
-    fixed = device.overheads
-    if "attn_fwd_elem" in fixed:
+    fixed, key = device.overheads, "attn_drop" if dropout else "attn"
+    if f"{key}_fwd_elem" in fixed:
         return LayerTime(
-            calls * fixed["attn_fwd_call"]
-            + elements * (fixed["attn_fwd_elem"] + fixed["attn_fwd_elem_hs"] * hs),
-            calls * fixed["attn_bwd_call"]
-            + elements * (fixed["attn_bwd_elem"] + fixed["attn_bwd_elem_hs"] * hs))
+            calls * fixed[f"{key}_fwd_call"]
+            + elements * (fixed[f"{key}_fwd_elem"] + fixed[f"{key}_fwd_elem_hs"] * hs),
+            calls * fixed[f"{key}_bwd_call"]
+            + elements * (fixed[f"{key}_bwd_elem"] + fixed[f"{key}_bwd_elem_hs"] * hs))
     rate = device.peak("fp32") * device.matmul_efficiency
     bw = device.memory_bandwidth * device.memory_efficiency
     launches = calls * 20 * device.kernel_overhead
-    return LayerTime(4 * elements * hs / rate + 6 * 4 * elements / bw + launches,
-                     8 * elements * hs / rate + 10 * 4 * elements / bw + launches)
+    mask = MASK_PASSES * 16 * elements / bw if dropout else 0.0  # read + write 8 bytes
+    return LayerTime(4 * elements * hs / rate + 6 * 4 * elements / bw + launches + mask,
+                     8 * elements * hs / rate + 10 * 4 * elements / bw + launches + mask)
 
 
 def layer_core_time(cluster: Cluster, model: ModelConfig, b: int, seq: int, tp: int,
                     tp_mode: str, sp: int, precision: str, sp_mode: str = "ring") -> LayerTime:
     """Matmul and attention seconds of one layer for one micro-batch, at a lone worker's
     rate (no element-wise work, no fixed cost, no contention). With sp > 1 the attention is
-    the sequence-parallel runtime's own (:func:`sp_attention_time`), not a fused kernel."""
+    the sequence-parallel runtime's own (:func:`sp_attention_time`), not a fused kernel;
+    likewise 1D tp's while the model drops attention (tensor/attention.py). Other layouts
+    with attention dropout run SDPA at ``attention_dropout_efficiency``."""
     device = cluster.device
     s_loc = seq // sp
     n = b * s_loc
@@ -187,11 +202,16 @@ def layer_core_time(cluster: Cluster, model: ModelConfig, b: int, seq: int, tp: 
         t = count * 2.0 * m * o * k / rate
         fwd += t
         bwd += BWD_MATMUL_FACTOR * t
-    if sp > 1:
-        attn = sp_attention_time(cluster, model, b, seq, tp, tp_mode, sp, sp_mode)
+    drops = model.dropout > 0  # the planner prices training steps
+    if sp > 1 or (drops and tp > 1 and tp_mode == "1d"):
+        attn = sp_attention_time(cluster, model, b, seq, tp, tp_mode, sp,
+                                 sp_mode if sp > 1 else "ulysses", drops)
         return LayerTime(fwd + attn.forward, bwd + attn.backward)
     attn_flops = 4.0 * b * s_loc * seq * model.d_model / tp * 0.5
-    t_attn = attn_flops / (device.peak(precision) * device.attention_efficiency)
+    efficiency = device.attention_efficiency
+    if drops and device.attention_dropout_efficiency is not None:
+        efficiency = device.attention_dropout_efficiency
+    t_attn = attn_flops / (device.peak(precision) * efficiency)
     return LayerTime(fwd + t_attn, bwd + BWD_ATTENTION_FACTOR * t_attn)
 
 

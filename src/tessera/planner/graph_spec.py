@@ -25,7 +25,7 @@ from __future__ import annotations
 
 import warnings
 from collections import Counter
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 from torch import fx, nn
@@ -107,9 +107,21 @@ def describe_module(model: nn.Module, seq_len: int, capture_len: int = 16
         if use_cache:
             cfg.use_cache = use_cache
     described = describe_graph(graph, seq_len)
+    dropout = module_dropout(model)
+    if dropout > 0:  # the graph, captured in eval, holds none: the modules say
+        described = replace(described, config=described.config.replace(dropout=dropout))
     for note in described.notes:  # what the planner prices differently from the model
         warnings.warn(f"{type(model).__name__} read from its graph: {note}", stacklevel=2)
     return described
+
+
+def module_dropout(model: nn.Module) -> float:
+    """The largest dropout probability ``model`` trains with: its ``nn.Dropout`` modules and
+    attention modules' float ``attention_dropout`` (Llama-style attention passes it to SDPA)."""
+    found = [m.p for m in model.modules() if isinstance(m, nn.Dropout)]
+    found += [m.attention_dropout for m in model.modules()
+              if isinstance(getattr(m, "attention_dropout", None), float)]
+    return max(found, default=0.0)
 
 
 def describe_graph(graph: ProxyGraph, seq_len: int | None = None) -> GraphDescription:

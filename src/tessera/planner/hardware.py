@@ -38,7 +38,10 @@ OVERHEAD_KEYS = ("layer_fwd", "layer_bwd", "model_fwd", "model_bwd", "optim_fixe
                  "elem_fwd_gelu", "elem_bwd_gelu", "elem_fwd_swiglu", "elem_bwd_swiglu",
                  # explicit sequence-parallel attention: c per call + E (a + b * head size)
                  "attn_fwd_call", "attn_fwd_elem", "attn_fwd_elem_hs",
-                 "attn_bwd_call", "attn_bwd_elem", "attn_bwd_elem_hs")
+                 "attn_bwd_call", "attn_bwd_elem", "attn_bwd_elem_hs",
+                 # the same with hashed attention dropout (sequence/dropout.py): explicit path
+                 "attn_drop_fwd_call", "attn_drop_fwd_elem", "attn_drop_fwd_elem_hs",
+                 "attn_drop_bwd_call", "attn_drop_bwd_elem", "attn_drop_bwd_elem_hs")
 
 
 class HardwareError(ValueError):
@@ -82,6 +85,9 @@ class DeviceSpec:
         devices_per_node: default node size for the ``name:N`` shorthand.
         matmul_efficiency: fraction of peak a large matmul reaches.
         attention_efficiency: fraction of peak fused attention reaches.
+        attention_dropout_efficiency: the same with attention dropout (SDPA on CPU then leaves
+            its fused kernel for the math path); None: ``attention_efficiency`` (CUDA's
+            flash kernel drops inside the kernel).
         memory_efficiency: fraction of memory bandwidth element-wise kernels reach.
         kernel_overhead: fixed seconds per kernel (launch, tail), which small matmuls feel.
         overlap_efficiency: fraction of concurrent compute that communication can hide under.
@@ -126,6 +132,7 @@ class DeviceSpec:
     devices_per_node: int = 8
     matmul_efficiency: float = 0.8
     attention_efficiency: float = 0.5
+    attention_dropout_efficiency: float | None = None
     memory_efficiency: float = 0.8
     kernel_overhead: float = 5e-6
     overlap_efficiency: float = 0.9
@@ -155,6 +162,10 @@ class DeviceSpec:
         for name in ("matmul_efficiency", "attention_efficiency", "memory_efficiency"):
             if not 0 < getattr(self, name) <= 1:
                 raise HardwareError(f"device.{name} must lie in (0, 1], got {getattr(self, name)}")
+        dropping = self.attention_dropout_efficiency
+        if dropping is not None and not 0 < dropping <= 1:
+            raise HardwareError(f"device.attention_dropout_efficiency must lie in (0, 1], got "
+                                f"{dropping!r}")
         for name in ("overlap_efficiency", "p2p_overlap_efficiency"):
             value = getattr(self, name)
             if value is not None and not 0 <= value <= 1:

@@ -62,12 +62,14 @@ def measure_matmul(shapes: list[tuple[int, int, int]]) -> list[tuple[tuple[int, 
     return out
 
 
-def measure_attention(peak: float, seq: int = 256, heads: int = 4, head_dim: int = 64) -> float:
-    """Fraction of ``peak`` that causal SDPA forward + backward reaches (causal FLOPs)."""
+def measure_attention(peak: float, seq: int = 256, heads: int = 4, head_dim: int = 64,
+                      dropout_p: float = 0.0) -> float:
+    """Fraction of ``peak`` that causal SDPA forward + backward reaches (causal FLOPs), with
+    attention dropout ``dropout_p`` (on CPU SDPA then takes its math path)."""
     q, k, v = (torch.randn(1, heads, seq, head_dim, requires_grad=True) for _ in range(3))
 
     def step():
-        y = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+        y = F.scaled_dot_product_attention(q, k, v, is_causal=True, dropout_p=dropout_p)
         y.sum().backward()
 
     t = time_call(step)
@@ -218,6 +220,7 @@ def profile_cluster(workers: int | None = None, quick: bool = False,
         peak = max(rate for _, rate in table)
         log("attention, memory bandwidth, optimizer, kernel overhead ...")
         attention = measure_attention(peak)
+        attention_dropping = measure_attention(peak, dropout_p=0.1)
         bandwidth, adam_bytes, overhead = measure_memory()
         log("fixed per-layer and per-step overheads of a tiny reference transformer ...")
         overheads = measure_overheads()
@@ -236,7 +239,8 @@ def profile_cluster(workers: int | None = None, quick: bool = False,
     base = local_cpu(workers)
     device = dataclasses.replace(
         base, peak_flops={"fp32": peak, "bf16": peak}, memory_bandwidth=bandwidth,
-        attention_efficiency=attention, kernel_overhead=overhead,
+        attention_efficiency=attention, attention_dropout_efficiency=attention_dropping,
+        kernel_overhead=overhead,
         optimizer_bytes_per_param=adam_bytes, overlap_efficiency=overlap,
         p2p_overlap_efficiency=ring_overlap,
         memory_bytes=_memory_per_worker(workers), overheads=overheads)
@@ -247,7 +251,8 @@ def profile_cluster(workers: int | None = None, quick: bool = False,
     log("element-wise cost of reference layers and of block attention (one worker) ...")
     torch.set_num_threads(1)
     try:
-        elementwise = {**calibrate_elementwise(cluster), **calibrate_block_attention()}
+        elementwise = {**calibrate_elementwise(cluster), **calibrate_block_attention(),
+                       **calibrate_block_attention(dropout=True)}
     finally:
         torch.set_num_threads(threads)
     device = dataclasses.replace(device, overheads={**overheads, **elementwise})
