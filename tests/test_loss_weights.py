@@ -88,3 +88,21 @@ def test_weights_for_other_micro_batches_are_refused():
         engine.forward_backward(batches, equal_weights(3))
     with pytest.raises(ValueError, match="at least one micro-batch"):
         token_weights([], CPU, None, 1)
+
+
+def test_padding_a_micro_batch_on_changes_neither_loss_nor_gradients():
+    from tessera.parallel.plan import pad_batch
+
+    batch = _batches([3])[0]
+    model = _model()
+    lm_loss(model(batch["input_ids"]), batch["labels"]).backward()
+    want = _grads(model)
+    model.zero_grad()
+    padded = pad_batch(batch, 24)
+    assert padded["input_ids"].shape == (2, 24) and (padded["labels"][:, 16:] == -100).all()
+    got = lm_loss(model(padded["input_ids"]), padded["labels"])
+    got.backward()  # causal attention: real tokens never see the padding after them
+    for g, w in zip(_grads(model), want):
+        torch.testing.assert_close(g, w, rtol=1e-5, atol=1e-7)
+    with pytest.raises(ValueError, match=r"batch keys \['pixel_values'\] have no padding"):
+        pad_batch({**batch, "pixel_values": batch["labels"]}, 24)

@@ -44,6 +44,50 @@ class IgnoredTails(torch.utils.data.Dataset):
         return sample
 
 
+class Ragged(torch.utils.data.Dataset):
+    """Samples of 12-32 tokens (sample i keeps 32 - (5 i mod 21)), for a collator that pads
+    each micro-batch to its own longest sample, as Hugging Face's DataCollatorWithPadding."""
+
+    def __init__(self, base):
+        self.base = base
+
+    def __len__(self):
+        return len(self.base)
+
+    def __getitem__(self, i):
+        keep = 32 - (5 * i) % 21
+        return {key: value[:keep] for key, value in self.base[i].items()}
+
+
+def pad_to_longest(samples):
+    """input_ids, labels (-100 on padding) and attention_mask, padded on the right."""
+    longest = max(len(s["input_ids"]) for s in samples)
+    out = {"input_ids": torch.zeros(len(samples), longest, dtype=torch.long),
+           "labels": torch.full((len(samples), longest), -100, dtype=torch.long),
+           "attention_mask": torch.zeros(len(samples), longest, dtype=torch.long)}
+    for row, sample in enumerate(samples):
+        n = len(sample["input_ids"])
+        out["input_ids"][row, :n] = sample["input_ids"]
+        out["labels"][row, :n] = sample["labels"]
+        out["attention_mask"][row, :n] = 1
+    return out
+
+
+def _train_ragged(out, strategy: str):
+    """Five steps on :class:`Ragged` micro-batches padded each to its own longest sample:
+    (losses, gradient norms)."""
+    from tessera.run import build_datasets, build_model, build_tokenizer
+    from tessera.testing import tiny_run_config
+    from tessera.train.trainer import Trainer
+
+    config = tiny_run_config(out, strategy)
+    train_ds, _ = build_datasets(config, build_tokenizer(config))
+    result = Trainer(build_model(config), config.train, Ragged(train_ds),
+                     strategy=config.strategy, data_collator=pad_to_longest).train()
+    records = [json.loads(line) for line in (Path(out) / "metrics.jsonl").open()]
+    return result.losses, [r["grad_norm"] for r in records if "grad_norm" in r]
+
+
 def _evaluate_with_unlabelled_samples(out):
     """(evaluate() over 6 samples of which 3 have no labels, one per micro-batch; the mean
     loss of the 3 labelled ones, computed directly)."""
@@ -119,6 +163,7 @@ def _single_process_runs(rank, world_size, root):
     out["tails_dp1"] = _train_ignored_tails(root / "tails_dp1", "dp=1,mbs=8,gbs=8")
     out["tails_accum"] = _train_ignored_tails(root / "tails_accum", "dp=1,mbs=2,gbs=8")
     out["eval_unlabelled"] = _evaluate_with_unlabelled_samples(root / "eval_unlabelled")
+    out["ragged_dp1"] = _train_ragged(root / "ragged_dp1", "dp=1,mbs=8,gbs=8")
     return out
 
 
@@ -132,7 +177,8 @@ def _two_process_runs(rank, world_size, root):
         ("tails_dp2", "dp=2,mbs=2,gbs=8", {}),
         ("tails_pp2", "pp=2,mbs=2,gbs=8,schedule=1f1b", {}),
         ("tails_dp2_local", "dp=2,mbs=2,gbs=8", {"average_tokens_across_devices": False}))}
-    return {"dp2": dp2, "resumed_dp2": resumed, **tails}
+    ragged = _train_ragged(root / "ragged_pp2", "pp=2,mbs=2,gbs=8,schedule=1f1b")
+    return {"dp2": dp2, "resumed_dp2": resumed, **tails, "ragged_pp2": ragged}
 
 
 @pytest.fixture(scope="module")
@@ -177,6 +223,16 @@ def test_the_loss_is_the_mean_over_all_labels_of_the_step(runs):
     # the parity tolerance (about 1e-3 on losses near ln 256 from an untrained model).
     local = runs["tails_dp2_local"][0]
     assert max(abs(a - b) for a, b in zip(local, losses)) > 1e-4, (local, losses)
+
+
+@pytest.mark.slow
+def test_pipeline_stages_take_micro_batches_of_different_lengths(runs):
+    # A step's micro-batches, each padded to its own longest sample, are padded on to one
+    # length for the stages: the same training as one micro-batch of all 8 (fp32, sums in
+    # another order; norms to 1e-4 relative as above).
+    (losses, norms), (want, want_norms) = runs["ragged_pp2"], runs["ragged_dp1"]
+    _close(losses, want, **FP32_PARITY)
+    _close(norms, want_norms, rtol=1e-4, atol=0)
 
 
 @pytest.mark.slow

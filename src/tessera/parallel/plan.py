@@ -55,6 +55,32 @@ def labels_without_padding(batch: Batch) -> torch.Tensor:
     return labels
 
 
+# What a token added after a batch's end holds: a padding position that no loss reads and no
+# real token attends to (causal attention; attention_mask 0 and document_ids < 0 mark it).
+PAD_FILL = {"input_ids": 0, "labels": -100, "attention_mask": 0, "document_ids": -1,
+            "position_ids": 0}
+
+
+def pad_batch(batch: Batch, length: int) -> Batch:
+    """``batch`` with its (B, T) tensors right-padded to ``length`` tokens (PAD_FILL): the
+    same loss and gradients, for a runtime that needs one shape for several micro-batches.
+
+    Raises:
+        ValueError: for a key without a known padding value, or a batch longer than length.
+    """
+    current = batch["input_ids"].shape[1]
+    if current == length:
+        return batch
+    if current > length:
+        raise ValueError(f"a batch of {current} tokens cannot be padded to {length}")
+    unknown = sorted(set(batch) - set(PAD_FILL))
+    if unknown:
+        raise ValueError(f"batch keys {unknown} have no padding value: micro-batches of "
+                         f"different lengths cannot be padded to one shape")
+    return {key: F.pad(value, (0, length - current), value=PAD_FILL[key])
+            for key, value in batch.items()}
+
+
 def fit_batch(batch: Batch, honoured: frozenset[str]) -> Batch:
     """``batch`` as a layout that reads ``READ_ALWAYS`` and ``honoured`` runs it exactly.
 

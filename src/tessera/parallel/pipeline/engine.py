@@ -22,7 +22,7 @@ from tessera.parallel.loss_weights import TokenWeights, check_weights, equal_wei
 from tessera.parallel.pipeline.comm import StageLink, message_plan
 from tessera.parallel.pipeline.partition import in_flight
 from tessera.parallel.pipeline.schedules import Action, recompute_early, recomputes
-from tessera.parallel.plan import Parallelized
+from tessera.parallel.plan import Parallelized, pad_batch
 from tessera.strategy import Strategy
 
 @dataclass
@@ -62,8 +62,12 @@ class PipelineEngine:
         """Accumulate gradients of ``sum_i weights[i] * loss_i`` over ``micro_batches`` on
         this rank's stages (weights: as :meth:`tessera.train.engine.Engine.forward_backward`).
         """
-        batches = [self.pipe.prepare({k: v.to(self.device) for k, v in b.items()},
-                                     training=True) for b in micro_batches]
+        # The stages of a step run one captured shape: micro-batches a collator padded to
+        # their own longest sample are padded on to the step's longest (plan.pad_batch).
+        length = max(b["input_ids"].shape[1] for b in micro_batches)
+        batches = [self.pipe.prepare({k: v.to(self.device) for k, v in
+                                      pad_batch(b, length).items()}, training=True)
+                   for b in micro_batches]
         n = len(batches)
         weights = equal_weights(n, self.device) if weights is None else weights
         check_weights(weights, n)
