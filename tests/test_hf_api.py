@@ -238,6 +238,10 @@ def _check_argument_mapping(out):
     assert saves == [1, 2, 3, 4]
     logs = [e[1] for e in out["events"] if e[0] == "log"]
     assert all("learning_rate" in r and "lr" not in r for r in logs if "loss" in r)
+    # The rate each step trained at (linear decay over 4 steps, no warm-up), as Hugging Face
+    # logs it: not the next step's.
+    rates = [r["learning_rate"] for r in logs if "loss" in r]
+    assert rates == pytest.approx([1e-3, 7.5e-4, 5e-4, 2.5e-4])
     # An evaluation is logged, then reported to on_evaluate (at steps 2 and 4, and the
     # explicit evaluate() after training).
     kinds = [(e[0], "eval_loss" in e[1]) for e in out["events"] if e[0] != "save"]

@@ -162,3 +162,29 @@ def test_metrics_are_printed_and_saved_as_hugging_face_names_them(tmp_path):
     assert json.loads((tmp_path / "test_results.json").read_text()) == {"test_loss": 1.0}
     with pytest.raises(ValueError, match="metric 'loss' is a Tensor"):
         write_metrics(tmp_path, "bad", {"loss": torch.tensor(1.0)})
+
+
+@pytest.mark.parametrize("kind", ["linear", "cosine", "constant_with_warmup"])
+def test_learning_rate_schedules_are_hugging_faces_step_for_step(kind):
+    # The front's schedules (min ratio 0, the warm-up's first step at lr 0) against
+    # transformers' own, over warm-up and decay.
+    import transformers
+
+    from tessera.train.optim import build_scheduler
+
+    def rates(make):
+        optimizer = torch.optim.SGD([torch.nn.Parameter(torch.zeros(1))], lr=1.0)
+        scheduler = make(optimizer)
+        out = []
+        for _ in range(10):
+            out.append(scheduler.get_last_lr()[0])
+            optimizer.step()
+            scheduler.step()
+        return out
+
+    theirs = rates(lambda opt: transformers.get_scheduler(kind, opt, num_warmup_steps=3,
+                                                          num_training_steps=10))
+    ours = rates(lambda opt: build_scheduler(opt, 3, 10, 0.0, kind.removesuffix("_with_warmup"),
+                                             warmup_from_zero=True))
+    assert ours == pytest.approx(theirs, abs=1e-12)
+    assert theirs[0] == 0.0 and max(theirs) == 1.0  # the check covers warm-up and the peak

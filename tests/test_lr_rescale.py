@@ -34,9 +34,10 @@ def test_a_resumed_run_warms_a_changed_learning_rate_up(tmp_path):
     common["train"].update(resume=True, learning_rate=2e-3, lr_rescale_warmup_steps=4)
     result, _ = train_tiny(tmp_path, "dp=1,mbs=4,gbs=8", steps=8, **common)
     lrs = _lrs(tmp_path)
-    # Constant schedule: the rate logged after step k is the one step k+1 will use.
+    # Constant schedule: the rate logged at step k is the one step k trained at (the
+    # optimizer's); the ramp's first step is a quarter of the way from the old peak.
     assert lrs[4] == pytest.approx(1e-3)  # logged by the first run
-    assert [lrs[k] for k in (5, 6, 7, 8)] == pytest.approx([1.5e-3, 1.75e-3, 2e-3, 2e-3])
+    assert [lrs[k] for k in (5, 6, 7, 8)] == pytest.approx([1.25e-3, 1.5e-3, 1.75e-3, 2e-3])
     # The ramp is saved with the checkpoint, so a resume in the middle of it continues it.
     meta = json.loads((Path(result.checkpoint) / "meta.json").read_text())
     assert meta["peak_ramp"] == {"start": 4, "steps": 4, "from_ratio": 0.5}

@@ -99,6 +99,8 @@ class TrainingArguments(_Section):
     min_lr_ratio: float = 0.1
     lr_scheduler_type: Literal["cosine", "linear", "constant"] = "cosine"
     warmup_steps: int = 10
+    # The warm-up's first step at lr 0 (Hugging Face's schedules), not at peak / warmup_steps.
+    warmup_from_zero: bool = False
     # After a resume whose learning_rate differs from the checkpoint's (a batch-size change),
     # move the peak there linearly over this many steps; 0: at once.
     lr_rescale_warmup_steps: int = 0

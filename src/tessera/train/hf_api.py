@@ -410,6 +410,7 @@ class Trainer:
             weight_decay=a.weight_decay, adam_beta1=a.adam_beta1, adam_beta2=a.adam_beta2,
             adam_epsilon=a.adam_epsilon, max_grad_norm=a.max_grad_norm,
             average_tokens_across_devices=a.average_tokens_across_devices,
+            warmup_from_zero=True,  # Hugging Face's schedules start the warm-up at lr 0
             logging_steps=a.logging_steps,
             eval_steps=(a.eval_steps or a.logging_steps) if eval_steps is None else eval_steps,
             save_steps=a.save_steps if save_steps is None else save_steps, seed=a.seed,

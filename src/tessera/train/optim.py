@@ -42,14 +42,16 @@ SCHEDULES = ("cosine", "linear", "constant")
 
 
 def lr_multiplier(step: int, warmup_steps: int, total_steps: int, min_ratio: float,
-                  kind: str = "cosine") -> float:
+                  kind: str = "cosine", warmup_from_zero: bool = False) -> float:
     """LR multiplier at ``step``: linear warm-up to 1, then a decay to ``min_ratio``.
 
     ``kind`` is "cosine" (half-cosine decay), "linear" (straight line) or "constant"
-    (no decay after warm-up); the decay reaches ``min_ratio`` at ``total_steps``.
+    (no decay after warm-up); the decay reaches ``min_ratio`` at ``total_steps``. The
+    warm-up's first step runs at ``1 / warmup_steps``, or with ``warmup_from_zero`` at 0
+    (Hugging Face's schedules: ``step / warmup_steps``).
     """
     if warmup_steps and step < warmup_steps:
-        return (step + 1) / warmup_steps
+        return (step if warmup_from_zero else step + 1) / warmup_steps
     if kind == "constant":
         return 1.0
     span = max(1, total_steps - warmup_steps)
@@ -91,8 +93,8 @@ class PeakRamp:
 
 
 def build_scheduler(optimizer: torch.optim.Optimizer, warmup_steps: int, total_steps: int,
-                    min_ratio: float, kind: str = "cosine", ramp: PeakRamp | None = None
-                    ) -> torch.optim.lr_scheduler.LambdaLR:
+                    min_ratio: float, kind: str = "cosine", ramp: PeakRamp | None = None,
+                    warmup_from_zero: bool = False) -> torch.optim.lr_scheduler.LambdaLR:
     """A LambdaLR over :func:`lr_multiplier` (times ``ramp``, when given); its state dict
     resumes the position. The ramp's own state is the caller's to save."""
     if kind not in SCHEDULES:
@@ -100,4 +102,5 @@ def build_scheduler(optimizer: torch.optim.Optimizer, warmup_steps: int, total_s
     ramp = ramp or PeakRamp()
     return torch.optim.lr_scheduler.LambdaLR(
         optimizer,
-        lambda step: lr_multiplier(step, warmup_steps, total_steps, min_ratio, kind) * ramp(step))
+        lambda step: lr_multiplier(step, warmup_steps, total_steps, min_ratio, kind,
+                                   warmup_from_zero) * ramp(step))

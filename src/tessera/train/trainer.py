@@ -147,7 +147,7 @@ class Trainer:
         self.peak_ramp = PeakRamp()  # warms a changed learning rate up after a resume
         self.scheduler = build_scheduler(self.optimizer, args.warmup_steps, args.max_steps,
                                          args.min_lr_ratio, args.lr_scheduler_type,
-                                         self.peak_ramp)
+                                         self.peak_ramp, args.warmup_from_zero)
         # pp > 1: the pipeline engine runs the schedule over this rank's stages.
         engine_cls = PipelineEngine if self.strategy.pp > 1 else Engine
         self.engine = engine_cls(self.plan, self.strategy, self.ctx.device)
@@ -367,6 +367,9 @@ class Trainer:
             self.optimizer.step()
         else:
             self._non_finite(result.loss)
+        # The rate this step trained at: the optimizer's (after a resume that changed the
+        # peak, the scheduler's last rate is the checkpoint's until its next step).
+        self.step_lr = self.optimizer.param_groups[0]["lr"]
         self.scheduler.step()
         self.optimizer.zero_grad(set_to_none=True)
         # [this rank's loss, the gradient norm before clipping (the same on every rank)]
@@ -396,7 +399,7 @@ class Trainer:
         tokens_per_s, mfu = throughput.report()
         return {"step": self.step, "loss": sum(values) / len(values),
                 "grad_norm": float(steps[-1, 1]),  # the last step's, before clipping
-                "lr": self.scheduler.get_last_lr()[0], "tokens_per_s": tokens_per_s,
+                "lr": self.step_lr, "tokens_per_s": tokens_per_s,  # the last step's
                 "mfu": mfu, "time": time.time()}
 
     def _maybe_evaluate(self, result: TrainResult, writer: MetricsWriter,
