@@ -46,3 +46,11 @@ def test_damaged_checkpoints_are_named(tmp_path):
     (first / ckpt.META).write_text("{not json")
     with pytest.raises(ckpt.CheckpointError, match="meta.json is corrupted"):
         ckpt.read_meta(first)
+
+
+def test_a_checkpoint_path_that_does_not_exist_is_named_so(tmp_path):
+    with pytest.raises(ckpt.CheckpointError, match=r"step_3 does not exist .*step_00000003"):
+        ckpt.read_meta(tmp_path / "checkpoints" / "step_3")
+    (tmp_path / "half").mkdir()
+    with pytest.raises(ckpt.CheckpointError, match="is not a complete checkpoint"):
+        ckpt.read_meta(tmp_path / "half")

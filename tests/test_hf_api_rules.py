@@ -11,6 +11,7 @@ from transformers import EarlyStoppingCallback, TrainerCallback
 
 from tessera import Trainer, TrainingArguments
 from tessera.data.dataset import TokenDataset
+from tessera.strategy import StrategyError
 from tessera.parallel.plan import fit_batch
 from tessera.train.hf_api import (TrainerControl, check_callback_events, hf_collator,
                                   labels_shifted, model_columns, shift_for_next_token)
@@ -82,6 +83,9 @@ def test_trainer_arguments_it_does_not_act_on_are_refused(kwargs, fragment):
     (dict(warmup_ratio=-0.1), "warmup_ratio"),
     (dict(warmup_steps=-1), "warmup_steps"),
     (dict(lr_scheduler_type="polynomial"), "lr_scheduler_type"),
+    (dict(gradient_checkpointing=True), "add recompute=full .or a ratio. to the strategy"),
+    (dict(evaluation_strategy="steps"), "renamed eval_strategy"),
+    (dict(fsdp="full_shard"), "tessera lays the model out itself"),
 ])
 def test_out_of_range_arguments_are_refused_naming_them(kwargs, fragment):
     with pytest.raises(ValueError, match=fragment):
@@ -188,3 +192,18 @@ def test_learning_rate_schedules_are_hugging_faces_step_for_step(kind):
                                              warmup_from_zero=True))
     assert ours == pytest.approx(theirs, abs=1e-12)
     assert theirs[0] == 0.0 and max(theirs) == 1.0  # the check covers warm-up and the peak
+
+
+def test_script_flags_hugging_face_does_not_read_are_taken():
+    # run_clm.py passes do_train / do_eval and branches on them; the Trainer reads neither.
+    args = TrainingArguments(do_train=True, do_eval=True)
+    assert args.do_train and args.do_eval
+
+
+def test_an_eval_batch_pipeline_stages_cannot_run_is_refused_by_its_own_name(monkeypatch):
+    monkeypatch.setenv("WORLD_SIZE", "2")  # the launch the strategy text is for
+    args = TrainingArguments(strategy="pp=2,mbs=2,gbs=8", per_device_eval_batch_size=4,
+                             max_steps=1)
+    with pytest.raises(StrategyError, match="per_device_eval_batch_size=4 differs from mbs=2.*"
+                                            "leave it unset"):
+        Trainer(model=torch.nn.Linear(2, 2), args=args, train_dataset=[0, 1])

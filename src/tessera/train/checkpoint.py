@@ -172,6 +172,9 @@ def find_latest(root: Path) -> Path | None:
 def read_meta(path: Path) -> dict[str, Any]:
     """The meta.json of a checkpoint folder."""
     meta_file = Path(path) / META
+    if not Path(path).exists():
+        raise CheckpointError(f"checkpoint {path} does not exist (checkpoints are folders "
+                              f"named like {step_dirname(3)} in <output_dir>/checkpoints)")
     if not meta_file.is_file():
         raise CheckpointError(f"{path} is not a complete checkpoint (no {META})")
     try:

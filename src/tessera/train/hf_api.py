@@ -29,7 +29,7 @@ from typing import Any, Callable, Literal, Mapping, Sequence
 
 import torch
 import torch.distributed as dist
-from pydantic import field_validator
+from pydantic import field_validator, model_validator
 from torch import nn
 from torch.utils.data import Dataset
 
@@ -39,8 +39,21 @@ from tessera.data.dataset import collate
 from tessera.strategy import Strategy, StrategyError
 from tessera.train.checkpoint import checkpoint_root, find_latest
 from tessera.train.trainer import Trainer as CoreTrainer
+from tessera.train.trainer import check_eval_micro_batch
 from tessera.train.hf_reports import (TrainOutput, format_metrics, train_output,
                                       write_metrics, write_state)
+
+
+# Hugging Face arguments whose job is done elsewhere in tessera, and where.
+MOVED_ARGUMENTS = {
+    "gradient_checkpointing": "activation recomputation is part of the strategy: add "
+                              "recompute=full (or a ratio) to the strategy text",
+    "evaluation_strategy": "renamed eval_strategy (as in transformers 5)",
+    "per_gpu_train_batch_size": "use per_device_train_batch_size",
+    "deepspeed": "tessera lays the model out itself: set strategy (text or 'auto')",
+    "fsdp": "tessera lays the model out itself: set strategy (text or 'auto'; memory=chunk "
+            "shards parameters, gradients and optimizer states)",
+}
 
 
 class TrainingArguments(_Section):
@@ -84,6 +97,21 @@ class TrainingArguments(_Section):
     report_to: str | list[str] = "none"
     resume_from_checkpoint: str | None = None
     disable_tqdm: bool = False
+    # Flags Hugging Face's Trainer does not read either: scripts (run_clm.py) branch on them.
+    do_train: bool = False
+    do_eval: bool = False
+    do_predict: bool = False
+
+    @model_validator(mode="before")
+    @classmethod
+    def _renamed_or_elsewhere(cls, values: Any) -> Any:
+        """Hugging Face arguments tessera takes under another name or in the strategy:
+        refused naming what to use (other unknown names get pydantic's message)."""
+        if isinstance(values, Mapping):
+            for name, hint in MOVED_ARGUMENTS.items():
+                if name in values:
+                    raise ValueError(f"{name} is not a tessera TrainingArguments field: {hint}")
+        return values
 
     @field_validator("stage_memory_budget", mode="before")
     @classmethod
@@ -384,6 +412,11 @@ class Trainer:
                                     a.gradient_accumulation_steps, a.precision,
                                     seq_len=_sample_length(shaping) if planned else None)
         check_batch_arguments(a, strategy)
+        if "per_device_eval_batch_size" in a.model_fields_set:
+            check_eval_micro_batch(a.per_device_eval_batch_size, strategy,
+                                   "per_device_eval_batch_size",
+                                   "leave it unset (evaluation then runs the training "
+                                   f"micro-batch, {strategy.micro_batch_size} samples)")
         for key in ("pipeline_split_points", "pipeline_leaf_modules"):
             if planned and getattr(a, key):
                 raise StrategyError(f"{key} shapes the pipeline of a pp the strategy fixes: "
@@ -645,7 +678,8 @@ def resolve_strategy(text: str | None, model: nn.Module, world: int, per_device:
         strategy = Strategy.parse(text)
         if precision != "fp32" and strategy.precision != precision:
             raise StrategyError(f"strategy says precision={strategy.precision} but the "
-                                f"arguments ask for {precision} (bf16/fp16 flags)")
+                                f"arguments ask for {precision} (bf16/fp16 flags): add "
+                                f"precision={precision} to the strategy text")
     return strategy.validate_for(world_size=world)
 
 

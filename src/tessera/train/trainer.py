@@ -177,8 +177,10 @@ class Trainer:
         if self.train_dataset is None:
             raise ValueError("train() needs a train_dataset: this Trainer was built to "
                              "evaluate only")
-        if self.args.resume or self.args.resume_from:
-            self.resume()
+        if (self.args.resume or self.args.resume_from) and not self.resume() \
+                and self.ctx.is_main:  # a restart before the first checkpoint: not an error
+            print(f"tessera: resume asked for, but {self.ckpt_root} holds no complete "
+                  "checkpoint: starting at step 0", flush=True)
         stop = self.args.max_steps if until_step is None else min(until_step, self.args.max_steps)
         result = TrainResult(step=self.step, first_step=self.step)
         progress = ProgressReporter(self.args.max_steps, self.step, self.args.progress,
@@ -444,8 +446,13 @@ class Trainer:
         return Throughput(flops, float(best), self.ctx.world_size)
 
 
-def check_eval_micro_batch(size: int, strategy: Strategy) -> None:
+def check_eval_micro_batch(size: int, strategy: Strategy,
+                           name: str = "train.eval_micro_batch_size",
+                           unset: str = "leave it 0") -> None:
     """Refuse an evaluation micro-batch size the layout cannot run (0: the training one).
+
+    Args:
+        name, unset: the argument as the caller's user knows it, and how to leave it unset.
 
     Raises:
         StrategyError: naming the size and the rule.
@@ -453,12 +460,12 @@ def check_eval_micro_batch(size: int, strategy: Strategy) -> None:
     if not size or size == strategy.micro_batch_size:
         return
     if strategy.pp > 1:
-        raise StrategyError(f"train.eval_micro_batch_size={size} differs from mbs="
+        raise StrategyError(f"{name}={size} differs from mbs="
                             f"{strategy.micro_batch_size}, but pipeline stages (pp="
-                            f"{strategy.pp}) run the training micro-batch shape: leave it 0")
+                            f"{strategy.pp}) run the training micro-batch shape: {unset}")
     q = strategy.tp_grid[0]
     if strategy.tp_mode == "2d" and size % q:
-        raise StrategyError(f"train.eval_micro_batch_size={size}: 2D tensor parallelism "
+        raise StrategyError(f"{name}={size}: 2D tensor parallelism "
                             f"splits each micro-batch over {q} grid rows, so it must be "
                             f"divisible by {q}")
 
