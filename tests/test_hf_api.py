@@ -11,7 +11,7 @@ from transformers import GPT2Config, GPT2LMHeadModel, TrainerCallback
 from tessera import Trainer, TrainingArguments
 from tessera.strategy import Strategy, StrategyError
 from tessera.testing import run_distributed
-from tessera.train.hf_api import shift_for_next_token
+from tessera.train.hf_data import shift_for_next_token
 
 ROOT = Path(__file__).resolve().parents[1]
 

@@ -11,10 +11,10 @@ from transformers import EarlyStoppingCallback, TrainerCallback
 
 from tessera import Trainer, TrainingArguments
 from tessera.data.dataset import TokenDataset
-from tessera.strategy import StrategyError
 from tessera.parallel.plan import fit_batch
-from tessera.train.hf_api import (TrainerControl, check_callback_events, hf_collator,
-                                  labels_shifted, model_columns, shift_for_next_token)
+from tessera.strategy import StrategyError
+from tessera.train.hf_callbacks import TrainerControl, check_callback_events
+from tessera.train.hf_data import hf_collator, labels_shifted, model_columns, shift_for_next_token
 
 
 class OnStepEnd(TrainerCallback):
@@ -136,7 +136,7 @@ def test_right_padding_is_run_exactly_left_padding_and_unread_keys_are_refused()
 
 
 def test_a_callback_reading_a_field_tessera_lacks_fails_naming_it():
-    from tessera.train.hf_api import TrainerState
+    from tessera.train.hf_callbacks import TrainerState
 
     trainer = Trainer.__new__(Trainer)  # the event dispatch alone, no workers
     trainer.args, trainer.state, trainer.control = (TrainingArguments(), TrainerState(),

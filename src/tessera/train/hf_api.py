@@ -21,7 +21,6 @@ a Hugging Face model computes internally.
 
 from __future__ import annotations
 
-import inspect
 import math
 import time
 from pathlib import Path
@@ -35,11 +34,12 @@ from torch.utils.data import Dataset
 
 from tessera.config import TrainingArguments as CoreArguments
 from tessera.config import _Section, parse_budget
-from tessera.data.dataset import collate
 from tessera.strategy import Strategy, StrategyError
 from tessera.train.checkpoint import checkpoint_root, find_latest
 from tessera.train.trainer import Trainer as CoreTrainer
 from tessera.train.trainer import check_eval_micro_batch
+from tessera.train.hf_callbacks import TrainerControl, TrainerState, check_callback_events
+from tessera.train.hf_data import hf_collator, labels_shifted, model_columns
 from tessera.train.hf_reports import (TrainOutput, format_metrics, train_output,
                                       write_metrics, write_state)
 
@@ -173,46 +173,6 @@ def check_some_training(args: TrainingArguments) -> None:
     if args.max_steps <= 0 and args.num_train_epochs <= 0:
         raise ValueError("num_train_epochs=0 with max_steps unset trains nothing: set "
                          "num_train_epochs > 0 or max_steps > 0")
-
-
-def shift_for_next_token(batch: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-    """Turn a Hugging Face-style batch into tessera's: inputs t predict labels t+1.
-
-    (B, T) input_ids and labels (or input_ids as labels) become (B, T-1) inputs and the
-    labels one position later; positions masked out by ``attention_mask`` are ignored (-100).
-    Other per-token keys (the mask, position ids) keep the inputs' positions; the layout then
-    reads them or refuses them (``plan.fit_batch``), never drops them silently.
-    """
-    input_ids = batch["input_ids"]
-    labels = batch.get("labels", input_ids).clone()
-    if "attention_mask" in batch:
-        labels[batch["attention_mask"] == 0] = -100
-    out = {k: (v[:, :-1] if v.dim() >= 2 and v.shape[:2] == input_ids.shape else v)
-           for k, v in batch.items()}
-    out["labels"] = labels[:, 1:]
-    return out
-
-
-def hf_collator(user_collator: Callable[[list], dict] | None, shift: bool,
-                columns: frozenset[str] | None = None) -> Callable[[list], dict]:
-    """The user's collator (or tensor stacking), then the next-token shift when ``shift``.
-
-    ``columns``: the sample keys to keep (Hugging Face's ``remove_unused_columns``: what the
-    model's forward takes, and labels); the rest (a ``text`` column) are dropped first."""
-    def collate_and_shift(samples: list) -> dict[str, torch.Tensor]:
-        samples = [{k: torch.as_tensor(v) for k, v in s.items()
-                    if columns is None or k in columns} for s in samples]
-        batch = dict(user_collator(samples) if user_collator else collate(samples))
-        return shift_for_next_token(batch) if shift else batch
-    return collate_and_shift
-
-
-def model_columns(model: nn.Module) -> frozenset[str]:
-    """Sample keys a model can use, as Hugging Face's Trainer keeps them: the named
-    parameters of its forward, labels, and what marks padding and documents for the loss
-    (attention_mask, tessera's document_ids) whether the forward takes them or not."""
-    names = inspect.signature(model.forward).parameters
-    return frozenset(names) | {"labels", "input_ids", "attention_mask", "document_ids"}
 
 
 class Trainer:
@@ -493,16 +453,6 @@ class Trainer:
                 self.control = result
 
 
-# The Hugging Face callback events this Trainer fires (all with args, state, control).
-SUPPORTED_EVENTS = ("on_init_end", "on_train_begin", "on_log", "on_evaluate", "on_save",
-                    "on_train_end")
-# Events it does not fire (and, when transformers is installed, any other its
-# TrainerCallback defines).
-_UNFIRED_EVENTS = ("on_epoch_begin", "on_epoch_end", "on_step_begin", "on_step_end",
-                   "on_substep_end", "on_pre_optimizer_step", "on_optimizer_step",
-                   "on_prediction_step", "on_predict", "on_push_begin")
-
-
 # Why each Hugging Face Trainer argument tessera takes only at its default is not supported.
 _UNSUPPORTED = {
     "compute_metrics": "evaluate() computes eval_loss only: logits are not gathered across "
@@ -525,77 +475,6 @@ def refuse_unsupported(**given: Any) -> None:
             raise ValueError(f"{name} is not supported by tessera's Trainer: {_UNSUPPORTED[name]}")
 
 
-def check_callback_events(callback: Any) -> None:
-    """Refuse a callback that defines an event this Trainer never fires (it would be
-    silently ignored). A Hugging Face ``TrainerCallback`` defines every event as a no-op:
-    only the ones its class overrides count.
-
-    Raises:
-        ValueError: naming the callback, the events and the ones fired.
-    """
-    base = _hf_base_callback()
-    defined = {name for name in vars(base) if name.startswith("on_")} if base else set()
-    unsupported = []
-    for event in sorted((defined | set(_UNFIRED_EVENTS)) - set(SUPPORTED_EVENTS)):
-        method = getattr(type(callback), event, None)
-        if method is not None and (base is None or method is not getattr(base, event, None)):
-            unsupported.append(event)
-    if unsupported:
-        raise ValueError(f"{type(callback).__name__} handles {', '.join(unsupported)}, which "
-                         f"tessera's Trainer does not fire (it fires "
-                         f"{', '.join(SUPPORTED_EVENTS)}): move that logic to one of those")
-
-
-def _hf_base_callback():
-    try:
-        from transformers import TrainerCallback
-    except ImportError:
-        return None
-    return TrainerCallback
-
-
-class TrainerState:
-    """What callbacks see (Hugging Face's names): step counters, the run's settings, the
-    log history (rank 0), and which process this is."""
-
-    def __init__(self) -> None:
-        self.global_step = 0
-        self.max_steps = 0
-        self.epoch = 0.0
-        self.num_train_epochs = 0.0
-        self.logging_steps = self.eval_steps = self.save_steps = 0
-        self.train_batch_size = 0
-        self.best_metric = self.best_model_checkpoint = None  # no best-model tracking
-        self.is_world_process_zero = self.is_local_process_zero = True
-        self.log_history: list[dict[str, Any]] = []
-
-    def describe(self, core: CoreArguments, args: TrainingArguments,
-                 steps_per_epoch: int) -> None:
-        """The run's settings, as the core Trainer will run them (epochs as Hugging Face
-        counts them when max_steps decides: the epochs those steps start)."""
-        self.max_steps, self.logging_steps = core.max_steps, core.logging_steps
-        self.eval_steps, self.save_steps = core.eval_steps, core.save_steps
-        self.num_train_epochs = (math.ceil(args.num_train_epochs) if args.max_steps <= 0
-                                 else math.ceil(core.max_steps / steps_per_epoch))
-        self.train_batch_size = args.per_device_train_batch_size
-
-
-class TrainerControl:
-    """What callbacks may ask for: ``should_training_stop`` pauses with a checkpoint.
-    Hugging Face's other flags are refused when set, not ignored."""
-
-    __slots__ = ("should_training_stop",)
-
-    def __init__(self) -> None:
-        self.should_training_stop = False
-
-    def __setattr__(self, name: str, value: Any) -> None:
-        if name not in self.__slots__:
-            raise AttributeError(f"TrainerControl.{name} is not supported by tessera's "
-                                 "Trainer (it acts on should_training_stop only)")
-        object.__setattr__(self, name, value)
-
-
 def seed_everything(seed: int) -> None:
     """Seed torch (every device), numpy and random, as Hugging Face's ``set_seed``."""
     import random
@@ -607,35 +486,6 @@ def seed_everything(seed: int) -> None:
     except ImportError:
         return
     numpy.random.seed(seed)
-
-
-def labels_shifted(train: Dataset, eval_dataset: Dataset | None = None) -> bool:
-    """Whether the datasets hold labels already shifted (tessera's own), looking through
-    torch's Subset and ConcatDataset wrappers.
-
-    Raises:
-        ValueError: when the two datasets (or a ConcatDataset's parts) disagree.
-    """
-    kinds = {_shifted(train)} | ({_shifted(eval_dataset)} if eval_dataset is not None else set())
-    if len(kinds) > 1:
-        raise ValueError("the datasets mix labels already shifted for the next token "
-                         "(tessera's datasets) with Hugging Face-style ones (labels at the "
-                         "input positions): give train and eval data of one kind")
-    return kinds.pop()
-
-
-def _shifted(dataset: Any) -> bool:
-    if hasattr(dataset, "labels_shifted"):
-        return bool(dataset.labels_shifted)
-    if hasattr(dataset, "datasets"):  # ConcatDataset
-        kinds = {_shifted(d) for d in dataset.datasets}
-        if len(kinds) > 1:
-            raise ValueError("a ConcatDataset mixes labels already shifted for the next token "
-                             "with Hugging Face-style ones: concatenate data of one kind")
-        return kinds.pop() if kinds else False
-    if hasattr(dataset, "dataset"):  # Subset, random_split
-        return _shifted(dataset.dataset)
-    return False
 
 
 def check_batch_arguments(args: TrainingArguments, strategy: Strategy) -> None:
