@@ -168,6 +168,16 @@ def test_metrics_are_printed_and_saved_as_hugging_face_names_them(tmp_path):
         write_metrics(tmp_path, "bad", {"loss": torch.tensor(1.0)})
 
 
+@pytest.mark.parametrize("seconds", [0.0, 12.3456, 59.999, 119.996, 3725.5, 86400.25])
+def test_runtimes_are_shown_as_hugging_faces_log_metrics_shows_them(seconds):
+    # Hugging Face truncates to hundredths: rounding showed 59.999 s as 0:00:60.00
+    from transformers.trainer_pt_utils import _secs2timedelta
+
+    from tessera.train.hf_reports import _shown
+
+    assert _shown("train_runtime", seconds) == _secs2timedelta(seconds)
+
+
 @pytest.mark.parametrize("kind", ["linear", "cosine", "constant_with_warmup"])
 def test_learning_rate_schedules_are_hugging_faces_step_for_step(kind):
     # The front's schedules (min ratio 0, the warm-up's first step at lr 0) against

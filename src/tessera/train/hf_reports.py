@@ -14,6 +14,7 @@ those calls produce (``{split}_results.json``, ``all_results.json``, ``trainer_s
 
 from __future__ import annotations
 
+import datetime
 import json
 import math
 from dataclasses import dataclass, field
@@ -70,9 +71,11 @@ def _shown(key: str, value: Any) -> str:
     """A metric as Hugging Face's log_metrics shows it: runtimes as h:mm:ss.ss, other
     floats to 4 decimals."""
     if "_runtime" in key and isinstance(value, (int, float)):
-        minutes, seconds = divmod(float(value), 60)
-        hours, minutes = divmod(int(minutes), 60)
-        return f"{hours}:{minutes:02d}:{seconds:05.2f}"
+        # Whole seconds and hundredths, each truncated (rounding would show 59.999 s as
+        # 0:00:60.00)
+        whole = int(value)
+        hundredths = int((float(value) - whole) * 100)
+        return f"{datetime.timedelta(seconds=whole)}.{hundredths:02d}"  # 1 day, 0:00:00.25
     return str(round(value, 4)) if isinstance(value, float) else str(value)
 
 
