@@ -3,6 +3,7 @@ how it treats batches and datasets, and the core's batch check (plan.fit_batch).
 
 from __future__ import annotations
 
+import math
 import numpy as np
 import pytest
 import torch
@@ -202,6 +203,34 @@ def test_learning_rate_schedules_are_hugging_faces_step_for_step(kind):
                                              warmup_from_zero=True))
     assert ours == pytest.approx(theirs, abs=1e-12)
     assert theirs[0] == 0.0 and max(theirs) == 1.0  # the check covers warm-up and the peak
+
+
+def test_layout_arguments_at_hugging_faces_defaults_are_taken():
+    # gradient_checkpointing / deepspeed / fsdp at transformers' defaults ask for nothing;
+    # set, they are refused (test_out_of_range_arguments_are_refused_naming_them).
+    args = TrainingArguments(gradient_checkpointing=False, deepspeed=None, fsdp="")
+    assert args == TrainingArguments()
+    assert TrainingArguments(gradient_checkpointing=None, fsdp=None) == TrainingArguments()
+
+
+@pytest.mark.parametrize("warmup", [dict(warmup_steps=0.1), dict(warmup_steps=0.25),
+                                    dict(warmup_steps=7), dict(warmup_steps=7.6),
+                                    dict(warmup_steps=0), dict(warmup_ratio=0.1)])
+def test_warmup_steps_are_read_as_transformers_reads_them(warmup):
+    # transformers 5: warmup_steps below 1 is a ratio of the steps, 1 or more a count
+    # (truncated); transformers 4's warmup_ratio is its own field, which 5 dropped.
+    # (transformers' TrainingArguments needs accelerate to build: its method runs unbound)
+    from types import SimpleNamespace
+
+    from transformers import TrainingArguments as Theirs
+
+    for max_steps in (9, 40, 101):
+        ours = TrainingArguments(**warmup).warmup_steps_of(max_steps)
+        if "warmup_steps" in warmup:
+            expected = Theirs.get_warmup_steps(SimpleNamespace(**warmup), max_steps)
+        else:
+            expected = math.ceil(0.1 * max_steps)
+        assert ours == expected
 
 
 def test_script_flags_hugging_face_does_not_read_are_taken():

@@ -83,8 +83,8 @@ class TrainingArguments(_Section):
     max_grad_norm: float = 1.0
     average_tokens_across_devices: bool = True
     lr_scheduler_type: Literal["linear", "cosine", "constant", "constant_with_warmup"] = "linear"
-    warmup_steps: int = 0
-    warmup_ratio: float = 0.0
+    warmup_steps: float = 0  # below 1: a ratio of the training steps (transformers 5)
+    warmup_ratio: float = 0.0  # transformers 4's name for that ratio
     logging_steps: int = 500
     eval_strategy: Literal["no", "steps", "epoch"] = "no"
     eval_steps: int | None = None
@@ -108,8 +108,12 @@ class TrainingArguments(_Section):
         """Hugging Face arguments tessera takes under another name or in the strategy:
         refused naming what to use (other unknown names get pydantic's message)."""
         if isinstance(values, Mapping):
+            values = dict(values)
             for name, hint in MOVED_ARGUMENTS.items():
-                if name in values:
+                # Hugging Face's own default (None, False, "") asks for nothing: dropped
+                if name in values and values[name] in (None, False, "", []):
+                    del values[name]
+                elif name in values:
                     raise ValueError(f"{name} is not a tessera TrainingArguments field: {hint}")
         return values
 
@@ -156,10 +160,17 @@ class TrainingArguments(_Section):
 
     @field_validator("warmup_steps")
     @classmethod
-    def _no_negative_warmup(cls, value: int) -> int:
+    def _no_negative_warmup(cls, value: float) -> float:
         if value < 0:
-            raise ValueError("must be >= 0")
+            raise ValueError("must be >= 0 (a step count, or below 1 a ratio of the steps)")
         return value
+
+    def warmup_steps_of(self, max_steps: int) -> int:
+        """Warm-up steps as transformers 5 reads ``warmup_steps`` (1 or more: a count, whole
+        steps; below 1: a ratio of ``max_steps``), else ``warmup_ratio`` (transformers 4)."""
+        if self.warmup_steps >= 1:
+            return int(self.warmup_steps)
+        return math.ceil(max_steps * (self.warmup_steps or self.warmup_ratio))
 
     @property
     def precision(self) -> str:
@@ -399,7 +410,7 @@ class Trainer:
             # constant schedule (a linear warmup, then the peak).
             lr_scheduler_type=a.lr_scheduler_type.removesuffix("_with_warmup"),
             warmup_steps=(0 if a.lr_scheduler_type == "constant" else
-                          a.warmup_steps or math.ceil(a.warmup_ratio * max_steps)),
+                          a.warmup_steps_of(max_steps)),
             weight_decay=a.weight_decay, adam_beta1=a.adam_beta1, adam_beta2=a.adam_beta2,
             adam_epsilon=a.adam_epsilon, max_grad_norm=a.max_grad_norm,
             average_tokens_across_devices=a.average_tokens_across_devices,
