@@ -229,6 +229,7 @@ class Trainer:
         seed_everything(self.args.seed)
         self.state = TrainerState()
         self.control = TrainerControl()
+        self._trained = False  # train() has run (args.resume_from_checkpoint is spent)
         self.processing_class = processing_class
         # A callback class is instantiated, as Hugging Face does.
         callbacks = [c() if isinstance(c, type) else c for c in callbacks]
@@ -238,7 +239,8 @@ class Trainer:
             self._hf_callbacks.append(callback)
         plain = [c for c in callbacks if callable(c)]
         self._core_args, strategy = self._translate(model, train_dataset, eval_dataset)
-        self.state.describe(self._core_args, self.args, self._steps_per_epoch)
+        self.state.describe(self._core_args, self.args, self._steps_per_epoch,
+                            strategy.micro_batch_size)
         shifted = labels_shifted(*[d for d in (train_dataset, eval_dataset) if d is not None])
         # before layouts wrap model.forward
         collator = hf_collator(data_collator, not shifted, model_columns(model))
@@ -265,13 +267,23 @@ class Trainer:
         if self._core.train_dataset is None:
             raise ValueError("Trainer: training requires a train_dataset (this one was built "
                              "with eval_dataset only)")
-        resume = resume_from_checkpoint or self.args.resume_from_checkpoint
+        # args.resume_from_checkpoint is for the first call: a later train() (after a
+        # callback's stop) goes on from the steps trained, not from that checkpoint again.
+        resume = resume_from_checkpoint or (None if self._trained
+                                            else self.args.resume_from_checkpoint)
         if resume is True and find_latest(checkpoint_root(self.args.output_dir)) is None:
             raise ValueError(f"resume_from_checkpoint=True: no valid checkpoint found in "
                              f"{self.args.output_dir}")
-        if resume:
+        self._trained = True
+        if resume:  # loaded before on_train_begin, so callbacks see the resumed step (as HF)
             self._core.args = self._core.args.model_copy(update={
-                "resume": True, "resume_from": None if resume is True else str(resume)})
+                "resume_from": None if resume is True else str(resume)})
+            self._core.resume()
+        # What was asked of this call only: the core trainer resumes nothing by itself.
+        self._core.args = self._core.args.model_copy(update={"resume": False,
+                                                             "resume_from": None})
+        self.state.global_step = self._core.step
+        self.state.epoch = round(self._core.step / self._steps_per_epoch, 4)
         # A stop asked for in an earlier train() does not end this one (as Hugging Face).
         self.control.should_training_stop = self._core.stop_requested = False
         self._each("on_train_begin")

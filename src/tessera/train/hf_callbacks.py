@@ -66,14 +66,16 @@ class TrainerState:
         self.log_history: list[dict[str, Any]] = []
 
     def describe(self, core: CoreArguments, args: TrainingArguments,
-                 steps_per_epoch: int) -> None:
+                 steps_per_epoch: int, micro_batch_size: int) -> None:
         """The run's settings, as the core Trainer will run them (epochs as Hugging Face
-        counts them when max_steps decides: the epochs those steps start)."""
+        counts them when max_steps decides: the epochs those steps start; the batch of one
+        device's forward is the strategy's micro-batch, which strategy text or "auto" may
+        set apart from ``per_device_train_batch_size``)."""
         self.max_steps, self.logging_steps = core.max_steps, core.logging_steps
         self.eval_steps, self.save_steps = core.eval_steps, core.save_steps
         self.num_train_epochs = (math.ceil(args.num_train_epochs) if args.max_steps <= 0
                                  else math.ceil(core.max_steps / steps_per_epoch))
-        self.train_batch_size = args.per_device_train_batch_size
+        self.train_batch_size = micro_batch_size
 
 
 class TrainerControl:
