@@ -55,8 +55,10 @@ class Ragged(torch.utils.data.Dataset):
         return len(self.base)
 
     def __getitem__(self, i):
-        keep = 32 - (5 * i) % 21
+        keep = 32 - (5 * i) % 21 if i else self.first
         return {key: value[:keep] for key, value in self.base[i].items()}
+
+    first = 32  # the first sample, whose length a run plans at (Trainer._seq_len)
 
 
 def pad_to_longest(samples):
@@ -73,19 +75,26 @@ def pad_to_longest(samples):
     return out
 
 
-def _train_ragged(out, strategy: str):
-    """Five steps on :class:`Ragged` micro-batches padded each to its own longest sample:
-    (losses, gradient norms)."""
+def _train_ragged(out, strategy: str, first: int = 32, **train):
+    """Five steps on :class:`Ragged` micro-batches padded each to its own longest sample
+    (the first sample ``first`` tokens long): (losses, gradient norms, warnings' texts)."""
+    import warnings
+
     from tessera.run import build_datasets, build_model, build_tokenizer
     from tessera.testing import tiny_run_config
     from tessera.train.trainer import Trainer
 
-    config = tiny_run_config(out, strategy)
+    config = tiny_run_config(out, strategy, train=train)
     train_ds, _ = build_datasets(config, build_tokenizer(config))
-    result = Trainer(build_model(config), config.train, Ragged(train_ds),
-                     strategy=config.strategy, data_collator=pad_to_longest).train()
+    data = Ragged(train_ds)
+    data.first = first
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        result = Trainer(build_model(config), config.train, data,
+                         strategy=config.strategy, data_collator=pad_to_longest).train()
     records = [json.loads(line) for line in (Path(out) / "metrics.jsonl").open()]
-    return result.losses, [r["grad_norm"] for r in records if "grad_norm" in r]
+    return (result.losses, [r["grad_norm"] for r in records if "grad_norm" in r],
+            [str(w.message) for w in caught])
 
 
 def _evaluate_with_unlabelled_samples(out):
@@ -178,7 +187,11 @@ def _two_process_runs(rank, world_size, root):
         ("tails_pp2", "pp=2,mbs=2,gbs=8,schedule=1f1b", {}),
         ("tails_dp2_local", "dp=2,mbs=2,gbs=8", {"average_tokens_across_devices": False}))}
     ragged = _train_ragged(root / "ragged_pp2", "pp=2,mbs=2,gbs=8,schedule=1f1b")
-    return {"dp2": dp2, "resumed_dp2": resumed, **tails, "ragged_pp2": ragged}
+    # A stage budget chosen at a first sample of 12 tokens, then steps of up to 32
+    budgeted = _train_ragged(root / "ragged_budget", "pp=2,mbs=2,gbs=8,schedule=1f1b",
+                             first=12, stage_memory_budget="1GiB")
+    return {"dp2": dp2, "resumed_dp2": resumed, **tails, "ragged_pp2": ragged,
+            "ragged_budget": budgeted}
 
 
 @pytest.fixture(scope="module")
@@ -230,9 +243,19 @@ def test_pipeline_stages_take_micro_batches_of_different_lengths(runs):
     # A step's micro-batches, each padded to its own longest sample, are padded on to one
     # length for the stages: the same training as one micro-batch of all 8 (fp32, sums in
     # another order; norms to 1e-4 relative as above).
-    (losses, norms), (want, want_norms) = runs["ragged_pp2"], runs["ragged_dp1"]
+    (losses, norms, _), (want, want_norms, _) = runs["ragged_pp2"], runs["ragged_dp1"]
     _close(losses, want, **FP32_PARITY)
     _close(norms, want_norms, rtol=1e-4, atol=0)
+
+
+@pytest.mark.slow
+def test_steps_longer_than_the_stage_budget_was_planned_at_are_warned_of(runs):
+    # Recomputation ratios chosen at the first sample's 12 tokens, steps of up to 32: the
+    # budget's estimate no longer holds, and the run says so once (not at each step).
+    budget_warnings = [w for w in runs["ragged_budget"][2] if "stage_memory_budget" in w]
+    assert len(budget_warnings) == 1, runs["ragged_budget"][2]
+    assert "longer than the 12 that" in budget_warnings[0]
+    assert not [w for w in runs["ragged_pp2"][2] if "stage_memory_budget" in w]  # no budget
 
 
 @pytest.mark.slow

@@ -34,7 +34,8 @@ from tessera.parallel.pipeline.module import (GradSync, StageModule, local_shard
                                               persistent_buffers)
 from tessera.parallel.pipeline.partition import (CostTable, Partition, PartitionError,
                                                 candidate_cuts, partition)
-from tessera.parallel.pipeline.program import PipelineProgram, capture_for_partition
+from tessera.parallel.pipeline.program import (PipelineProgram, capture_for_partition,
+                                              nominal_seq_len)
 from tessera.parallel.pipeline.recompute import stage_aware_ratios, strategy_text
 from tessera.parallel.pipeline.rows import RowHolding, RowShare, find_row_shares
 from tessera.parallel.pipeline.schedules import ScheduleError, build, check_sizes, chunks_for
@@ -69,6 +70,9 @@ class Pipeline:
     inputs: Any = None
     # Weights this rank reads only through row slices, held as those rows (rows.py).
     rows: RowHolding | None = None
+    # Under a stage memory budget: the tokens per sample the ratios were chosen at. Longer
+    # steps keep more activations than the budget's estimate (the engine warns).
+    budget_len: int | None = None
 
     def prepare(self, batch: dict[str, torch.Tensor], training: bool
                 ) -> dict[str, torch.Tensor]:
@@ -177,7 +181,8 @@ def apply_pipeline(plan: Parallelized, strategy: Strategy, mesh: Mesh,
         grad_sync.hold_back(rows.weights.values())  # holders' row gradients arrive after
     channels = stage_channels(mesh.groups_along("pp"), stage_rank, device)
     pipe = Pipeline(program, strategy.schedule, mesh.group("pp"), stage_rank, local, ratios,
-                    grad_sync, part, module, channels, loss_fn, inputs, rows)
+                    grad_sync, part, module, channels, loss_fn, inputs, rows,
+                    budget_len=(seq_len or nominal_seq_len(model)) if budget else None)
     plan.module, plan.pipeline = module, pipe
     plan.clip_grad_norm = lambda _model, max_norm: grad_sync.clip(max_norm)
     base = plan.build_optimizer  # tensor parallelism's, when it adds state-dict hooks

@@ -12,6 +12,7 @@ broadcast over the pp group so every rank reports the same value.
 from __future__ import annotations
 
 import time
+import warnings
 from dataclasses import dataclass, field
 
 import torch
@@ -56,6 +57,20 @@ class PipelineEngine:
         self.scaler = (GradLossScaler(plan.module.parameters(), device=device)
                        if strategy.precision == "fp16" else None)
         self.timeline = Timeline()
+        self._warned_length = False  # _check_budget_length warns once a run
+
+    def _check_budget_length(self, length: int) -> None:
+        """Warn (once) when a step is longer than the stage memory budget was planned for:
+        its activations grow with the length, past the estimate the ratios were chosen by."""
+        planned = self.pipe.budget_len
+        if planned is None or length <= planned or self._warned_length:
+            return
+        self._warned_length = True
+        warnings.warn(
+            f"tessera: a training step of {length} tokens per sample is longer than the "
+            f"{planned} that train.stage_memory_budget's recomputation ratios were chosen at; "
+            "its stages may exceed the budget. Make the training set's first sample as long "
+            "as the longest (pad it), or set a lower budget", stacklevel=2)
 
     def forward_backward(self, micro_batches: list[dict[str, torch.Tensor]],
                          weights: TokenWeights | None = None):
@@ -65,6 +80,7 @@ class PipelineEngine:
         # The stages of a step run one captured shape: micro-batches a collator padded to
         # their own longest sample are padded on to the step's longest (plan.pad_batch).
         length = max(b["input_ids"].shape[1] for b in micro_batches)
+        self._check_budget_length(length)
         batches = [self.pipe.prepare({k: v.to(self.device) for k, v in
                                       pad_batch(b, length).items()}, training=True)
                    for b in micro_batches]
