@@ -248,8 +248,9 @@ class Trainer:
         """Mean loss over the first ``args.eval_batches`` global batches of the evaluation set
         (``eval_batches * global_batch_size`` samples, wrapping around a shorter set), or over
         the whole set, each sample once, with ``eval_batches=0`` (micro-batch losses weighted
-        by their samples, as Hugging Face's evaluation weighs batches; a micro-batch whose
-        labels are all ignored is left out, where Hugging Face's would give NaN).
+        by their samples, as Hugging Face's evaluation weighs its batches on one process; a
+        micro-batch whose labels are all ignored is left out, as Hugging Face 5 leaves out
+        its NaN loss, ``logging_nan_inf_filter``).
 
         The samples depend on the global batch size only, so strategies that differ in dp,
         micro-batch size or any other axis evaluate the same samples and report comparable
