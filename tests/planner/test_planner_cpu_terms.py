@@ -266,6 +266,13 @@ def test_attention_dropout_is_priced_on_the_path_each_layout_runs():
                                   128, 1, "1d", 4, "ulysses")
     assert with_mask.forward == pytest.approx(fused_off.forward + MASK_PASSES * 16 * full / bw)
     assert with_mask.forward > without.forward
+    # The unprofiled CPU preset: SDPA with dropout leaves the fused kernel there, so dp's
+    # attention is dearer with dropout too (not priced as the fused kernel).
+    cpu = unprofiled.device
+    assert cpu.attention_dropout_efficiency < cpu.attention_efficiency
+    dp, dp_plain = (layer_core_time(unprofiled, m, 2, 128, 1, "1d", 1, "fp32")
+                    for m in (drops, MODEL))
+    assert dp.forward > dp_plain.forward
 
 
 def test_hugging_face_configs_are_described_with_their_dropout():

@@ -169,6 +169,46 @@ def test_the_op_and_its_fake_agree_on_strides_and_dtypes():
     torch.manual_seed(0)
     q = torch.randn(2, 4, 16, 8, requires_grad=True)
     k, v = (torch.randn(2, 2, 16, 8, requires_grad=True) for _ in range(2))
-    torch.library.opcheck(dropout_attention_op, (q, k, v, 8 ** -0.5, 0.0, 0, None),
-                          test_utils=("test_schema", "test_faketensor",
-                                      "test_autograd_registration"))
+    # Contiguous, and as the models pass them: (B, T, n, hs).transpose(1, 2)
+    laid_out = [torch.randn(2, 16, t.shape[1], 8).transpose(1, 2).requires_grad_()
+                for t in (q, k, v)]
+    for q, k, v in ((q, k, v), laid_out):
+        torch.library.opcheck(dropout_attention_op, (q, k, v, 8 ** -0.5, 0.0, 0, None),
+                              test_utils=("test_schema", "test_faketensor",
+                                          "test_autograd_registration"))
+
+
+def _gpt2_with_attention_dropout():
+    from transformers import GPT2Config, GPT2LMHeadModel
+
+    torch.manual_seed(0)
+    config = GPT2Config(vocab_size=64, n_positions=32, n_embd=32, n_layer=2, n_head=4,
+                        attn_pdrop=0.1, resid_pdrop=0.0, embd_pdrop=0.0, use_cache=False)
+    return GPT2LMHeadModel(config)
+
+
+def test_hugging_face_padding_masks_are_applied_or_refused_never_dropped():
+    # The op's mask function: transformers hands a padding mask to the attention, where the
+    # SDPA fallback (eval) applies it and the dropout path refuses it; plain causal calls
+    # and torch.export (pipeline capture) get no mask.
+    import copy
+
+    from tessera.parallel.tensor.attention import install_head_dropout
+
+    original = _gpt2_with_attention_dropout().eval()
+    model = copy.deepcopy(original)
+    assert install_head_dropout(model, [b.attn for b in model.transformer.h], head_rank=0)
+    ids = torch.randint(0, 64, (2, 10), generator=torch.Generator().manual_seed(1))
+    mask = torch.ones(2, 10, dtype=torch.long)
+    mask[0, :4] = 0  # left padding
+    with torch.no_grad():
+        want, got = original(ids, attention_mask=mask).logits, model(ids, attention_mask=mask).logits
+        unmasked = original(ids).logits
+    assert (want - unmasked)[0].abs().max() > 1e-3  # the mask matters to this input
+    torch.testing.assert_close(got, want)  # same kernel, same mask
+    model.train()
+    with pytest.raises(PolicyError, match="an attention mask or non-causal attention"):
+        model(ids, attention_mask=mask)
+    assert model(ids).logits.shape == (2, 10, 64)  # plain causal: dropped, not refused
+    exported = torch.export.export(model, (ids,))  # as pipeline capture does
+    assert any("tp_dropout_attention" in str(n.target) for n in exported.graph.nodes)

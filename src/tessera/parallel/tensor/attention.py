@@ -26,8 +26,9 @@ partition was made on. The explicit path is slower than fused SDPA (docs/tensor_
 gives a measurement).
 
 Policies: the reference model through ``Attention.attention_fn``; Hugging Face GPT-2 / Llama
-through transformers' AttentionInterface (whose masks this path does not take: tp's loss
-passes input_ids only, so attention is plain causal).
+through transformers' AttentionInterface, with a mask function of the same name: plain
+causal attention gets no mask (tp's loss passes input_ids only), a padding mask reaches the
+attention, where the dropout path refuses it and the SDPA fallback applies it.
 """
 
 from __future__ import annotations
@@ -89,13 +90,14 @@ def dropout_attention_op(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scal
     dropout its explicit path, without the fused kernel on CPU."""
     meta = _causal_meta(q)
     out, lse = block_forward(q, k, v, meta, meta, True, scale, _dropout(p, seed, head_offset))
-    # CPU's flash kernel returns the LSE transposed: contiguous, as the fake says.
-    return out.to(q.dtype), lse.contiguous()
+    # Contiguous, as the fake says: CPU's flash kernel returns the LSE transposed, and its
+    # output in q's layout (the models pass (B, T, nh, hs).transpose(1, 2)).
+    return out.to(q.dtype).contiguous(), lse.contiguous()
 
 
 @dropout_attention_op.register_fake
 def _(q, k, v, scale, p, head_offset, seed):
-    # Contiguous, as block_forward returns it (see staged.py's ring op).
+    # Contiguous whatever q's strides, as the op returns them.
     return q.new_empty(q.shape), q.new_empty(q.shape[:3], dtype=torch.float32)
 
 
@@ -172,6 +174,23 @@ def hf_attention(module: nn.Module, query: torch.Tensor, key: torch.Tensor,
     return heads(query, key, value, dropout, scaling).transpose(1, 2), None
 
 
+def hf_attention_mask(*, attention_mask: torch.Tensor | None = None, **kwargs
+                      ) -> torch.Tensor | None:
+    """transformers AttentionMaskInterface entry for :func:`hf_attention`: SDPA's mask (None
+    for plain causal attention, what the dropout path computes; else bool (B, 1, q, kv),
+    which the dropout path refuses and the SDPA fallback applies).
+
+    Under torch.export without a padding mask, None: pipeline capture passes input_ids only,
+    and transformers, unable to read the model's own positions 0..T-1 while tracing, would
+    build a packed-sequence mask from them that the dropout path would refuse.
+    """
+    from transformers.masking_utils import sdpa_mask
+
+    if attention_mask is None and torch.compiler.is_compiling():
+        return None
+    return sdpa_mask(attention_mask=attention_mask, **kwargs)
+
+
 def attention_dropout_p(module: nn.Module) -> float:
     """The attention dropout probability of an attention module: GPT-2's ``attn_dropout``
     module, Llama's ``attention_dropout``, the reference model's ``dropout``; 0 if none."""
@@ -216,7 +235,12 @@ def _install_hugging_face(model: nn.Module, attentions: list[nn.Module],
                           heads: HeadGroupAttention) -> None:
     from transformers import AttentionInterface
 
+    from transformers.masking_utils import AttentionMaskInterface
+
     AttentionInterface.register(HF_ATTENTION_NAME, hf_attention)
+    # Without a mask function of its own name transformers passes no mask at all: padding
+    # would be dropped silently rather than refused (dropping) or applied (SDPA fallback).
+    AttentionMaskInterface.register(HF_ATTENTION_NAME, hf_attention_mask)
     for module in attentions:
         module.tessera_tp_attention = heads
     model.set_attn_implementation(HF_ATTENTION_NAME)
