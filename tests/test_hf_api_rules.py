@@ -53,8 +53,9 @@ def test_a_control_flag_tessera_does_not_act_on_cannot_be_set():
 def test_max_steps_overrides_epochs_even_at_zero():
     assert TrainingArguments(num_train_epochs=0, max_steps=10).max_steps == 10
     args = TrainingArguments()
-    args.num_train_epochs = 0  # then max_steps, as Hugging Face allows
+    args.num_train_epochs = 0  # then max_steps, as Hugging Face allows (no refusal between)
     args.max_steps = 10
+    assert (args.num_train_epochs, args.max_steps) == (0, 10)
 
 
 def test_the_trainer_takes_keywords_after_args():
