@@ -231,7 +231,7 @@ def test_attention_dropout_is_priced_on_the_path_each_layout_runs():
     """With attention dropout, sp and 1D tp run the hashed explicit blocks (profiled as
     attn_drop_*, computed in full: no fused causal skipping), other layouts SDPA at its
     dropping efficiency; without dropout nothing changes."""
-    from tessera.planner.compute import MASK_PASSES, layer_core_time
+    from tessera.planner.compute import MASK_BYTES, layer_core_time
 
     plain = {"attn_fwd_call": 1e-4, "attn_fwd_elem": 2e-9, "attn_fwd_elem_hs": 1e-11,
              "attn_bwd_call": 2e-4, "attn_bwd_elem": 3e-9, "attn_bwd_elem_hs": 2e-11}
@@ -264,7 +264,7 @@ def test_attention_dropout_is_priced_on_the_path_each_layout_runs():
     explicit = dataclasses.replace(unprofiled.device, name="explicit")  # not the fused CPU
     fused_off = sp_attention_time(dataclasses.replace(unprofiled, device=explicit), drops, 2,
                                   128, 1, "1d", 4, "ulysses")
-    assert with_mask.forward == pytest.approx(fused_off.forward + MASK_PASSES * 16 * full / bw)
+    assert with_mask.forward == pytest.approx(fused_off.forward + MASK_BYTES * full / bw)
     assert with_mask.forward > without.forward
     # The unprofiled CPU preset: SDPA with dropout leaves the fused kernel there, so dp's
     # attention is dearer with dropout too (not priced as the fused kernel).

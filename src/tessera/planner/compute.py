@@ -38,10 +38,11 @@ from tessera.planner.cluster import Cluster
 from tessera.planner.elementwise import eager_bytes_per_token
 
 KERNELS_FWD = 16
-# int64 passes over the scores that hash one attention-dropout keep mask (sequence/dropout.py:
-# the xor of row and key hashes, one mix32 of ten shift / xor / multiply / mask ops, the
-# compare, the cast and the scale).
-MASK_PASSES = 14
+# Bytes read and written per score to hash one attention-dropout keep mask in int32 passes
+# (sequence/dropout.py): the xor of row and key hashes (4), three rounds of shift, mask and
+# xor (28 each), two in-place products (8 each), the sign flip (8), the compare (5), the cast
+# (5) and the scale (8).
+MASK_BYTES = 130
 KERNELS_BWD = 32
 BWD_MATMUL_FACTOR = 2.0
 BWD_ATTENTION_FACTOR = 2.5
@@ -164,7 +165,7 @@ def sp_attention_time(cluster: Cluster, model: ModelConfig, b: int, seq: int, tp
 
     With ``dropout`` the blocks take the explicit path and hash a keep mask per score
     (sequence/dropout.py), forward and again backward: the profile's ``attn_drop_*`` figures,
-    else :data:`MASK_PASSES` int64 passes over the scores more each way."""
+    else :data:`MASK_BYTES` per score more each way at the memory bandwidth."""
     device = cluster.device
     heads = model.n_heads / (math.isqrt(tp) if tp_mode == "2d" else tp)
     hs = model.head_dim
@@ -181,7 +182,7 @@ def sp_attention_time(cluster: Cluster, model: ModelConfig, b: int, seq: int, tp
     rate = device.peak("fp32") * device.matmul_efficiency
     bw = device.memory_bandwidth * device.memory_efficiency
     launches = calls * 20 * device.kernel_overhead
-    mask = MASK_PASSES * 16 * elements / bw if dropout else 0.0  # read + write 8 bytes
+    mask = MASK_BYTES * elements / bw if dropout else 0.0
     return LayerTime(4 * elements * hs / rate + 6 * 4 * elements / bw + launches + mask,
                      8 * elements * hs / rate + 10 * 4 * elements / bw + launches + mask)
 

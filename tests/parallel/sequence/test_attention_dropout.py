@@ -47,6 +47,22 @@ def test_the_mask_keeps_one_minus_p_and_is_independent_across_heads_rows_and_key
     assert abs(agree(kept, other) - 0.58) < 0.01
 
 
+def test_the_in_place_int32_hash_gives_mix32s_bits():
+    # The pairs' hash runs on int32 patterns in place (wrapping products, masked shifts);
+    # it must give the int64 reference's values, the edges of both ranges included.
+    from tessera.parallel.sequence.dropout import (as_int32_bits, at_least_unsigned, mix32,
+                                                   mix32_bits_)
+
+    edges = torch.tensor([0, 1, 2 ** 16 - 1, 2 ** 31 - 1, 2 ** 31, 2 ** 32 - 1])
+    x = torch.cat([edges, torch.randint(0, 2 ** 32, (4096,), generator=torch.Generator()
+                                        .manual_seed(0))])
+    reference = mix32(x)
+    assert torch.equal(mix32_bits_(as_int32_bits(x)), as_int32_bits(reference))
+    for threshold in (0, 1, 2 ** 31 - 1, 2 ** 31, 2 ** 31 + 1, 2 ** 32 - 1, 2 ** 32):
+        got = at_least_unsigned(as_int32_bits(reference), threshold)
+        assert torch.equal(got, reference >= threshold), threshold
+
+
 def test_the_mask_depends_on_token_indices_and_heads_not_on_blocks():
     drop = AttentionDropout(0.5, seed=3)
     full = drop.keep_scale(_meta(T), _meta(T), NH)  # (B, NH, T, T)

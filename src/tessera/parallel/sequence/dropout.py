@@ -20,6 +20,8 @@ and ``dS = P * (dP - rowsum(dO * out))``, the last because rowsum(P * dP) = dO .
 
 The hash: 32-bit keys in int64 tensors, mixed by multiplying by a constant below 2**27, so no
 product overflows; one mix per (row, key) pair, the row's and the key's parts hashed once each.
+The pairs' mix, the largest work of the path, runs the same arithmetic on int32 bit patterns in
+place (``mix32_bits_``), which gives the same bits.
 """
 
 from __future__ import annotations
@@ -40,6 +42,37 @@ def mix32(x):
     x = x ^ (x >> 16)
     x = (x * _MUL) & _M32
     return x ^ (x >> 16)
+
+
+def as_int32_bits(x: torch.Tensor) -> torch.Tensor:
+    """Values in [0, 2**32) (int64) as int32 tensors of the same 32 bits (two's complement)."""
+    return torch.where(x >= 2 ** 31, x - 2 ** 32, x).to(torch.int32)
+
+
+def mix32_bits_(x: torch.Tensor) -> torch.Tensor:
+    """:func:`mix32` in place on the 32-bit patterns of an int32 tensor (the same bits).
+
+    The (B, H, Tq, Tk) pair hashes are the largest tensors of the dropout path. As int64
+    values, each of ten passes a fresh tensor, they took most of its time on CPU; int32 passes
+    in place move half the bytes, vectorise, and allocate one scratch buffer. The shifts are
+    logical (their sign bits masked off) and the products wrap modulo 2**32 as mix32's
+    ``& _M32`` does (tested against mix32).
+    """
+    scratch = torch.empty_like(x)
+    for multiply in (True, True, False):
+        torch.bitwise_right_shift(x, 16, out=scratch)
+        x.bitwise_xor_(scratch.bitwise_and_(0xFFFF))  # x ^ (x >>> 16)
+        if multiply:
+            x.mul_(_MUL)
+    return x
+
+
+def at_least_unsigned(bits: torch.Tensor, threshold: int) -> torch.Tensor:
+    """Where the int32 patterns ``bits``, read as unsigned, are >= ``threshold`` in
+    [0, 2**32]; ``bits`` is overwritten (flipping the sign bit orders them as signed)."""
+    if threshold >= 2 ** 32:
+        return torch.zeros_like(bits, dtype=torch.bool)
+    return bits.bitwise_xor_(-(2 ** 31)) >= threshold - 2 ** 31
 
 
 @dataclass(frozen=True)
@@ -79,9 +112,10 @@ class AttentionDropout:
                              dtype=torch.int64).view(1, n_heads, 1)
         row_keys = mix32(mix32(mix32(rows ^ seed) ^ heads) ^ meta_q[:, None, :, 0])  # (B, H, Tq)
         key_keys = mix32(meta_k[:, None, :, 0] ^ _KEY_DOMAIN)  # (B, 1, Tk)
-        pair = mix32(row_keys.unsqueeze(-1) ^ key_keys.unsqueeze(-2))  # (B, H, Tq, Tk)
-        threshold = int(round(self.p * 2 ** 32))
-        return (pair >= threshold).to(torch.float32).mul_(1.0 / (1.0 - self.p))
+        pair = mix32_bits_(as_int32_bits(row_keys).unsqueeze(-1)
+                           ^ as_int32_bits(key_keys).unsqueeze(-2))  # (B, H, Tq, Tk)
+        kept = at_least_unsigned(pair, int(round(self.p * 2 ** 32)))
+        return kept.to(torch.float32).mul_(1.0 / (1.0 - self.p))
 
 
 def grouped_keep_scale(dropout: AttentionDropout, meta_q: torch.Tensor, meta_k: torch.Tensor,
