@@ -34,7 +34,7 @@ def tessera_step(config: ModelConfig, micro_batch: int, folder: str):
     trainer = Trainer(Transformer(config), args, data, strategy=strategy)
 
     def step() -> float:
-        loss = trainer._train_step()
+        loss, _grad_norm = trainer._train_step()  # (2,): this rank's loss, the norm
         trainer.step += 1
         return float(loss)
     return step

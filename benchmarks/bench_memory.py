@@ -61,7 +61,7 @@ def _trainer(config) -> Trainer:
 def _steps(trainer: Trainer, n: int) -> list[float]:
     losses = []
     for _ in range(n):
-        losses.append(float(trainer._train_step()))
+        losses.append(float(trainer._train_step()[0]))  # [loss, gradient norm]
         trainer.step += 1
     return losses
 

@@ -22,6 +22,11 @@ Prints JSON lines, one per figure: {"name", "value", "unit", "compared_against",
   (reshard_after_forward=False), same model and batch shape (_tp_training.py); best round
   of each, rounds alternating. FSDP2 also shards gradients and Adam states over dp, which
   tessera does under memory=chunk.
+- tp_attention_dropout_vs_sdpa_dropout_time_ratio_t{256,1024}: one attention call, forward
+  and backward, on one thread: 1D tp's hashed-dropout attention (tensor/attention.py, the
+  path a tp rank runs while the model drops attention) against PyTorch's SDPA with
+  dropout_p=0.1 (what one device runs; on CPU it leaves its fused kernel), best of 3; SDPA
+  without dropout beside it.
 
     python benchmarks/bench_tensor_parallel.py [--quick]
 """
@@ -210,10 +215,47 @@ def _emit(name, value, unit, against, **context) -> None:
                       "compared_against": against, **context}), flush=True)
 
 
+def _attention_dropout_figures() -> None:
+    """Time one causal attention call, fwd+bwd, three ways (module doc)."""
+    import torch.nn.functional as F
+
+    from tessera.parallel.tensor.attention import head_dropout_attention
+
+    calls = {"hashed": lambda q, k, v: head_dropout_attention(q, k, v, 0.1, 0),
+             "sdpa_dropout": lambda q, k, v: F.scaled_dot_product_attention(
+                 q, k, v, dropout_p=0.1, is_causal=True),
+             "sdpa": lambda q, k, v: F.scaled_dot_product_attention(q, k, v, is_causal=True)}
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        for B, T in ((4, 256), (2, 1024)):
+            shape = (B, 6, T, 64)  # (B, local heads, T, hs)
+            q, k, v = (torch.randn(shape, requires_grad=True) for _ in range(3))
+            best = {}
+            for name, call in calls.items():
+                call(q, k, v).sum().backward()  # warm-up
+                times = []
+                for _ in range(3):
+                    start = time.perf_counter()
+                    call(q, k, v).sum().backward()
+                    times.append(time.perf_counter() - start)
+                best[name] = min(times)
+            _emit(f"tp_attention_dropout_vs_sdpa_dropout_time_ratio_t{T}",
+                  round(best["hashed"] / best["sdpa_dropout"], 3), "ratio",
+                  "torch SDPA with dropout_p=0.1 (one device's attention)",
+                  hashed_ms=round(best["hashed"] * 1e3, 1),
+                  sdpa_dropout_ms=round(best["sdpa_dropout"] * 1e3, 1),
+                  sdpa_no_dropout_ms=round(best["sdpa"] * 1e3, 1), shape_b_h_t_hs=shape,
+                  threads=1, dtype="fp32", loadavg=os.getloadavg()[0])
+    finally:
+        torch.set_num_threads(threads)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true", help="fewer timing rounds (< 3 min)")
     args = parser.parse_args()
+    _attention_dropout_figures()
     load_before = os.getloadavg()[0]
     res = run_distributed(_worker, world_size=4, args=(args.quick,), timeout=900)
     load_after = os.getloadavg()[0]
