@@ -57,6 +57,11 @@ def test_resumes_load_before_train_begins_and_once(tmp_path):
         assert (second.first_step, second.step) == (5, 10), asked
         # on_train_begin sees the resumed step, as Hugging Face's callbacks do
         assert stop.began == [2, 5], asked
+    # False asks for no resume, as in Hugging Face, whatever the arguments say
+    refused = Trainer(model=_tiny_gpt2(), args=_args(
+        tmp_path / "false", max_steps=3, save_strategy="no",
+        resume_from_checkpoint=str(step_2)), train_dataset=_data())
+    assert refused.train(resume_from_checkpoint=False).first_step == 0
 
 
 def test_state_train_batch_size_is_the_strategys_micro_batch(tmp_path):

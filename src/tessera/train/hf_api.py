@@ -269,16 +269,17 @@ class Trainer:
                              "with eval_dataset only)")
         # args.resume_from_checkpoint is for the first call: a later train() (after a
         # callback's stop) goes on from the steps trained, not from that checkpoint again.
-        resume = resume_from_checkpoint or (None if self._trained
-                                            else self.args.resume_from_checkpoint)
+        # False asks for no resume, as in Hugging Face; None falls back on the arguments.
+        resume = (resume_from_checkpoint if resume_from_checkpoint is not None
+                  else None if self._trained else self.args.resume_from_checkpoint)
         if resume is True and find_latest(checkpoint_root(self.args.output_dir)) is None:
             raise ValueError(f"resume_from_checkpoint=True: no valid checkpoint found in "
                              f"{self.args.output_dir}")
-        self._trained = True
         if resume:  # loaded before on_train_begin, so callbacks see the resumed step (as HF)
             self._core.args = self._core.args.model_copy(update={
                 "resume_from": None if resume is True else str(resume)})
             self._core.resume()
+        self._trained = True
         # What was asked of this call only: the core trainer resumes nothing by itself.
         self._core.args = self._core.args.model_copy(update={"resume": False,
                                                              "resume_from": None})

@@ -212,3 +212,25 @@ def test_hugging_face_padding_masks_are_applied_or_refused_never_dropped():
     assert model(ids).logits.shape == (2, 10, 64)  # plain causal: dropped, not refused
     exported = torch.export.export(model, (ids,))  # as pipeline capture does
     assert any("tp_dropout_attention" in str(n.target) for n in exported.graph.nodes)
+
+
+def test_under_torch_compile_hugging_face_masks_are_kept():
+    # Only export's capture of a whole unpadded sequence goes without a mask: compiled, a
+    # packed-sequence mask (documents restarting their positions) still reaches the attention.
+    import copy
+
+    from tessera.parallel.tensor.attention import install_head_dropout
+
+    original = _gpt2_with_attention_dropout().eval()
+    model = copy.deepcopy(original)
+    install_head_dropout(model, [b.attn for b in model.transformer.h], head_rank=0)
+    ids = torch.randint(0, 64, (1, 10), generator=torch.Generator().manual_seed(1))
+    packed = torch.tensor([[0, 1, 2, 3, 4, 0, 1, 2, 3, 4]])  # two documents
+    compiled = torch.compile(model, backend="eager")
+    with torch.no_grad():
+        want = original(ids, position_ids=packed).logits
+        assert (want - original(ids).logits).abs().max() > 1e-3  # packing matters here
+        torch.testing.assert_close(compiled(ids, position_ids=packed).logits, want)
+    model.train()
+    with pytest.raises(PolicyError, match="an attention mask or non-causal attention"):
+        compiled(ids, position_ids=packed)

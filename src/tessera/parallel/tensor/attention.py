@@ -180,15 +180,18 @@ def hf_attention_mask(*, attention_mask: torch.Tensor | None = None, **kwargs
     for plain causal attention, what the dropout path computes; else bool (B, 1, q, kv),
     which the dropout path refuses and the SDPA fallback applies).
 
-    Under torch.export without a padding mask, None: pipeline capture passes input_ids only,
-    and transformers, unable to read the model's own positions 0..T-1 while tracing, would
-    build a packed-sequence mask from them that the dropout path would refuse.
+    Under torch.export of a whole sequence without a padding mask (pipeline capture, which
+    passes input_ids only), None: transformers, unable to read the model's own positions
+    0..T-1 while tracing, would build a packed-sequence mask from them that the dropout path
+    would refuse. torch.compile, a cache (q_length != kv_length) or a window keep their mask.
     """
     from transformers.masking_utils import sdpa_mask
 
-    if attention_mask is None and torch.compiler.is_compiling():
-        return None
-    return sdpa_mask(attention_mask=attention_mask, **kwargs)
+    capture = (torch.compiler.is_exporting() and attention_mask is None
+               and kwargs.get("q_length") == kwargs.get("kv_length")
+               and not kwargs.get("q_offset") and not kwargs.get("kv_offset")
+               and kwargs.get("local_size") is None)
+    return None if capture else sdpa_mask(attention_mask=attention_mask, **kwargs)
 
 
 def attention_dropout_p(module: nn.Module) -> float:
