@@ -237,7 +237,6 @@ def install_head_dropout(model: nn.Module, attentions: list[nn.Module], head_ran
 def _install_hugging_face(model: nn.Module, attentions: list[nn.Module],
                           heads: HeadGroupAttention) -> None:
     from transformers import AttentionInterface
-
     from transformers.masking_utils import AttentionMaskInterface
 
     AttentionInterface.register(HF_ATTENTION_NAME, hf_attention)
