@@ -1,11 +1,18 @@
-"""The Hugging Face front's state across train() calls and resumes, in one process."""
+"""The Hugging Face front's state across train() calls and resumes.
+
+The Trainers run in one worker process (run_distributed): in the pytest process they would
+leave a one-rank process group behind that later tests read as the world size.
+"""
 
 import json
+from pathlib import Path
 
+import pytest
 import torch
 from transformers import GPT2Config, GPT2LMHeadModel, TrainerCallback
 
 from tessera import Trainer, TrainingArguments
+from tessera.testing import run_distributed
 
 
 def _tiny_gpt2():
@@ -39,37 +46,64 @@ def _args(out, **kw):
                              logging_steps=1, disable_tqdm=True, **kw)
 
 
-def test_resumes_load_before_train_begins_and_once(tmp_path):
+def _resumes(root: Path) -> dict:
+    """(first call's steps, second call's steps, steps on_train_begin saw) per way of asking,
+    and the first step of train(resume_from_checkpoint=False)."""
     # Checkpoints at steps 2, 4, 6, 8.
-    Trainer(model=_tiny_gpt2(), args=_args(tmp_path, max_steps=8, save_steps=2),
+    Trainer(model=_tiny_gpt2(), args=_args(root, max_steps=8, save_steps=2),
             train_dataset=_data()).train()
-    step_2 = tmp_path / "checkpoints" / "step_00000002"
+    step_2 = root / "checkpoints" / "step_00000002"
+    out = {}
     for asked in ("call", "arguments"):  # train(resume_from_checkpoint=...) or args' field
         stop = StopAt(5)
-        args = _args(tmp_path / asked, max_steps=10, save_strategy="no",
+        args = _args(root / asked, max_steps=10, save_strategy="no",
                      resume_from_checkpoint=str(step_2) if asked == "arguments" else None)
         trainer = Trainer(model=_tiny_gpt2(), args=args, train_dataset=_data(),
                           callbacks=[stop])
         first = trainer.train(**({"resume_from_checkpoint": str(step_2)}
                                  if asked == "call" else {}))
         second = trainer.train()  # goes on from step 5: the checkpoint is not read again
-        assert (first.first_step, first.step) == (2, 5), asked
-        assert (second.first_step, second.step) == (5, 10), asked
-        # on_train_begin sees the resumed step, as Hugging Face's callbacks do
-        assert stop.began == [2, 5], asked
-    # False asks for no resume, as in Hugging Face, whatever the arguments say
+        out[asked] = ((first.first_step, first.step), (second.first_step, second.step),
+                      stop.began)
     refused = Trainer(model=_tiny_gpt2(), args=_args(
-        tmp_path / "false", max_steps=3, save_strategy="no",
+        root / "false", max_steps=3, save_strategy="no",
         resume_from_checkpoint=str(step_2)), train_dataset=_data())
-    assert refused.train(resume_from_checkpoint=False).first_step == 0
+    out["false_first_step"] = refused.train(resume_from_checkpoint=False).first_step
+    return out
 
 
-def test_state_train_batch_size_is_the_strategys_micro_batch(tmp_path):
-    # strategy text sets the micro-batch apart from per_device_train_batch_size (default 8)
+def _batch_size(root: Path) -> tuple[int, int]:
+    """(state.train_batch_size, the one trainer_state.json holds) under strategy text."""
     trainer = Trainer(model=_tiny_gpt2(), args=TrainingArguments(
-        output_dir=str(tmp_path), strategy="dp=1,mbs=2,gbs=8", max_steps=1,
+        output_dir=str(root), strategy="dp=1,mbs=2,gbs=8", max_steps=1,
         save_strategy="no", disable_tqdm=True), train_dataset=_data())
-    assert trainer.state.train_batch_size == 2
+    before = trainer.state.train_batch_size
     trainer.train()
     trainer.save_state()
-    assert json.loads((tmp_path / "trainer_state.json").read_text())["train_batch_size"] == 2
+    return before, json.loads((root / "trainer_state.json").read_text())["train_batch_size"]
+
+
+def _runs(rank, world_size, root):
+    root = Path(root)
+    return {"resumes": _resumes(root / "resumes"), "batch_size": _batch_size(root / "batch")}
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory):
+    root = tmp_path_factory.mktemp("hf_resume")
+    return run_distributed(_runs, world_size=1, args=(str(root),), timeout=300)[0]
+
+
+def test_resumes_load_before_train_begins_and_once(runs):
+    for asked in ("call", "arguments"):
+        first, second, began = runs["resumes"][asked]
+        assert first == (2, 5), asked
+        assert second == (5, 10), asked  # the second train() did not reload step 2
+        assert began == [2, 5], asked  # on_train_begin sees the resumed step, as HF's
+    # False asks for no resume, as in Hugging Face, whatever the arguments say
+    assert runs["resumes"]["false_first_step"] == 0
+
+
+def test_state_train_batch_size_is_the_strategys_micro_batch(runs):
+    # strategy text sets the micro-batch apart from per_device_train_batch_size (default 8)
+    assert runs["batch_size"] == (2, 2)
