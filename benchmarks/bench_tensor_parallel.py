@@ -220,6 +220,7 @@ def _attention_dropout_figures() -> None:
     import torch.nn.functional as F
 
     from tessera.parallel.tensor.attention import head_dropout_attention
+    from tessera.planner.calibrate import _best_of
 
     calls = {"hashed": lambda q, k, v: head_dropout_attention(q, k, v, 0.1, 0),
              "sdpa_dropout": lambda q, k, v: F.scaled_dot_product_attention(
@@ -231,15 +232,9 @@ def _attention_dropout_figures() -> None:
         for B, T in ((4, 256), (2, 1024)):
             shape = (B, 6, T, 64)  # (B, local heads, T, hs)
             q, k, v = (torch.randn(shape, requires_grad=True) for _ in range(3))
-            best = {}
-            for name, call in calls.items():
-                call(q, k, v).sum().backward()  # warm-up
-                times = []
-                for _ in range(3):
-                    start = time.perf_counter()
-                    call(q, k, v).sum().backward()
-                    times.append(time.perf_counter() - start)
-                best[name] = min(times)
+            # one warm-up call, then the fastest of 3
+            best = {name: _best_of(lambda call=call: call(q, k, v).sum().backward(),
+                                   rounds=3, calls=1) for name, call in calls.items()}
             _emit(f"tp_attention_dropout_vs_sdpa_dropout_time_ratio_t{T}",
                   round(best["hashed"] / best["sdpa_dropout"], 3), "ratio",
                   "torch SDPA with dropout_p=0.1 (one device's attention)",
