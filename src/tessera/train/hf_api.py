@@ -284,7 +284,7 @@ class Trainer:
         self._core.args = self._core.args.model_copy(update={"resume": False,
                                                              "resume_from": None})
         self.state.global_step = self._core.step
-        self.state.epoch = round(self._core.step / self._steps_per_epoch, 4)
+        self.state.epoch = self._epoch_at(self._core.step)
         # A stop asked for in an earlier train() does not end this one (as Hugging Face).
         self.control.should_training_stop = self._core.stop_requested = False
         self._each("on_train_begin")
@@ -447,11 +447,15 @@ class Trainer:
         self.state.global_step = self._core.step  # saves need not fall on logging steps
         self._each("on_save")
 
+    def _epoch_at(self, step: int) -> float:
+        """Hugging Face's fractional epoch after ``step`` steps."""
+        return round(step / self._steps_per_epoch, 4)
+
     def _dispatch(self, record: dict[str, Any]) -> None:
         # Hugging Face's names: its logs say learning_rate where tessera's records say lr.
         logs = {("learning_rate" if k == "lr" else k): v for k, v in record.items()}
         self.state.global_step = record["step"]
-        self.state.epoch = logs["epoch"] = round(record["step"] / self._steps_per_epoch, 4)
+        self.state.epoch = logs["epoch"] = self._epoch_at(record["step"])
         self.state.log_history.append(logs)
         self._each("on_log", logs=logs)  # evaluations too, then on_evaluate, as HF does
         if "eval_loss" in record:
