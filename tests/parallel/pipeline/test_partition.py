@@ -90,6 +90,32 @@ def test_reductions_are_priced_by_what_they_read():
     assert mean.cost.fwd_flops == read == 2 * 16 * llama.config.hidden_size
 
 
+def test_copies_are_priced_and_contiguous_views_are_free():
+    # contiguous / clone were priced as views: an attention output's transpose copy was free.
+    from tessera.parallel.pipeline.cost import DeviceRates, node_cost, op_name
+
+    class Copies(nn.Module):
+        def forward(self, x):  # x (2, 8, 4, 16)
+            return x.transpose(1, 2).contiguous().clone() * 2.0  # two real copies
+
+    program = torch.export.export(Copies(), (torch.randn(2, 8, 4, 16),), strict=False)
+    copies = {op_name(node): node for node in program.graph.nodes
+              if node.op == "call_function" and op_name(node) in ("contiguous", "clone")}
+    numel, nbytes = 2 * 8 * 4 * 16, 2 * 8 * 4 * 16 * 4
+    for node in copies.values():
+        cost = node_cost(node)
+        assert (cost.fwd_flops, cost.saved_bytes) == (numel, nbytes)
+        assert cost.bwd_time(DeviceRates()) == 0.0  # the gradient passes through as is
+    # contiguous of a contiguous tensor returns it (export drops such calls; priced free
+    # where a graph keeps one)
+    graph = torch.fx.Graph()
+    x = graph.placeholder("x")
+    x.meta["val"] = torch.empty(2, 8, 64, device="meta")
+    same = graph.call_function(torch.ops.aten.contiguous.default, (x,))
+    same.meta["val"] = x.meta["val"]
+    assert node_cost(same) == type(node_cost(same))(out_bytes=2 * 8 * 64 * 4)
+
+
 def test_uniform_transformer_balances_within_ten_percent(uniform):
     for pp in (2, 4):
         part = partition(uniform, pp, micro_batches=8)

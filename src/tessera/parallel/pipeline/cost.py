@@ -20,7 +20,9 @@ BWD_MATMUL = 2.0
 BWD_ATTENTION = 2.5
 BWD_ELEMENTWISE = 2.0
 
-# Ops that only reinterpret memory: no FLOPs, no new activation storage.
+# Ops that only reinterpret memory: no FLOPs, no new activation storage. ``clone`` and
+# ``contiguous`` are here for the ops a weight is read through (graph_spec, capture); as
+# compute nodes, node_cost prices the copies they make (COPY_OPS).
 VIEW_OPS = frozenset({
     "view", "view_as", "_unsafe_view", "reshape", "transpose", "t", "permute", "expand",
     "unsqueeze",
@@ -28,6 +30,10 @@ VIEW_OPS = frozenset({
     "getitem", "_assert_tensor_metadata", "contiguous", "clone", "lift_fresh_copy",
     "access_subclass_inner_tensor",  # a DTensor parameter's local shard (tensor parallel)
 })
+
+# Copies: forward writes the output once; backward passes the gradient through untouched.
+# ``contiguous`` copies only a non-contiguous input (an attention output after its transpose).
+COPY_OPS = frozenset({"clone", "contiguous"})
 
 # Tensor-parallel collectives (tensor/ops.py): which pass, forward or backward, all-reduces.
 # A ring all-reduce sends and receives about twice the payload, whatever the group size.
@@ -129,10 +135,25 @@ def matmul_flops(node: fx.Node) -> float:
     return 0.0
 
 
+def _copies(node: fx.Node) -> bool:
+    """Whether a clone / contiguous node writes a new tensor (contiguous of a contiguous
+    input returns the input itself)."""
+    if not isinstance(node.meta.get("val"), torch.Tensor):
+        return False
+    if op_name(node) == "clone":
+        return True
+    source = node.args[0].meta.get("val") if node.args and isinstance(node.args[0], fx.Node) \
+        else None
+    return isinstance(source, torch.Tensor) and not source.is_contiguous()
+
+
 def node_cost(node: fx.Node) -> NodeCost:
     """Cost of one ``call_function`` node of an exported graph."""
     op = op_name(node)
     out = value_bytes(node.meta.get("val"))
+    if op in COPY_OPS and _copies(node):
+        # one element-wise pass: priced like one, with no backward work (bwd_flops 0)
+        return NodeCost(float(node.meta["val"].numel()), 0.0, out, out)
     if op in VIEW_OPS:
         return NodeCost(out_bytes=out)
     if op in TP_COMM_FWD or op in TP_COMM_BWD:  # communication only; nothing kept for backward
