@@ -80,6 +80,12 @@ class Pipeline:
         the training graph or the evaluation one."""
         return batch if self.inputs is None else self.inputs.shard(batch, training)
 
+    def local_len(self, length: int) -> int:
+        """Tokens per sample this rank's stages run for a micro-batch of ``length`` (its
+        share of the padded sequence under sp; the whole of it otherwise)."""
+        share = getattr(self.inputs, "local_len", None)  # 2D tp's grid slices batch rows
+        return share(length) if share is not None else length
+
     def loss(self, logits: torch.Tensor, batch: dict[str, torch.Tensor]) -> torch.Tensor:
         """The last stage's loss of one (prepared) micro-batch; ``logits`` is the per-token
         loss when the LM head is sliced (head.py)."""

@@ -63,7 +63,10 @@ class PipelineEngine:
         """Warn (once) when a step is longer than the stage memory budget was planned for:
         its activations grow with the length, past the estimate the ratios were chosen by."""
         planned = self.pipe.budget_len
-        if planned is None or length <= planned or self._warned_length:
+        if planned is None or self._warned_length:
+            return
+        # Compared per rank: under sp a longer sample may pad to the same share of tokens.
+        if self.pipe.local_len(length) <= self.pipe.local_len(planned):
             return
         self._warned_length = True
         warnings.warn(

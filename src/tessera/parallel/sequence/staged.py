@@ -27,6 +27,7 @@ import torch.distributed as dist
 from torch import nn
 
 from tessera.parallel.sequence.dropout import AttentionDropout
+from tessera.parallel.sequence.layout import padded_length
 from tessera.parallel.sequence.ring import ring_backward, ring_forward
 from tessera.parallel.sequence.rsa import rsa_attention
 from tessera.parallel.sequence.ulysses import ulysses_attention
@@ -159,6 +160,11 @@ class StageInputs:
         """Keyword inputs for capturing the model with (B, T/sp) ``input_ids``."""
         return {"position_ids": torch.zeros_like(input_ids),
                 "meta": input_ids.new_zeros(*input_ids.shape, 2)}
+
+    def local_len(self, length: int) -> int:
+        """Tokens per rank of a ``length``-token sample, padded for the layout as ``shard``
+        pads it."""
+        return padded_length(length, self.sp.size, self.sp.layout) // self.sp.size
 
     def shard(self, batch: dict[str, torch.Tensor], training: bool = True
               ) -> dict[str, torch.Tensor]:
