@@ -81,10 +81,8 @@ class Pipeline:
         return batch if self.inputs is None else self.inputs.shard(batch, training)
 
     def local_len(self, length: int) -> int:
-        """Tokens per sample this rank's stages run for a micro-batch of ``length`` (its
-        share of the padded sequence under sp; the whole of it otherwise)."""
-        share = getattr(self.inputs, "local_len", None)  # 2D tp's grid slices batch rows
-        return share(length) if share is not None else length
+        """Tokens per sample this rank's stages run for a micro-batch of ``length``."""
+        return rank_tokens(self.inputs, length)
 
     def loss(self, logits: torch.Tensor, batch: dict[str, torch.Tensor]) -> torch.Tensor:
         """The last stage's loss of one (prepared) micro-batch; ``logits`` is the per-token
@@ -147,7 +145,7 @@ def apply_pipeline(plan: Parallelized, strategy: Strategy, mesh: Mesh,
     ratios = [strategy.stage_recompute(s % pp) for s in range(n_virtual)]
     model.train()
     extra = inputs.example if inputs is not None else None
-    local_len = -(-seq_len // strategy.sp) if seq_len else None  # sp: this rank's tokens
+    local_len = rank_tokens(inputs, seq_len) if seq_len else None
     graph = capture_for_partition(model, stage_batch(strategy), extra, local_len)
     loss_fn = tp_loss(strategy, mesh) or lm_loss
     # Whole logits per token (tp's are vocabulary-sharded) are sliceable; stages named by
@@ -195,6 +193,14 @@ def apply_pipeline(plan: Parallelized, strategy: Strategy, mesh: Mesh,
     plan.build_optimizer = lambda _model, *args: _stage_optimizer(module, base, *args)
     plan.features.append("pipeline")
     return pipe
+
+
+def rank_tokens(inputs: Any, length: int) -> int:
+    """Tokens per sample a rank's stages run for a ``length``-token micro-batch: its share
+    of the sequence padded for the layout under sp (``StageInputs.local_len``), the whole
+    sequence otherwise (2D tp's ``GridInputs`` slice batch rows, not tokens)."""
+    share = getattr(inputs, "local_len", None)
+    return share(length) if share is not None else length
 
 
 def priced_under(graph: ProxyGraph, strategy: Strategy, device_type: str) -> ProxyGraph:
