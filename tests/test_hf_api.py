@@ -9,6 +9,7 @@ import torch
 from transformers import GPT2Config, GPT2LMHeadModel, TrainerCallback
 
 from tessera import Trainer, TrainingArguments
+from tessera.parallel.pipeline.whole import PartialModelError
 from tessera.strategy import Strategy, StrategyError
 from tessera.testing import run_distributed
 from tessera.train.hf_data import shift_for_next_token
@@ -169,9 +170,41 @@ def _meta_model_at_pp2(root, data) -> dict:
         stage_memory_budget="1GiB"), train_dataset=data)
     losses = trainer.train().losses
     trainer.save_model(f"{root}/meta_saved")
+    try:  # the other stage's weights never existed on this rank: calling it is refused
+        model(torch.zeros(1, 4, dtype=torch.long))
+        meta_call = None
+    except PartialModelError as err:
+        meta_call = str(err)
     return {"meta_losses": losses, "stage_recompute": trainer._core.stage_recompute,
             "meta_left": sum(p.numel() for p in model.parameters() if p.is_meta),
-            "meta_total": sum(p.numel() for p in model.parameters())}
+            "meta_total": sum(p.numel() for p in model.parameters()), "meta_call": meta_call,
+            **_whole_after_pp2(root, data)}
+
+
+def _whole_after_pp2(root, data) -> dict:
+    """A model on the device trained at pp=2 is left trained on every rank, as Hugging
+    Face's Trainer leaves it (each rank's stages hold only their own weights)."""
+    from safetensors.torch import load_file
+
+    model = _tiny_gpt2()
+    initial = {name: p.detach().clone() for name, p in model.named_parameters()}
+    trainer = Trainer(model=model, args=TrainingArguments(
+        output_dir=f"{root}/whole", per_device_train_batch_size=2, max_steps=2,
+        learning_rate=1e-3, save_strategy="no", strategy="pp=2,mbs=2,gbs=4,schedule=1f1b"),
+        train_dataset=data)
+    trainer.train()
+    trainer.save_model(f"{root}/whole_saved")
+    saved = load_file(f"{root}/whole_saved/model.safetensors")
+    params = dict(model.named_parameters())
+    off = max((params[k].detach() - v).abs().max().item() for k, v in saved.items()
+              if k in params)
+    unchanged = sum(torch.equal(p.detach(), initial[k]) for k, p in params.items())
+    worst = torch.tensor([off, float(unchanged)])
+    torch.distributed.all_reduce(worst, op=torch.distributed.ReduceOp.MAX)  # over both ranks
+    with torch.no_grad():
+        model(torch.zeros(1, 4, dtype=torch.long))  # callable: no refusal
+    return {"whole_off": worst[0].item(), "whole_unchanged": int(worst[1]),
+            "whole_compared": sum(k in params for k in saved)}
 
 
 @pytest.mark.slow
@@ -195,6 +228,11 @@ def test_hf_script_runs_on_two_workers(tmp_path):
     assert out["stage_recompute"] == [0.0, 0.0]  # a 1 GiB stage budget: nothing to recompute
     whole = GPT2LMHeadModel.from_pretrained(tmp_path / "meta_saved")
     assert sum(p.numel() for p in whole.parameters()) == out["meta_total"]
+    assert "built on the meta device" in out["meta_call"] and "save_model" in out["meta_call"]
+    # On the device: every weight trained on every rank and equal to what save_model wrote
+    # (the same values copied, so exactly; before, each rank's other stage stayed initial).
+    assert out["whole_compared"] > 10 and out["whole_unchanged"] == 0
+    assert out["whole_off"] == 0.0
     _check_argument_mapping(out)
 
 

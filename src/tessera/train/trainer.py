@@ -30,6 +30,7 @@ from tessera.parallel import parallelize
 from tessera.parallel.loss_weights import label_count, token_weights
 from tessera.parallel.pipeline.engine import PipelineEngine
 from tessera.parallel.pipeline.recompute import strategy_text
+from tessera.parallel.pipeline.whole import share_trained_weights
 from tessera.parallel.plan import fit_batch
 from tessera.parallel.rank_rng import rank_stream, step_seed
 from tessera.strategy import Strategy, StrategyError
@@ -213,6 +214,7 @@ class Trainer:
             saved = (result.checkpoint or "").endswith(ckpt.step_dirname(self.step))
             if not saved and (self.args.save_final or self.step < self.args.max_steps):
                 result.checkpoint = str(self.save())
+            self._share_trained_weights()
         except RuntimeError as err:
             if not _is_communication_failure(err):
                 raise
@@ -225,6 +227,14 @@ class Trainer:
             progress.close()
         result.step = self.step
         return result
+
+    def _share_trained_weights(self) -> None:
+        """Under pp, leave ``self.model`` trained on every rank, as Hugging Face's Trainer
+        leaves the model it trains (or refuse calls of it where a rank cannot hold it)."""
+        pipe = self.plan.pipeline
+        if pipe is not None:
+            self.phase = "sharing the pipeline stages' trained weights"
+            share_trained_weights(self.model, pipe.module, pipe.pp_group, self.strategy.memory)
 
     def _pause_requested(self) -> bool:
         """Whether ``<output_dir>/PAUSE`` exists or a callback asked to stop, agreed by all
