@@ -56,6 +56,22 @@ def test_bad_input_is_refused_with_the_rule():
             apply_sequence_parallel(None, strategy, None)
 
 
+def test_a_direct_call_after_forward_loss_is_refused_not_run_on_stale_metadata():
+    # forward_loss leaves the metadata set (recomputation in backward reads it): a later
+    # direct call of the model on other tokens ran on it, giving wrong logits silently.
+    from tessera.parallel.sequence.policy import SequenceParallel
+
+    sp = SequenceParallel.__new__(SequenceParallel)  # no process group: refused before any
+    sp.size, sp.exportable, sp._meta = 2, False, None
+    q = torch.zeros(2, 4, 16, 8)  # (B, nh, T/sp, hs)
+    with pytest.raises(SequenceParallelError, match="ran without token metadata"):
+        sp.attention(q, q, q)
+    sp._meta = torch.zeros(2, 8, 2, dtype=torch.long)  # the last micro-batch: 2 x 8 tokens
+    with pytest.raises(SequenceParallelError, match="got 2 x 16 tokens, but the token "
+                                                    "metadata is for this rank's 2 x 8"):
+        sp.attention(q, q, q)
+
+
 def test_strategy_rules_for_sequence_parallelism():
     with pytest.raises(StrategyError, match="sequence length 30 is not divisible by sp"):
         Strategy(sp=4).validate_for(model=preset("tiny"), seq_len=30)

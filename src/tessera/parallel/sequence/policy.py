@@ -183,6 +183,8 @@ class SequenceParallel:
             raise SequenceParallelError(
                 "sequence-parallel attention ran without token metadata: run the model through "
                 "SequenceParallel.forward_loss (or call set_tokens first)")
+        if not self.exportable:  # (under capture meta is a graph input of the same shape)
+            self._check_tokens(q)
         seed = torch.randint(0, 2 ** 62, (), dtype=torch.int64) if dropout_p > 0 else None
         heads = self.head_rank * q.shape[1]  # the layer's index of this rank's first head
         if self.exportable:  # inside pipeline stages: one custom op that export keeps
@@ -199,6 +201,19 @@ class SequenceParallel:
         if self.mode == "rsa":
             return rsa_attention(q, k, v, self._meta, self.group, self.causal, scale, dropout)
         return ulysses_attention(q, k, v, self._meta, self.group, self.causal, scale, dropout)
+
+    def _check_tokens(self, q: torch.Tensor) -> None:
+        """Refuse queries (B, nh, T/sp, hs) other than the (B, T/sp) tokens the metadata
+        describes: the model called directly, after a forward_loss set it for another batch."""
+        expected = tuple(self._meta.shape[:2])
+        if (q.shape[0], q.shape[2]) != expected:
+            raise SequenceParallelError(
+                f"sequence-parallel attention got {q.shape[0]} x {q.shape[2]} tokens, but the "
+                f"token metadata is for this rank's {expected[0]} x {expected[1]} of the last "
+                "micro-batch: this model's attention is routed to sequence parallelism "
+                f"(sp={self.size}). Run it through SequenceParallel.forward_loss (tessera's "
+                "Trainer does), or save it (trainer.save_model) and load it back for a plain "
+                "forward")
 
     def _multiple(self) -> int:
         return self.size * (2 if self.layout == "zigzag" else 1)
