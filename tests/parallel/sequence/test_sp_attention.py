@@ -301,6 +301,11 @@ def _model_case(group, mode, name, real):
     loss = sp.forward_loss(model, {"input_ids": inputs, "labels": labels,
                                    "attention_mask": mask})
     loss.backward()
+    return _errors_over_ranks(group, loss, model, ref, ref_model)
+
+
+def _errors_over_ranks(group, loss, model, ref, ref_model):
+    """(|mean of the ranks' losses - ref|, max |mean gradient - ref gradient|, any NaN)."""
     size = dist.get_world_size(group)
     total = loss.detach().clone()
     dist.all_reduce(total, group=group)
@@ -309,6 +314,35 @@ def _model_case(group, mode, name, real):
     ref_grads = torch.cat([p.grad.flatten() for p in ref_model.parameters()])
     return ((total / size - ref).abs().item(), (grads / size - ref_grads).abs().max().item(),
             bool(loss.isnan() or grads.isnan().any()))
+
+
+def _hf_left_padding(group, mode, kind, _real=None):
+    """Hugging Face models on two rows, the second left-padded, against their own forward
+    with the attention mask on one device: OPT numbers positions over the mask (padding
+    shifts them), Llama 0..T-1 whatever the mask."""
+    import transformers as T
+
+    torch.manual_seed(5)
+    model = (T.OPTForCausalLM(T.OPTConfig(
+        vocab_size=64, hidden_size=32, ffn_dim=64, num_hidden_layers=2, num_attention_heads=4,
+        word_embed_proj_dim=32, dropout=0.0, attention_dropout=0.0)) if kind == "hf-opt" else
+        T.LlamaForCausalLM(T.LlamaConfig(
+            vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+            num_attention_heads=4, num_key_value_heads=2)))
+    ref_model = copy.deepcopy(model)
+    ids = torch.randint(2, 64, (2, 14))
+    inputs, labels = ids[:, :-1], ids[:, 1:].clone()
+    mask = torch.ones_like(inputs)
+    mask[1, :4] = 0  # (2, 13): row 1 starts with 4 padding tokens
+    labels[mask == 0] = -100
+    ref = lm_loss(ref_model(inputs, attention_mask=mask).logits, labels)
+    ref.backward()
+    sp = SequenceParallel(group, mode)
+    apply_policy(model, sp)
+    loss = sp.forward_loss(model, {"input_ids": inputs, "labels": labels,
+                                   "attention_mask": mask})
+    loss.backward()
+    return _errors_over_ranks(group, loss, model, ref, ref_model)
 
 
 # The custom ops of pipeline stages (sequence/staged.py), on the harder inputs.
@@ -335,6 +369,10 @@ DROPOUT_CASES = [("ring", True, torch.float32, 14, "padding", "zigzag"),
 
 MODEL_CASES = [(4, m, "tiny-llama", real) for m in ("ring", "rsa", "ulysses") for real in (13, 2)]
 MODEL_CASES += [(2, "ring", "tiny", 13), (2, "ulysses", "tiny", 5)]
+# Hugging Face models with a left-padded row (until 2026-11-28 OPT's positions were 0..T-1
+# under sp, its own forward counts them over the mask)
+MODEL_CASES += [(2, m, kind, None) for m in ("ring", "ulysses") for kind in ("hf-opt",
+                                                                           "hf-llama")]
 
 
 def _all_cases(rank, world_size):
@@ -351,7 +389,8 @@ def _all_cases(rank, world_size):
             results[(sp,) + case] = _case(group, *case)
     ops = {(sp,) + case: _case(groups[sp], *case, exportable=True)
            for sp in (2, 4) for case in OP_CASES}
-    models = {case: _model_case(groups[case[0]], *case[1:]) for case in MODEL_CASES}
+    models = {case: (_hf_left_padding if case[2].startswith("hf-") else _model_case)(
+        groups[case[0]], *case[1:]) for case in MODEL_CASES}
     dropout = {(sp,) + case: _case(groups[sp], *case, dropout_p=0.2)
                for sp in (1, 2, 4) for case in DROPOUT_CASES}
     dropout_ops = {(sp,) + case: _case(groups[sp], *case, exportable=True, dropout_p=0.2)

@@ -37,6 +37,10 @@ from tessera.parallel.sequence.ulysses import check_heads, ulysses_attention
 MODES = ("ring", "rsa", "ulysses")
 HF_ATTENTION_NAME = "tessera_sequence_parallel"
 IGNORE = -100
+# Hugging Face models whose decoder numbers positions from the attention mask when given no
+# position_ids (OPT's learned positions: cumsum(mask) * mask - 1, so left padding shifts
+# them); the others number them 0..T-1, as shard() does.
+POSITIONS_FROM_MASK = frozenset({"opt"})
 
 
 class SequenceParallel:
@@ -75,6 +79,8 @@ class SequenceParallel:
         self._meta: torch.Tensor | None = None
         self.exportable = False  # set by StageInputs (staged.py) when pp > 1
         self.dropouts: list[str] = []  # what draws dropout masks in the model (apply_policy)
+        # position ids from the attention mask, as the model numbers them (POSITIONS_FROM_MASK)
+        self.positions_from_mask = False
 
     # ------------------------------------------------------------------------ data path
     def shard(self, batch: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
@@ -101,7 +107,7 @@ class SequenceParallel:
         segment = batch.get("document_ids", torch.zeros_like(ids))
         if "attention_mask" in batch:
             segment = segment.masked_fill(batch["attention_mask"] == 0, -1)
-        positions = batch.get("position_ids", index[:, :T])
+        positions = batch.get("position_ids", self._default_positions(batch, index[:, :T]))
         cols = local_indices(padded, self.size, self.rank, self.layout).to(ids.device)
 
         def take(x: torch.Tensor, fill: int) -> torch.Tensor:  # pad, then this rank's tokens
@@ -110,6 +116,15 @@ class SequenceParallel:
         return {"input_ids": take(ids, 0), "labels": take(labels_without_padding(batch), IGNORE),
                 "position_ids": take(positions, 0),
                 "meta": torch.stack((index[:, cols], take(segment, -1)), dim=-1)}
+
+    def _default_positions(self, batch: dict[str, torch.Tensor], index: torch.Tensor
+                           ) -> torch.Tensor:
+        """Positions (B, T) for a batch without position_ids: 0..T-1, or counted over the
+        attention mask where the model itself would (-1 on padding, as it gives them)."""
+        if not self.positions_from_mask or "attention_mask" not in batch:
+            return index
+        mask = batch["attention_mask"].long()
+        return mask.cumsum(dim=1) * mask - 1
 
     def forward_loss(self, module: nn.Module, batch: dict[str, torch.Tensor]) -> torch.Tensor:
         """This rank's share of the micro-batch's mean next-token loss (see module doc)."""
@@ -310,6 +325,7 @@ def _apply_hugging_face(model: nn.Module, sp: SequenceParallel) -> None:
             f"{type(model).__name__}.forward takes no position_ids (its decoder numbers "
             "positions itself, as BART-style decoders do): each sp rank would embed its "
             "tokens at positions 0.. of its own shard. Train this model with sp=1")
+    sp.positions_from_mask = getattr(config, "model_type", None) in POSITIONS_FROM_MASK
     AttentionInterface.register(HF_ATTENTION_NAME, hf_attention)
     tagged = 0
     for module in model.modules():
