@@ -174,6 +174,7 @@ def _refusals(group):
         "shard_not_in_layout": lambda: _contiguous_shard_as_zigzag(group),
         "hf_sliding_window": lambda: _hf_sliding_window(group, 4),
         "hf_window_longer_than_sequence": lambda: _hf_sliding_window(group, 16),
+        **_too_long(group),
         **_silent_model_refusals(group),
     }
     for name, attempt in attempts.items():
@@ -183,6 +184,27 @@ def _refusals(group):
         except SequenceParallelError as err:
             out[name] = str(err)
     return out
+
+
+def _too_long(group):
+    """Rows longer than the model's positions: each rank's shard fits, so the model's own
+    check passed and the position lookup failed on some ranks only (an IndexError)."""
+    import transformers as T
+
+    def run(model, length, **batch):
+        sp = SequenceParallel(group, "ring")
+        apply_policy(model, sp)
+        ids = torch.randint(0, 64, (1, length + 1))
+        sp.forward_loss(model, {"input_ids": ids[:, :-1], "labels": ids[:, 1:], **batch})
+
+    gpt2 = lambda: T.GPT2LMHeadModel(T.GPT2Config(  # noqa: E731
+        vocab_size=64, n_embd=32, n_layer=1, n_head=4, n_positions=16, resid_pdrop=0.0,
+        embd_pdrop=0.0, attn_pdrop=0.0))
+    restart = torch.arange(20).remainder(10)[None]  # two packed documents of 10
+    return {"too_long_reference": lambda: run(Transformer(preset("tiny", max_seq_len=16)), 20),
+            "too_long_hf": lambda: run(gpt2(), 20),
+            # positions of its own, all within the table: as on one device, it runs
+            "long_hf_own_positions": lambda: run(gpt2(), 20, position_ids=restart)}
 
 
 def _silent_model_refusals(group):
@@ -490,6 +512,11 @@ def test_bad_input_is_refused_with_the_rule(runs):
     assert "sliding attention window (sliding_window=4) over a sequence of 16" in \
         msgs["hf_sliding_window"]
     assert msgs["hf_window_longer_than_sequence"] is None
+    assert "sequence length 20 exceeds the model's 16 positions (max_seq_len)" in \
+        msgs["too_long_reference"]
+    assert "exceeds the model's 16 positions (position table transformer.wpe)" in \
+        msgs["too_long_hf"]
+    assert msgs["long_hf_own_positions"] is None
     assert "not through transformers' AttentionInterface" in msgs["hf_no_interface"]
     assert "mixes tokens outside attention (layer types ['conv'])" in msgs["hf_other_mixer"]
     assert "sliding attention window (sliding_window=2) over a sequence of 16" in \

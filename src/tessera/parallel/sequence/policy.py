@@ -81,6 +81,9 @@ class SequenceParallel:
         self.dropouts: list[str] = []  # what draws dropout masks in the model (apply_policy)
         # position ids from the attention mask, as the model numbers them (POSITIONS_FROM_MASK)
         self.positions_from_mask = False
+        # The model's limit on tokens per row (set by the policies): (limit, what sets it,
+        # whether it bounds rows with their own position ids too)
+        self.max_len: tuple[int, str, bool] | None = None
 
     # ------------------------------------------------------------------------ data path
     def shard(self, batch: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
@@ -98,6 +101,7 @@ class SequenceParallel:
         """
         ids = batch["input_ids"]
         B, T = ids.shape
+        self._check_length(T, "position_ids" in batch)
         padded = padded_length(T, self.size, self.layout)
         if padded != T and not self.pad:
             raise SequenceParallelError(
@@ -116,6 +120,19 @@ class SequenceParallel:
         return {"input_ids": take(ids, 0), "labels": take(labels_without_padding(batch), IGNORE),
                 "position_ids": take(positions, 0),
                 "meta": torch.stack((index[:, cols], take(segment, -1)), dim=-1)}
+
+    def _check_length(self, length: int, own_positions: bool) -> None:
+        """Refuse rows longer than the model's position table, on every rank alike (each
+        rank's shard is shorter: the model's own check cannot see it, and an index past the
+        table fails on some ranks only). Hugging Face models index their table by the
+        batch's own position ids when it has them: those rows are the user's to bound."""
+        if self.max_len is None:
+            return
+        limit, source, always = self.max_len
+        if length > limit and (always or not own_positions):
+            raise SequenceParallelError(
+                f"sequence length {length} exceeds the model's {limit} positions ({source}): "
+                "shorten the rows or build the model with more positions")
 
     def _default_positions(self, batch: dict[str, torch.Tensor], index: torch.Tensor
                            ) -> torch.Tensor:
@@ -255,6 +272,7 @@ def _apply_reference(model: nn.Module, sp: SequenceParallel) -> None:
     config = model.config
     if sp.mode == "ulysses":
         _check_ulysses_heads(config.n_heads, config.n_kv_heads, sp)
+    sp.max_len = (config.max_seq_len, "max_seq_len", True)  # as one device refuses them
     for block in model.blocks:
         block.attn.attention_fn = sp.attention
 
@@ -326,6 +344,7 @@ def _apply_hugging_face(model: nn.Module, sp: SequenceParallel) -> None:
             "positions itself, as BART-style decoders do): each sp rank would embed its "
             "tokens at positions 0.. of its own shard. Train this model with sp=1")
     sp.positions_from_mask = getattr(config, "model_type", None) in POSITIONS_FROM_MASK
+    sp.max_len = _learned_positions(model)
     AttentionInterface.register(HF_ATTENTION_NAME, hf_attention)
     tagged = 0
     for module in model.modules():
@@ -348,6 +367,19 @@ def _apply_hugging_face(model: nn.Module, sp: SequenceParallel) -> None:
             f"transformers' AttentionInterface (its attention implementation stays {used!r}), "
             "so sequence parallelism cannot route it: each rank would attend to its own "
             "tokens only. Train this model with sp=1")
+
+
+def _learned_positions(model: nn.Module) -> tuple[int, str, bool] | None:
+    """The rows of a learned absolute position table (GPT-2's ``wpe``, OPT's
+    ``embed_positions`` less its offset of 2) as ``SequenceParallel.max_len``, else None:
+    rotary positions have no table."""
+    for name, module in model.named_modules():
+        leaf = name.rsplit(".", 1)[-1]
+        if isinstance(module, nn.Embedding) and leaf in ("wpe", "embed_positions",
+                                                         "position_embeddings"):
+            return (module.num_embeddings - getattr(module, "offset", 0),
+                    f"position table {name}", False)
+    return None
 
 
 def _check_ulysses_heads(heads: int, kv_heads: int, sp: SequenceParallel) -> None:
