@@ -174,6 +174,8 @@ def _refusals(group):
         "shard_not_in_layout": lambda: _contiguous_shard_as_zigzag(group),
         "hf_sliding_window": lambda: _hf_sliding_window(group, 4),
         "hf_window_longer_than_sequence": lambda: _hf_sliding_window(group, 16),
+        # 15 real tokens, padded to 16 (zigzag over 4 ranks): a window of 15 covers them
+        "hf_window_covering_real_tokens": lambda: _hf_sliding_window(group, 15, length=15),
         **_too_long(group),
         **_silent_model_refusals(group),
     }
@@ -285,7 +287,7 @@ def _contiguous_shard_as_zigzag(group):
     ring.ring_attention(q, q, q, meta, group, causal=True, layout="zigzag")
 
 
-def _hf_sliding_window(group, window):
+def _hf_sliding_window(group, window, length=16):
     """A Hugging Face Mistral with a sliding window over 16 tokens: one shorter than the
     sequence changes attention, which the ring does not compute (refused at the first
     attention call); one as long changes nothing (runs)."""
@@ -297,7 +299,7 @@ def _hf_sliding_window(group, window):
     model = MistralForCausalLM(config)
     sp = SequenceParallel(group, "ring")
     apply_policy(model, sp)
-    ids = torch.randint(0, 64, (1, 17))
+    ids = torch.randint(0, 64, (1, length + 1))
     sp.forward_loss(model, {"input_ids": ids[:, :-1], "labels": ids[:, 1:]})
 
 
@@ -512,6 +514,7 @@ def test_bad_input_is_refused_with_the_rule(runs):
     assert "sliding attention window (sliding_window=4) over a sequence of 16" in \
         msgs["hf_sliding_window"]
     assert msgs["hf_window_longer_than_sequence"] is None
+    assert msgs["hf_window_covering_real_tokens"] is None  # was refused over 16 (padded)
     assert "sequence length 20 exceeds the model's 16 positions (max_seq_len)" in \
         msgs["too_long_reference"]
     assert "exceeds the model's 16 positions (position table transformer.wpe)" in \

@@ -84,6 +84,7 @@ class SequenceParallel:
         # The model's limit on tokens per row (set by the policies): (limit, what sets it,
         # whether it bounds rows with their own position ids too)
         self.max_len: tuple[int, str, bool] | None = None
+        self.row_length: int | None = None  # tokens per row of the last shard, before padding
 
     # ------------------------------------------------------------------------ data path
     def shard(self, batch: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
@@ -102,6 +103,7 @@ class SequenceParallel:
         ids = batch["input_ids"]
         B, T = ids.shape
         self._check_length(T, "position_ids" in batch)
+        self.row_length = T
         padded = padded_length(T, self.size, self.layout)
         if padded != T and not self.pad:
             raise SequenceParallelError(
@@ -293,7 +295,10 @@ def hf_attention(module: nn.Module, query: torch.Tensor, key: torch.Tensor,
     for name, size in getattr(module, "tessera_mask_only", {}).items():
         if kwargs.get(name) is None:  # applied through the mask only: named here
             kwargs = {**kwargs, name: size}
-    _refuse_attention_variants(module, kwargs, query.shape[2] * sp.size)
+    # A window covering the real tokens covers them all (padding attends to nothing). A
+    # pipeline stage's capture serves rows of any length up to its padded one: that one.
+    real = None if sp.exportable else sp.row_length
+    _refuse_attention_variants(module, kwargs, real or query.shape[2] * sp.size)
     if attention_mask is not None:
         raise SequenceParallelError(
             "sequence parallelism builds its own masks: pass document_ids / attention_mask "
