@@ -326,12 +326,35 @@ def test_script_differs_from_its_hf_original_in_two_lines():
 @pytest.mark.parametrize("kwargs, fragment", [
     (dict(report_to="wandb"), "other reporters"),
     (dict(per_device_train_batch_size=0), "must be >= 1"),
-    (dict(dataloader_num_workers=4), "Extra inputs are not permitted"),
+    (dict(dataloader_num_workers=4), "dataloader_num_workers: only 0 .what tessera does: "
+                                     "tessera's loader reads samples in the training process"),
+    (dict(optim="adafactor"), "optim: only 'adamw_torch' or 'adamw_torch_fused'"),
+    (dict(label_smoothing_factor=0.1), "plain cross-entropy"),
+    (dict(load_best_model_at_end=True), "load_best_model_at_end is a Hugging Face "
+                                        "TrainingArguments field that tessera does not take"),
+    (dict(no_such_argument=1), "Extra inputs are not permitted"),
+    (dict(save_steps=0), "a whole number of steps, or in .0, 1. a ratio"),
+    (dict(logging_steps=2.5), "a whole number of steps"),
     (dict(stage_memory_budget="lots"), "must be bytes"),
 ])
 def test_bad_arguments_are_refused(kwargs, fragment):
     with pytest.raises(ValueError, match=fragment):
         TrainingArguments(**kwargs)
+
+
+def test_hugging_face_defaults_that_describe_tessera_are_taken():
+    # A script's explicit Hugging Face defaults (and enum members) were refused as unknown.
+    from transformers.trainer_utils import IntervalStrategy
+
+    args = TrainingArguments(
+        optim="adamw_torch_fused", optim_args=None, lr_scheduler_kwargs={},
+        logging_strategy=IntervalStrategy.STEPS, logging_first_step=False,
+        remove_unused_columns=True, label_names=["labels"], label_smoothing_factor=0.0,
+        dataloader_num_workers=0, push_to_hub=False, overwrite_output_dir=True,
+        report_to=None, use_cpu=True)
+    assert args.report_to is None and args.use_cpu
+    # Intervals below 1 are ratios of the training steps, rounded up, as Hugging Face's
+    assert [TrainingArguments.steps_of(v, 25) for v in (0.1, 0.5, 3)] == [3, 13, 3]
 
 
 @pytest.mark.parametrize("kwargs, fragment", [

@@ -56,6 +56,28 @@ MOVED_ARGUMENTS = {
 }
 
 
+# Hugging Face arguments tessera takes at the value that describes what it does (each is
+# Hugging Face's default): any other value is refused, naming what tessera does instead.
+AT_TESSERA_VALUE = {
+    "optim": (("adamw_torch", "adamw_torch_fused"),
+              "tessera trains with torch.optim.AdamW, set by adam_beta1, adam_beta2, "
+              "adam_epsilon and weight_decay"),
+    "optim_args": ((None, ""), "tessera's AdamW takes adam_beta1, adam_beta2, adam_epsilon "
+                               "and weight_decay"),
+    "lr_scheduler_kwargs": ((None, {}), "tessera's schedules take no further arguments"),
+    "logging_strategy": (("steps",), "tessera logs every logging_steps steps"),
+    "logging_first_step": ((False,), "tessera logs every logging_steps steps"),
+    "remove_unused_columns": ((True,), "the model gets the columns its forward takes "
+                                       "(and the loss its labels and masks), nothing else"),
+    "label_names": ((None, ["labels"]), "the loss reads the labels column"),
+    "label_smoothing_factor": ((0.0,), "tessera's loss is plain cross-entropy"),
+    "dataloader_num_workers": ((0,), "tessera's loader reads samples in the training "
+                                     "process"),
+    "push_to_hub": ((False,), "save_model writes a folder from_pretrained reads; upload it "
+                              "yourself"),
+}
+
+
 class TrainingArguments(_Section):
     """Hugging Face ``TrainingArguments`` names, plus ``strategy``, ``stage_memory_budget``,
     ``pipeline_split_points`` and ``pipeline_leaf_modules``.
@@ -85,28 +107,33 @@ class TrainingArguments(_Section):
     lr_scheduler_type: Literal["linear", "cosine", "constant", "constant_with_warmup"] = "linear"
     warmup_steps: float = 0  # below 1: a ratio of the training steps (transformers 5)
     warmup_ratio: float = 0.0  # transformers 4's name for that ratio
-    logging_steps: int = 500
+    # Below 1: a ratio of the training steps, as Hugging Face reads them (steps_of)
+    logging_steps: float = 500
     eval_strategy: Literal["no", "steps", "epoch"] = "no"
-    eval_steps: int | None = None
+    eval_steps: float | None = None
     save_strategy: Literal["no", "steps", "epoch"] = "steps"
-    save_steps: int = 500
+    save_steps: float = 500
     save_total_limit: int | None = None
     seed: int = 42
     bf16: bool = False
     fp16: bool = False
-    report_to: str | list[str] = "none"
+    report_to: str | list[str] | None = "none"  # None: none (no reporter runs here)
     resume_from_checkpoint: str | None = None
     disable_tqdm: bool = False
+    use_cpu: bool = False  # train on the CPU even where CUDA is available
     # Flags Hugging Face's Trainer does not read either: scripts (run_clm.py) branch on them.
     do_train: bool = False
     do_eval: bool = False
     do_predict: bool = False
+    overwrite_output_dir: bool = False  # transformers 4 scripts' flag (its Trainer ignored it)
 
     @model_validator(mode="before")
     @classmethod
     def _renamed_or_elsewhere(cls, values: Any) -> Any:
         """Hugging Face arguments tessera takes under another name or in the strategy:
-        refused naming what to use (other unknown names get pydantic's message)."""
+        refused naming what to use; those it takes at one value (``AT_TESSERA_VALUE``):
+        dropped at it, else refused naming what tessera does; other Hugging Face fields:
+        refused by name (unknown names get pydantic's message)."""
         if isinstance(values, Mapping):
             values = dict(values)
             for name, hint in MOVED_ARGUMENTS.items():
@@ -115,6 +142,11 @@ class TrainingArguments(_Section):
                     del values[name]
                 elif name in values:
                     raise ValueError(f"{name} is not a tessera TrainingArguments field: {hint}")
+            for name, (accepted, what) in AT_TESSERA_VALUE.items():
+                if name in values and _plain(values.pop(name)) not in accepted:
+                    raise ValueError(f"{name}: only {_either(accepted)} (what tessera does: "
+                                     f"{what})")
+            _refuse_other_hf_fields(values, cls.model_fields)
         return values
 
     @field_validator("stage_memory_budget", mode="before")
@@ -124,19 +156,28 @@ class TrainingArguments(_Section):
 
     @field_validator("report_to")
     @classmethod
-    def _only_local_reports(cls, value: str | list[str]) -> str | list[str]:
-        names = [value] if isinstance(value, str) else value
+    def _only_local_reports(cls, value: str | list[str] | None) -> str | list[str] | None:
+        names = [value] if isinstance(value, str) else value or []
         if any(n not in ("none", "jsonl") for n in names):
             raise ValueError("tessera writes metrics.jsonl in output_dir; other reporters "
                              "(wandb, tensorboard, ...) are not supported: use 'none'")
         return value
 
     @field_validator("per_device_train_batch_size", "per_device_eval_batch_size",
-                     "gradient_accumulation_steps", "logging_steps")
+                     "gradient_accumulation_steps")
     @classmethod
     def _positive(cls, value: int) -> int:
         if value < 1:
             raise ValueError("must be >= 1")
+        return value
+
+    @field_validator("logging_steps", "eval_steps", "save_steps")
+    @classmethod
+    def _steps_or_ratio(cls, value: float | None) -> float | None:
+        if value is not None and (value <= 0 or (value > 1 and value != int(value))):
+            raise ValueError("must be a whole number of steps, or in (0, 1) a ratio of the "
+                             "training steps (save_strategy / eval_strategy 'no' turn saving "
+                             "and evaluation off)")
         return value
 
     @field_validator("num_train_epochs")
@@ -165,6 +206,12 @@ class TrainingArguments(_Section):
             raise ValueError("must be >= 0 (a step count, or below 1 a ratio of the steps)")
         return value
 
+    @staticmethod
+    def steps_of(value: float, max_steps: int) -> int:
+        """An interval as Hugging Face reads ``logging_steps``, ``eval_steps`` and
+        ``save_steps``: a step count, or below 1 a ratio of ``max_steps`` (rounded up)."""
+        return int(value) if value >= 1 else max(1, math.ceil(max_steps * value))
+
     def warmup_steps_of(self, max_steps: int) -> int:
         """Warm-up steps as transformers 5 reads ``warmup_steps`` (1 or more: a count, whole
         steps; below 1: a ratio of ``max_steps``), else ``warmup_ratio`` (transformers 4)."""
@@ -177,6 +224,33 @@ class TrainingArguments(_Section):
         if self.bf16 and self.fp16:
             raise StrategyError("bf16 and fp16 are both set: choose one")
         return "bf16" if self.bf16 else "fp16" if self.fp16 else "fp32"
+
+
+def _plain(value: Any) -> Any:
+    """An enum member's value (Hugging Face's OptimizerNames, IntervalStrategy), else as is."""
+    return getattr(value, "value", value)
+
+
+def _either(values: tuple) -> str:
+    return " or ".join(repr(v) for v in values)
+
+
+def _refuse_other_hf_fields(values: Mapping, ours: Mapping) -> None:
+    """Name a Hugging Face TrainingArguments field tessera does not take (pydantic would
+    only say "extra inputs are not permitted")."""
+    try:
+        import dataclasses
+
+        from transformers import TrainingArguments as HfArguments
+    except ImportError:  # without transformers, pydantic's message names the key
+        return
+    hf_fields = {f.name for f in dataclasses.fields(HfArguments)}
+    for name in values:
+        if name not in ours and name in hf_fields:
+            raise ValueError(
+                f"{name} is a Hugging Face TrainingArguments field that tessera does not "
+                "take (docs/training.md lists the ones it does, and why the others are "
+                "left out): remove it")
 
 
 def check_some_training(args: TrainingArguments) -> None:
@@ -428,10 +502,13 @@ class Trainer:
             adam_epsilon=a.adam_epsilon, max_grad_norm=a.max_grad_norm,
             average_tokens_across_devices=a.average_tokens_across_devices,
             warmup_from_zero=True,  # Hugging Face's schedules start the warm-up at lr 0
-            logging_steps=a.logging_steps,
-            eval_steps=(a.eval_steps or a.logging_steps) if eval_steps is None else eval_steps,
-            save_steps=a.save_steps if save_steps is None else save_steps, seed=a.seed,
+            logging_steps=a.steps_of(a.logging_steps, max_steps),
+            eval_steps=(a.steps_of(a.eval_steps or a.logging_steps, max_steps)
+                        if eval_steps is None else eval_steps),
+            save_steps=(a.steps_of(a.save_steps, max_steps) if save_steps is None
+                        else save_steps), seed=a.seed,
             progress="off" if a.disable_tqdm else "auto",
+            device="cpu" if a.use_cpu else "auto",
             stage_memory_budget=a.stage_memory_budget,
             pipeline_split_points=a.pipeline_split_points,
             pipeline_leaf_modules=a.pipeline_leaf_modules,
@@ -440,7 +517,7 @@ class Trainer:
                                    if "per_device_eval_batch_size" in a.model_fields_set else 0),
             save_total_limit=a.save_total_limit or 0, save_final=a.save_strategy != "no",
             write_metrics="jsonl" in ([a.report_to] if isinstance(a.report_to, str)
-                                      else a.report_to))
+                                      else a.report_to or []))
         return core, strategy
 
     def _saved(self, _path: Path) -> None:
