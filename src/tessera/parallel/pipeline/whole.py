@@ -56,12 +56,16 @@ def share_trained_weights(model: nn.Module, stages: nn.Module,
 
 def refuse_partial_model(model: nn.Module, why: str) -> None:
     """Make a call of ``model`` raise :class:`PartialModelError` naming ``why`` (the stages
-    never call the user's top-level module: they run captured graph pieces)."""
+    never call the user's top-level module: they run captured graph pieces). A capture is
+    let through: another Trainer built on the model partitions it again, its stages then
+    holding this rank's weights."""
     if getattr(model, "_tessera_partial", False):
         return
     model._tessera_partial = True
 
     def refuse(_module, _args, _kwargs):
+        if torch.compiler.is_exporting():
+            return
         raise PartialModelError(
             f"this model was trained in pipeline stages and {why}, so its other stages' "
             "weights are not the trained ones on this rank: write the whole model with "
