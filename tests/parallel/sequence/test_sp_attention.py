@@ -206,7 +206,15 @@ def _too_long(group):
     return {"too_long_reference": lambda: run(Transformer(preset("tiny", max_seq_len=16)), 20),
             "too_long_hf": lambda: run(gpt2(), 20),
             # positions of its own, all within the table: as on one device, it runs
-            "long_hf_own_positions": lambda: run(gpt2(), 20, position_ids=restart)}
+            "long_hf_own_positions": lambda: run(gpt2(), 20, position_ids=restart),
+            # its own ids past the table: the lookup would fail on some ranks only
+            "hf_own_positions_too_far": lambda: run(gpt2(), 12,
+                                                    position_ids=torch.arange(8, 20)[None]),
+            # RoBERTa counts positions from its padding index: refused, not misnumbered
+            "hf_positions_from_padding_idx": lambda: run(T.RobertaForCausalLM(T.RobertaConfig(
+                vocab_size=64, hidden_size=32, num_hidden_layers=1, num_attention_heads=4,
+                intermediate_size=64, is_decoder=True, hidden_dropout_prob=0.0,
+                attention_probs_dropout_prob=0.0)), 8)}
 
 
 def _silent_model_refusals(group):
@@ -520,6 +528,10 @@ def test_bad_input_is_refused_with_the_rule(runs):
     assert "exceeds the model's 16 positions (position table transformer.wpe)" in \
         msgs["too_long_hf"]
     assert msgs["long_hf_own_positions"] is None
+    assert "sequence length 20 exceeds the model's 16 positions" in \
+        msgs["hf_own_positions_too_far"]
+    assert "numbers positions from its input ids, after padding_idx=1" in \
+        msgs["hf_positions_from_padding_idx"]
     assert "not through transformers' AttentionInterface" in msgs["hf_no_interface"]
     assert "mixes tokens outside attention (layer types ['conv'])" in msgs["hf_other_mixer"]
     assert "sliding attention window (sliding_window=2) over a sequence of 16" in \

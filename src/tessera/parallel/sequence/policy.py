@@ -39,7 +39,8 @@ HF_ATTENTION_NAME = "tessera_sequence_parallel"
 IGNORE = -100
 # Hugging Face models whose decoder numbers positions from the attention mask when given no
 # position_ids (OPT's learned positions: cumsum(mask) * mask - 1, so left padding shifts
-# them); the others number them 0..T-1, as shard() does.
+# them); the others number them 0..T-1, as shard() does (RoBERTa-style tables, counted
+# from their padding index, are refused: _learned_positions).
 POSITIONS_FROM_MASK = frozenset({"opt"})
 
 
@@ -102,7 +103,7 @@ class SequenceParallel:
         """
         ids = batch["input_ids"]
         B, T = ids.shape
-        self._check_length(T, "position_ids" in batch)
+        self._check_length(T, batch.get("position_ids"))
         self.row_length = T
         padded = padded_length(T, self.size, self.layout)
         if padded != T and not self.pad:
@@ -123,18 +124,22 @@ class SequenceParallel:
                 "position_ids": take(positions, 0),
                 "meta": torch.stack((index[:, cols], take(segment, -1)), dim=-1)}
 
-    def _check_length(self, length: int, own_positions: bool) -> None:
+    def _check_length(self, length: int, own_positions: torch.Tensor | None) -> None:
         """Refuse rows longer than the model's position table, on every rank alike (each
         rank's shard is shorter: the model's own check cannot see it, and an index past the
         table fails on some ranks only). Hugging Face models index their table by the
-        batch's own position ids when it has them: those rows are the user's to bound."""
+        batch's own position ids when it has them: then the largest id is checked (every
+        rank holds the whole batch, so every rank decides alike)."""
         if self.max_len is None:
             return
         limit, source, always = self.max_len
-        if length > limit and (always or not own_positions):
+        if own_positions is not None and not always:  # the table is indexed by these ids
+            length = int(own_positions.max()) + 1 if own_positions.numel() else 0
+        if length > limit:
             raise SequenceParallelError(
                 f"sequence length {length} exceeds the model's {limit} positions ({source}): "
-                "shorten the rows or build the model with more positions")
+                "shorten the rows (or their position_ids) or build the model with more "
+                "positions")
 
     def _default_positions(self, batch: dict[str, torch.Tensor], index: torch.Tensor
                            ) -> torch.Tensor:
@@ -382,6 +387,13 @@ def _learned_positions(model: nn.Module) -> tuple[int, str, bool] | None:
         leaf = name.rsplit(".", 1)[-1]
         if isinstance(module, nn.Embedding) and leaf in ("wpe", "embed_positions",
                                                          "position_embeddings"):
+            if module.padding_idx is not None:  # RoBERTa-style: counted from padding_idx + 1
+                raise SequenceParallelError(
+                    f"{type(model).__name__} numbers positions from its input ids, after "
+                    f"padding_idx={module.padding_idx} of {name}, in its own forward: "
+                    "sequence parallelism passes each rank's positions counted from 0, "
+                    "which this model would embed as other positions. Train this model "
+                    "with sp=1")
             return (module.num_embeddings - getattr(module, "offset", 0),
                     f"position table {name}", False)
     return None
