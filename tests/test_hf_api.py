@@ -333,7 +333,8 @@ def test_script_differs_from_its_hf_original_in_two_lines():
     (dict(load_best_model_at_end=True), "load_best_model_at_end is a Hugging Face "
                                         "TrainingArguments field that tessera does not take"),
     (dict(no_such_argument=1), "Extra inputs are not permitted"),
-    (dict(save_steps=0), "a whole number of steps, or in .0, 1. a ratio"),
+    (dict(save_steps=0), "save_steps=0 with save_strategy='steps'"),
+    (dict(logging_steps=0), "logging_steps=0: must be a whole number"),
     (dict(logging_steps=2.5), "a whole number of steps"),
     (dict(stage_memory_budget="lots"), "must be bytes"),
 ])
@@ -353,6 +354,15 @@ def test_hugging_face_defaults_that_describe_tessera_are_taken():
         dataloader_num_workers=0, push_to_hub=False, overwrite_output_dir=True,
         report_to=None, use_cpu=True)
     assert args.report_to is None and args.use_cpu
+    # Readable as in Hugging Face (run_clm.py ends with `if training_args.push_to_hub:`)
+    assert (args.push_to_hub, args.optim, args.label_names) == (False, "adamw_torch_fused",
+                                                                ["labels"])
+    assert args.logging_strategy == "steps"  # the enum member's text
+    # Counts stay ints; eval_steps=0 falls back to logging_steps as in Hugging Face, and
+    # save_steps=0 is not read under save_strategy="no"
+    counted = TrainingArguments(logging_steps=10, eval_steps=0, save_steps=0,
+                                save_strategy="no")
+    assert type(counted.logging_steps) is int and counted.logging_steps == 10
     # Intervals below 1 are ratios of the training steps, rounded up, as Hugging Face's
     assert [TrainingArguments.steps_of(v, 25) for v in (0.1, 0.5, 3)] == [3, 13, 3]
 

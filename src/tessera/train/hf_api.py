@@ -57,7 +57,8 @@ MOVED_ARGUMENTS = {
 
 
 # Hugging Face arguments tessera takes at the value that describes what it does (each is
-# Hugging Face's default): any other value is refused, naming what tessera does instead.
+# Hugging Face's default, kept as a field scripts and callbacks can read): any other value
+# is refused, naming what tessera does instead.
 AT_TESSERA_VALUE = {
     "optim": (("adamw_torch", "adamw_torch_fused"),
               "tessera trains with torch.optim.AdamW, set by adam_beta1, adam_beta2, "
@@ -126,6 +127,17 @@ class TrainingArguments(_Section):
     do_eval: bool = False
     do_predict: bool = False
     overwrite_output_dir: bool = False  # transformers 4 scripts' flag (its Trainer ignored it)
+    # Taken at the values AT_TESSERA_VALUE names (checked there), readable as in Hugging Face
+    optim: str = "adamw_torch_fused"
+    optim_args: str | None = None
+    lr_scheduler_kwargs: dict | None = None
+    logging_strategy: str = "steps"
+    logging_first_step: bool = False
+    remove_unused_columns: bool = True
+    label_names: list[str] | None = None
+    label_smoothing_factor: float = 0.0
+    dataloader_num_workers: int = 0
+    push_to_hub: bool = False
 
     @model_validator(mode="before")
     @classmethod
@@ -143,7 +155,10 @@ class TrainingArguments(_Section):
                 elif name in values:
                     raise ValueError(f"{name} is not a tessera TrainingArguments field: {hint}")
             for name, (accepted, what) in AT_TESSERA_VALUE.items():
-                if name in values and _plain(values.pop(name)) not in accepted:
+                if name not in values:
+                    continue
+                values[name] = _plain(values[name])  # an enum member: its text
+                if values[name] not in accepted:
                     raise ValueError(f"{name}: only {_either(accepted)} (what tessera does: "
                                      f"{what})")
             _refuse_other_hf_fields(values, cls.model_fields)
@@ -173,12 +188,14 @@ class TrainingArguments(_Section):
 
     @field_validator("logging_steps", "eval_steps", "save_steps")
     @classmethod
-    def _steps_or_ratio(cls, value: float | None) -> float | None:
-        if value is not None and (value <= 0 or (value > 1 and value != int(value))):
+    def _steps_or_ratio(cls, value: float | None) -> float | int | None:
+        """A step count (an int, as Hugging Face makes it) or below 1 a ratio; 0 is
+        checked against its strategy (``_intervals``)."""
+        if value is not None and (value < 0 or (value > 1 and value != int(value))):
             raise ValueError("must be a whole number of steps, or in (0, 1) a ratio of the "
                              "training steps (save_strategy / eval_strategy 'no' turn saving "
                              "and evaluation off)")
-        return value
+        return int(value) if value is not None and (value >= 1 or value == 0) else value
 
     @field_validator("num_train_epochs")
     @classmethod
@@ -191,6 +208,18 @@ class TrainingArguments(_Section):
         # At construction only (assignments may set max_steps after num_train_epochs=0,
         # as Hugging Face allows); the Trainer checks again.
         check_some_training(self)
+        self._intervals()
+
+    def _intervals(self) -> None:
+        """0 as Hugging Face reads it: ``eval_steps`` 0 (like None) falls back to
+        ``logging_steps``; ``logging_steps`` 0 and ``save_steps`` 0 under
+        ``save_strategy="steps"`` name no interval and are refused."""
+        if self.logging_steps == 0:
+            raise ValueError("logging_steps=0: must be a whole number of steps, or in (0, 1) "
+                             "a ratio of the training steps")
+        if self.save_steps == 0 and self.save_strategy == "steps":
+            raise ValueError("save_steps=0 with save_strategy='steps': give a number of steps "
+                             "(or a ratio below 1), or save_strategy='no'")
 
     @field_validator("warmup_ratio")
     @classmethod
