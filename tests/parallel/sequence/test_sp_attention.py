@@ -327,17 +327,19 @@ def _model_case(group, mode, name, real):
     mask[:, :real] = 1
     labels[mask == 0] = -100
     ref = lm_loss(ref_model(inputs), labels)
+    return _sp_errors(group, mode, model, ref, ref_model,
+                      {"input_ids": inputs, "labels": labels, "attention_mask": mask})
+
+
+def _sp_errors(group, mode, model, ref, ref_model, batch):
+    """Backward of ``ref`` (the one-device loss of ``ref_model``), then ``model`` under
+    sequence parallelism on ``batch``: (|mean of the ranks' losses - ref|, max |mean
+    gradient - ref gradient|, any NaN)."""
     ref.backward()
     sp = SequenceParallel(group, mode)
     apply_policy(model, sp)
-    loss = sp.forward_loss(model, {"input_ids": inputs, "labels": labels,
-                                   "attention_mask": mask})
+    loss = sp.forward_loss(model, batch)
     loss.backward()
-    return _errors_over_ranks(group, loss, model, ref, ref_model)
-
-
-def _errors_over_ranks(group, loss, model, ref, ref_model):
-    """(|mean of the ranks' losses - ref|, max |mean gradient - ref gradient|, any NaN)."""
     size = dist.get_world_size(group)
     total = loss.detach().clone()
     dist.all_reduce(total, group=group)
@@ -368,13 +370,8 @@ def _hf_left_padding(group, mode, kind, _real=None):
     mask[1, :4] = 0  # (2, 13): row 1 starts with 4 padding tokens
     labels[mask == 0] = -100
     ref = lm_loss(ref_model(inputs, attention_mask=mask).logits, labels)
-    ref.backward()
-    sp = SequenceParallel(group, mode)
-    apply_policy(model, sp)
-    loss = sp.forward_loss(model, {"input_ids": inputs, "labels": labels,
-                                   "attention_mask": mask})
-    loss.backward()
-    return _errors_over_ranks(group, loss, model, ref, ref_model)
+    return _sp_errors(group, mode, model, ref, ref_model,
+                      {"input_ids": inputs, "labels": labels, "attention_mask": mask})
 
 
 # The custom ops of pipeline stages (sequence/staged.py), on the harder inputs.
