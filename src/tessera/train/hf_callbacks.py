@@ -8,7 +8,7 @@ from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
     from tessera.config import TrainingArguments as CoreArguments
-    from tessera.train.hf_api import TrainingArguments
+    from tessera.train.hf_arguments import TrainingArguments
 
 
 # The Hugging Face callback events this Trainer fires (all with args, state, control).
