@@ -247,3 +247,24 @@ def test_an_eval_batch_pipeline_stages_cannot_run_is_refused_by_its_own_name(mon
     with pytest.raises(StrategyError, match="per_device_eval_batch_size=4 differs from mbs=2.*"
                                             "leave it unset"):
         Trainer(model=torch.nn.Linear(2, 2), args=args, train_dataset=[0, 1])
+
+
+def test_use_cpu_plans_auto_for_the_host_not_its_gpu(monkeypatch):
+    # A GPU without a planner preset: "auto" is refused for it, but use_cpu=True trains on
+    # the host, so the planner is asked about the host.
+    import tessera.train.auto as auto
+    from tessera.models import Transformer, preset
+
+    monkeypatch.setattr(auto.torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(auto.torch.cuda, "get_device_name", lambda index=0: "Tesla T4")
+    data = TokenDataset(np.arange(200) % 50, seq_len=16)
+    for use_cpu in (False, True):
+        args = TrainingArguments(strategy="auto", use_cpu=use_cpu, max_steps=1,
+                                 per_device_train_batch_size=2)
+        if not use_cpu:
+            with pytest.raises(StrategyError, match="no planner preset for GPU 'Tesla T4'"):
+                Trainer(model=Transformer(preset("tiny")), args=args, train_dataset=data)
+        else:
+            trainer = Trainer(model=Transformer(preset("tiny")), args=args, train_dataset=data)
+            assert trainer._core.strategy.world_size == 1
+            assert trainer._core.ctx.device.type == "cpu"

@@ -328,7 +328,8 @@ def _plan(raw: dict[str, Any], text: str, world_size: int | None) -> str:
                               "give strategy text with pp > 1, not auto")
     probe = config_from_dict({**raw, "strategy": "dp=1,mbs=1,gbs=1"})  # validates the rest
     try:
-        return resolve_auto_text(text, probe.model.build_config(), world_size).to_text()
+        return resolve_auto_text(text, probe.model.build_config(), world_size,
+                                 probe.train.device).to_text()
     except StrategyError as err:
         raise ConfigError(f"strategy: {err}") from None
 

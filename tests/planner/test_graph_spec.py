@@ -211,7 +211,7 @@ def test_auto_holds_tensor_and_sequence_parallelism_off_without_a_policy(monkeyp
     # On 8 A100s (not this machine's CPU workers, so the pick does not depend on the host) the
     # planner, free to choose, would split this 1.2B model with tensor parallelism, which the
     # runtime cannot apply to GPT-NeoX (no policy); held to tp=1 it picks another layout.
-    monkeypatch.setattr(auto, "local_cluster", lambda n: f"a100-40gb:{n}x1")
+    monkeypatch.setattr(auto, "local_cluster", lambda n, device="auto": f"a100-40gb:{n}x1")
     config = describe_model(neox, seq_len=2048)
     assert auto.best_runnable(config, 8, 16, "bf16").tp > 1
     held = auto.plan_strategy(neox, 8, 16, "bf16", seq_len=2048)
@@ -235,6 +235,29 @@ def test_reading_leaves_the_models_modes_and_handles_ffn_equal_to_hidden():
     described = describe_module(model, seq_len=64).config
     assert described.d_ff == 64 and described.activation == "gelu"
     assert model.training and not model.gpt_neox.layers[0].training
+
+
+def test_auto_plans_for_the_host_when_training_is_told_to_run_there(monkeypatch):
+    import tessera.train.auto as auto
+    from tessera.config import load_config
+    from tessera.strategy import StrategyError
+    from tessera.train.hf_api import resolve_strategy
+
+    # A GPU host: auto plans for its card, unless the job is to run on the CPU (use_cpu,
+    # train.device=cpu), when planning for the card would pick a layout sized for it.
+    monkeypatch.setattr(auto.torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(auto.torch.cuda, "get_device_name", lambda index=0: "NVIDIA H100 80GB")
+    assert auto.local_cluster(4) == "h100-80gb:4x1"
+    assert auto.local_cluster(4, "cpu") == "cpu:4x1"
+    # A card without a preset is refused for "auto" but never consulted for the CPU.
+    monkeypatch.setattr(auto.torch.cuda, "get_device_name", lambda index=0: "Tesla T4")
+    with pytest.raises(StrategyError, match="no planner preset for GPU 'Tesla T4'"):
+        resolve_strategy("auto", Transformer(preset("tiny")), 2, 4, 2, "fp32")
+    planned = resolve_strategy("auto", Transformer(preset("tiny")), 2, 4, 2, "fp32",
+                               device="cpu")
+    assert planned.world_size == 2 and planned.global_batch_size == 16
+    base = ["model.preset=tiny", "train.device=cpu"]
+    assert load_config(None, [*base, "strategy=auto,gbs=16"], world_size=2).strategy
 
 
 @pytest.mark.parametrize("sample, length", [

@@ -12,9 +12,11 @@ _GPU_PRESETS = (("H200", "h200"), ("H100", "h100-80gb"), ("A100-SXM4-80GB", "a10
                 ("A100 80GB", "a100-80gb"), ("A100", "a100-40gb"), ("V100", "v100-32gb"))
 
 
-def local_cluster(world_size: int) -> str:
-    """Planner shorthand for the devices this job runs on (one node)."""
-    if torch.cuda.is_available():
+def local_cluster(world_size: int, device: str = "auto") -> str:
+    """Planner shorthand for the devices this job runs on (one node): ``device`` as the
+    training settings give it ("auto" plans for the GPU when CUDA is available, "cpu" for the
+    host even then, as the job will run there)."""
+    if device != "cpu" and torch.cuda.is_available():
         name = torch.cuda.get_device_name(0)
         for fragment, preset in _GPU_PRESETS:
             if fragment in name:
@@ -25,12 +27,13 @@ def local_cluster(world_size: int) -> str:
 
 
 def plan_strategy(model: nn.Module, world_size: int, global_batch_size: int,
-                  precision: str, seq_len: int | None = None) -> Strategy:
+                  precision: str, seq_len: int | None = None, device: str = "auto"
+                  ) -> Strategy:
     """The planner's top strategy among those the runtime supports (AVAILABLE).
 
     The model is described by its config when the planner reads it (reference, GPT-2,
     Llama, Mistral), else by its captured graph, at ``seq_len`` tokens (default: the
-    config's position count).
+    config's position count), for the devices ``device`` names (see ``local_cluster``).
 
     Raises:
         StrategyError: when the model cannot be described or nothing fits, saying why.
@@ -43,7 +46,7 @@ def plan_strategy(model: nn.Module, world_size: int, global_batch_size: int,
         raise StrategyError(f"strategy=auto cannot describe the model to the planner: {err}; "
                             "give a Strategy explicitly") from None
     return best_runnable(config, world_size, global_batch_size, precision,
-                         layout_limits(model))
+                         layout_limits(model), device)
 
 
 def layout_limits(model: nn.Module) -> dict[str, int]:
@@ -65,7 +68,7 @@ def layout_limits(model: nn.Module) -> dict[str, int]:
 
 
 def best_runnable(model_config, world_size: int, global_batch_size: int, precision: str,
-                  fixed: dict | None = None) -> Strategy:
+                  fixed: dict | None = None, device: str = "auto") -> Strategy:
     """The fastest strategy that fits and that this build's runtime runs.
 
     Raises:
@@ -73,7 +76,7 @@ def best_runnable(model_config, world_size: int, global_batch_size: int, precisi
     """
     from tessera.planner import search
 
-    result = search(model_config, local_cluster(world_size), global_batch_size,
+    result = search(model_config, local_cluster(world_size, device), global_batch_size,
                     devices=world_size, available_only=True, precision=precision,
                     fixed=fixed or None, top_k=1)
     if not result.results:
@@ -82,7 +85,8 @@ def best_runnable(model_config, world_size: int, global_batch_size: int, precisi
     return result.best.strategy
 
 
-def resolve_auto_text(text: str, model_config, world_size: int) -> Strategy:
+def resolve_auto_text(text: str, model_config, world_size: int, device: str = "auto"
+                      ) -> Strategy:
     """Resolve ``auto[,field=value...]`` (e.g. ``auto,gbs=64,precision=bf16``) for a job.
 
     The fields after ``auto`` are held fixed; ``gbs`` is required, since the batch size is a
@@ -103,4 +107,4 @@ def resolve_auto_text(text: str, model_config, world_size: int) -> Strategy:
     precision = str(fixed.pop("precision", "fp32"))
     parsed = Strategy.from_mapping({**fixed, "global_batch_size": gbs}) if fixed else None
     fixed_values = {k: getattr(parsed, k) for k in fixed} if parsed else {}
-    return best_runnable(model_config, world_size, gbs, precision, fixed_values)
+    return best_runnable(model_config, world_size, gbs, precision, fixed_values, device)

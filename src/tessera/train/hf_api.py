@@ -251,7 +251,8 @@ class Trainer:
         planned = a.strategy is not None and a.strategy.strip() == "auto"
         strategy = resolve_strategy(a.strategy, model, world, a.per_device_train_batch_size,
                                     a.gradient_accumulation_steps, a.precision,
-                                    seq_len=_sample_length(shaping) if planned else None)
+                                    seq_len=_sample_length(shaping) if planned else None,
+                                    device="cpu" if a.use_cpu else "auto")
         check_batch_arguments(a, strategy)
         if "per_device_eval_batch_size" in a.model_fields_set:
             check_eval_micro_batch(a.per_device_eval_batch_size, strategy,
@@ -400,10 +401,11 @@ def check_batch_arguments(args: TrainingArguments, strategy: Strategy) -> None:
 
 
 def resolve_strategy(text: str | None, model: nn.Module, world: int, per_device: int,
-                     accumulation: int, precision: str, seq_len: int | None = None
-                     ) -> Strategy:
+                     accumulation: int, precision: str, seq_len: int | None = None,
+                     device: str = "auto") -> Strategy:
     """The Strategy for a run: given text, "auto" (planned at ``seq_len`` tokens, default
-    the model's position count), or data parallel over ``world``."""
+    the model's position count, for ``device`` as ``local_cluster`` reads it), or data
+    parallel over ``world``."""
     gbs = per_device * accumulation * world
     if text is None:
         strategy = Strategy(dp=world, micro_batch_size=per_device, global_batch_size=gbs,
@@ -411,7 +413,7 @@ def resolve_strategy(text: str | None, model: nn.Module, world: int, per_device:
     elif text.strip() == "auto":
         from tessera.train.auto import plan_strategy
 
-        strategy = plan_strategy(model, world, gbs, precision, seq_len)
+        strategy = plan_strategy(model, world, gbs, precision, seq_len, device)
     else:
         strategy = Strategy.parse(text)
         if precision != "fp32" and strategy.precision != precision:
