@@ -91,21 +91,15 @@ def describe_module(model: nn.Module, seq_len: int, capture_len: int = 16
         ModelSpecError: when the graph is not a stack of identical transformer blocks, naming
             what differs, or torch.export's failure to capture it (the operation it failed on).
     """
-    cfg = getattr(model, "config", None)
-    use_cache = getattr(cfg, "use_cache", None)
     modes = [(module, module.training) for module in model.modules()]
     model.eval()  # dropout off: the graph holds no random ops
     try:
-        if use_cache:  # torch.export captures Hugging Face models without the k/v cache
-            cfg.use_cache = False
-        graph = capture(model, 1, capture_len)
+        graph = capture(model, 1, capture_len)  # use_cache off inside
     except CaptureError as err:
         raise ModelSpecError(str(err)) from err
     finally:
         for module, training in modes:  # each as it was (a user may freeze some in eval)
             module.training = training
-        if use_cache:
-            cfg.use_cache = use_cache
     described = describe_graph(graph, seq_len)
     dropout = module_dropout(model)
     if dropout > 0:  # the graph, captured in eval, holds none: the modules say

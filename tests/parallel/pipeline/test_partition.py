@@ -419,6 +419,19 @@ def test_a_model_rejecting_the_traced_shape_is_not_called_data_dependent():
     assert "Data-dependent" not in message and "pp=1" in message
 
 
+def test_a_hugging_face_model_at_its_default_use_cache_is_captured_and_keeps_it():
+    # Every transformers config defaults to use_cache=True, whose DynamicCache torch.export
+    # cannot capture: the capture switches it off and back, as the user left it.
+    from transformers import GPT2Config, GPT2LMHeadModel
+
+    with torch.device("meta"):
+        model = GPT2LMHeadModel(GPT2Config(vocab_size=64, n_positions=32, n_embd=16,
+                                           n_layer=2, n_head=2))
+    assert model.config.use_cache
+    graph = capture(model, 1, 16)
+    assert len(graph.compute) > 0 and model.config.use_cache is True
+
+
 class _LongSkip(nn.Module):
     """The embedding is added back after three layers: a skip over the middle stage."""
 

@@ -352,8 +352,8 @@ def _ownership(model: nn.Module, by_name: dict[str, set[int]], graph: ProxyGraph
     by_id = {id(p): p for p in model.parameters()}
     holders = {pid: by_name[names[pid][0]] for pid in by_id}
     mine = [by_id[pid] for pid in by_id if pp_rank in holders[pid]]
-    params = {name: by_id[pid] for pid in by_id if pp_rank in holders[pid]
-              for name in names[pid]}
+    params = {name: param for name, param in model.named_parameters(remove_duplicate=False)
+              if pp_rank in holders[id(param)]}
     buffers = _owned_buffers(model, graph, part, stage_rank, pp_rank)
     tied = [(names[pid][0], tuple(local_shard(by_id[pid]).shape)) for pid in by_id
             if len(holders[pid]) > 1]

@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import re
 import traceback
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -100,8 +101,9 @@ def capture(model: nn.Module, batch_size: int, seq_len: int, extra_inputs=None,
     batch inputs of the graph (sequence parallelism's position ids and token metadata).
     ``head_slices`` > 1 rewrites the LM head into that many vocabulary slices (head.py).
 
-    Works for models on the meta device. Hugging Face models must be built with
-    ``use_cache=False`` (transformers 5 dropped fx tracing; torch.export is the way in).
+    Works for models on the meta device. A Hugging Face model's ``use_cache`` is off during
+    the capture and restored after it (torch.export captures them without the k/v cache;
+    transformers 5 dropped fx tracing).
 
     Raises:
         CaptureError: naming the operation torch.export failed on and the way out.
@@ -110,7 +112,7 @@ def capture(model: nn.Module, batch_size: int, seq_len: int, extra_inputs=None,
     ids = torch.zeros(batch_size, seq_len, dtype=torch.long, device=device)
     try:
         kwargs = extra_inputs(ids) if extra_inputs is not None else {}
-        with opaque_leaves(model):  # modules marked as leaves trace as one node each
+        with opaque_leaves(model), cache_off(model):  # leaves trace as one node each
             program = torch.export.export(model, (ids,), kwargs, strict=False)
     except Exception as err:  # export raises many types; all mean "not capturable"
         raise CaptureError(_capture_message(model, err, (batch_size, seq_len))) from err
@@ -128,6 +130,21 @@ def capture(model: nn.Module, batch_size: int, seq_len: int, extra_inputs=None,
 
         return slice_head(graph, head_slices)
     return graph
+
+
+@contextmanager
+def cache_off(model: nn.Module):
+    """A Hugging Face model's ``config.use_cache`` (every config's default is True) off
+    inside, as it was after: the cache is inference state, and its objects do not export."""
+    config = getattr(model, "config", None)
+    use_cache = getattr(config, "use_cache", None)
+    if use_cache:
+        config.use_cache = False
+    try:
+        yield
+    finally:
+        if use_cache:
+            config.use_cache = use_cache
 
 
 def build_proxy(program: ExportedProgram, more_inputs: tuple[str, ...] = (),
@@ -333,11 +350,10 @@ def _capture_message(model: nn.Module, err: Exception, shape: tuple[int, int]) -
                    "traceable, or train this model with pp=1.")
     if _data_dependent(err):
         return (head + "Data-dependent control flow (a Python `if` on a tensor value) cannot "
-                "be traced: rewrite it with torch.cond, or take the way out below (Hugging "
-                "Face models also need use_cache=False). " + way_out)
+                "be traced: rewrite it with torch.cond, or take the way out below. " + way_out)
     return (head + f"It was traced with input_ids of shape {shape}: if the model rejects "
-            "that input (a sequence longer than it accepts), run with a shape it takes; "
-            "Hugging Face models need use_cache=False. " + way_out)
+            "that input (a sequence longer than it accepts), run with a shape it takes. "
+            + way_out)
 
 
 def _data_dependent(err: BaseException | None) -> bool:

@@ -39,7 +39,8 @@ class StageModule(nn.Module):
     """A module tree holding ``params`` (name -> tensor) at their dotted names.
 
     Args:
-        params: original name -> parameter, every alias of a tied weight included.
+        params: original name -> parameter, every alias of a tied weight included, in the
+            model's ``named_parameters(remove_duplicate=False)`` order.
         buffers: original name -> persistent buffer this rank reads.
     """
 
@@ -50,7 +51,11 @@ class StageModule(nn.Module):
     def __init__(self, params: dict[str, nn.Parameter],
                  buffers: dict[str, torch.Tensor]) -> None:
         super().__init__()
-        for name, param in sorted(params.items()):
+        # In the model's order, so a tied weight's first name here (the one state dicts and
+        # the flat optimizer state key it by) is the model's own: sorted, GPT-2's
+        # "lm_head.weight" came before "transformer.wte.weight" and a pp checkpoint's
+        # optimizer state missed that key at pp=1.
+        for name, param in params.items():
             owner, leaf = self._owner(name)
             owner.register_parameter(leaf, param)
         for name, buf in sorted(buffers.items()):
