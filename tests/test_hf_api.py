@@ -86,13 +86,15 @@ class Recorder(TrainerCallback):
         self.events = []
 
     def on_log(self, args, state, control, logs=None, **kwargs):
-        self.events.append(("log", dict(logs)))
+        # What Hugging Face's CallbackHandler passes with every event besides the logs.
+        passed = {k: type(v).__name__ for k, v in kwargs.items()}
+        self.events.append(("log", dict(logs), passed))
 
     def on_evaluate(self, args, state, control, metrics=None, **kwargs):
         self.events.append(("evaluate", dict(metrics)))
 
     def on_save(self, args, state, control, **kwargs):
-        self.events.append(("save", state.global_step))
+        self.events.append(("save", state.global_step, state.epoch))
 
 
 class Processor:
@@ -209,8 +211,14 @@ def _whole_after_pp2(root, data) -> dict:
 
 @pytest.mark.slow
 def test_hf_script_runs_on_two_workers(tmp_path):
-    out = run_distributed(_script_and_callbacks, world_size=2, args=(str(tmp_path),),
-                          timeout=300)[0]
+    outs = run_distributed(_script_and_callbacks, world_size=2, args=(str(tmp_path),),
+                           timeout=300)
+    out = outs[0]
+    # Every event on every rank, with the same losses, as Hugging Face fires them (rank 1
+    # once saw no on_log, on_evaluate or on_save, and an empty log_history).
+    assert _logged(outs[1]["events"]) == _logged(out["events"])
+    assert [e for e in outs[1]["events"] if e[0] == "save"] == \
+        [e for e in out["events"] if e[0] == "save"]
     assert out["metrics"]["eval_loss"] < 5.0  # trained from ~5.5 (uniform over 256 bytes)
     # Two epochs of n samples at 4 per worker x 2 workers.
     assert out["epoch_steps"] == 2 * (out["n"] // 8)
@@ -234,6 +242,11 @@ def test_hf_script_runs_on_two_workers(tmp_path):
     assert out["whole_compared"] > 10 and out["whole_unchanged"] == 0
     assert out["whole_off"] == 0.0
     _check_argument_mapping(out)
+
+
+def _logged(events):
+    return [(e[1].get("step"), e[1].get("loss"), e[1].get("eval_loss")) for e in events
+            if e[0] == "log"]
 
 
 def _check_script_reports(folder, eval_metrics):
@@ -274,6 +287,16 @@ def _check_argument_mapping(out):
     assert out["tokens_across"] == [True, False]  # Hugging Face's default, and passed on
     saves = [e[1] for e in out["events"] if e[0] == "save"]
     assert saves == [1, 2, 3, 4]
+    # The epoch at each save, not the last logging step's (a save need not fall on one).
+    per_epoch = out["n"] // 8
+    assert [e[2] for e in out["events"] if e[0] == "save"] == \
+        pytest.approx([step / per_epoch for step in saves], abs=1e-4)
+    passed = [e[2] for e in out["events"] if e[0] == "log"]
+    assert all(p == {"model": "GPT2LMHeadModel", "processing_class": "NoneType",
+                     "optimizer": p["optimizer"], "lr_scheduler": p["lr_scheduler"],
+                     "train_dataloader": "NoneType", "eval_dataloader": "NoneType"}
+               and p["optimizer"] != "NoneType" and p["lr_scheduler"] != "NoneType"
+               for p in passed), passed[0]
     logs = [e[1] for e in out["events"] if e[0] == "log"]
     assert all("learning_rate" in r and "lr" not in r for r in logs if "loss" in r)
     # The rate each step trained at (linear decay over 4 steps, no warm-up), as Hugging Face

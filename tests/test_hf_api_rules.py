@@ -18,6 +18,18 @@ from tessera.train.hf_callbacks import TrainerControl, check_callback_events
 from tessera.train.hf_data import hf_collator, labels_shifted, model_columns, shift_for_next_token
 
 
+@pytest.fixture
+def own_process_group(monkeypatch):
+    """A Trainer built here starts a one-rank process group: released after the test, so
+    later tests do not read its world size (and its port, set here, is dropped too)."""
+    from tessera.testing import free_port
+
+    monkeypatch.setenv("MASTER_PORT", str(free_port()))
+    yield
+    if torch.distributed.is_initialized():
+        torch.distributed.destroy_process_group()
+
+
 class OnStepEnd(TrainerCallback):
     def on_step_end(self, args, state, control, **kwargs):
         control.should_save = True
@@ -143,10 +155,65 @@ def test_a_callback_reading_a_field_tessera_lacks_fails_naming_it():
     trainer = Trainer.__new__(Trainer)  # the event dispatch alone, no workers
     trainer.args, trainer.state, trainer.control = (TrainingArguments(), TrainerState(),
                                                     TrainerControl())
+    trainer.model = trainer.processing_class = None
     trainer._hf_callbacks = [EarlyStoppingCallback()]
     with pytest.raises(ValueError, match="EarlyStoppingCallback.on_train_begin reads "
                                          "TrainingArguments.load_best_model_at_end"):
         trainer._each("on_train_begin")
+
+
+class OnSave(TrainerCallback):
+    def __init__(self):
+        self.seen = []
+
+    def on_save(self, args, state, control, **kwargs):
+        self.seen.append((state.global_step, state.epoch))
+
+
+def test_a_save_between_logging_steps_shows_its_own_epoch():
+    from types import SimpleNamespace
+
+    from tessera.train.hf_callbacks import TrainerState
+
+    trainer = Trainer.__new__(Trainer)  # the event dispatch alone, no workers
+    trainer.args, trainer.state, trainer.control = (TrainingArguments(), TrainerState(),
+                                                    TrainerControl())
+    trainer.model = trainer.processing_class = None
+    trainer._steps_per_epoch, trainer._core = 2, SimpleNamespace(step=3)
+    trainer._hf_callbacks = [OnSave()]
+    trainer._saved(None)  # step 3, last logged at step 0: Hugging Face shows epoch 1.5
+    assert trainer._hf_callbacks[0].seen == [(3, 1.5)]
+
+
+class ComputesItsLoss(Trainer):
+    def compute_loss(self, model, inputs, return_outputs=False, num_items_in_batch=None):
+        return 0 * model(**inputs).loss
+
+
+class EvaluatesItsWay(Trainer):
+    def evaluate(self, *args, **kwargs):
+        return {"eval_loss": 0.0}
+
+    def my_own_helper(self):  # not a Hugging Face Trainer method: the user's own
+        return 1
+
+
+def test_overriding_what_tessera_never_calls_is_refused_by_name(own_process_group):
+    data = TokenDataset(np.arange(200) % 50, seq_len=16)
+    from tessera.models import Transformer, preset
+
+    args = TrainingArguments(max_steps=1, per_device_train_batch_size=2)
+    with pytest.raises(ValueError, match="ComputesItsLoss overrides compute_loss of Hugging "
+                                         "Face's Trainer, which tessera's Trainer never calls"):
+        ComputesItsLoss(model=Transformer(preset("tiny")), args=args, train_dataset=data)
+    # evaluate runs where a script calls it, but evaluations during training do not call it
+    evaluating = TrainingArguments(max_steps=1, per_device_train_batch_size=2,
+                                   eval_strategy="steps", eval_steps=1)
+    with pytest.raises(ValueError, match="overrides evaluate.*eval_strategy='no'"):
+        EvaluatesItsWay(model=Transformer(preset("tiny")), args=evaluating,
+                        train_dataset=data, eval_dataset=data)
+    trainer = EvaluatesItsWay(model=Transformer(preset("tiny")), args=args, train_dataset=data)
+    assert trainer.evaluate() == {"eval_loss": 0.0} and trainer.my_own_helper() == 1
 
 
 def test_metrics_are_printed_and_saved_as_hugging_face_names_them(tmp_path):
@@ -249,7 +316,7 @@ def test_an_eval_batch_pipeline_stages_cannot_run_is_refused_by_its_own_name(mon
         Trainer(model=torch.nn.Linear(2, 2), args=args, train_dataset=[0, 1])
 
 
-def test_use_cpu_plans_auto_for_the_host_not_its_gpu(monkeypatch):
+def test_use_cpu_plans_auto_for_the_host_not_its_gpu(monkeypatch, own_process_group):
     # A GPU without a planner preset: "auto" is refused for it, but use_cpu=True trains on
     # the host, so the planner is asked about the host.
     import tessera.train.auto as auto

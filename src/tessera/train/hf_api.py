@@ -39,6 +39,7 @@ from tessera.train.trainer import check_eval_micro_batch
 from tessera.train.hf_callbacks import TrainerControl, TrainerState, check_callback_events
 from tessera.train.hf_data import hf_collator, labels_shifted, model_columns
 from tessera.train.hf_arguments import TrainingArguments, check_some_training
+from tessera.train.hf_overrides import check_overrides
 from tessera.train.hf_reports import (TrainOutput, format_metrics, train_output,
                                       write_metrics, write_state)
 
@@ -83,6 +84,7 @@ class Trainer:
                            preprocess_logits_for_metrics=preprocess_logits_for_metrics,
                            optimizers=None if optimizers == (None, None) else optimizers)
         self.args = args or TrainingArguments()
+        check_overrides(type(self), Trainer, self.args.eval_strategy)
         seed_everything(self.args.seed)
         self.state = TrainerState()
         self.control = TrainerControl()
@@ -102,8 +104,10 @@ class Trainer:
         # before layouts wrap model.forward
         collator = hf_collator(data_collator, not shifted, model_columns(model))
         self._core = CoreTrainer(model, self._core_args, train_dataset, eval_dataset,
-                                 strategy=strategy, callbacks=[self._dispatch, *plain],
-                                 data_collator=collator)
+                                 strategy=strategy, callbacks=plain, data_collator=collator)
+        # Hugging Face fires every event on every process (callbacks that write check
+        # state.is_world_process_zero); the core's records and saves reach every rank.
+        self._core.record_hooks.append(self._dispatch)
         self._core.save_callbacks.append(self._saved)
         self.model = self._core.model
         self.state.is_world_process_zero = self._core.ctx.is_main
@@ -157,13 +161,10 @@ class Trainer:
     def evaluate(self) -> dict[str, float]:
         """``{"eval_loss": ...}`` over the whole evaluation set, each sample once (all ranks
         call it), in micro-batches of ``per_device_eval_batch_size`` when set (pp=1), logged
-        on rank 0 as Hugging Face logs it (``on_log``, then ``on_evaluate``)."""
+        as Hugging Face logs it (``on_log``, then ``on_evaluate``, on every rank)."""
         metrics = {"eval_loss": self._core.evaluate()}
-        if self._core.ctx.is_main:  # callbacks and the history live on rank 0, as in training
-            record = {**metrics, "epoch": self.state.epoch, "step": self.state.global_step}
-            self.state.log_history.append(record)
-            self._each("on_log", logs=record)
-            self._each("on_evaluate", metrics=metrics)
+        self.log(metrics)
+        self._each("on_evaluate", metrics=metrics)
         return metrics
 
     def save_model(self, output_dir: str | None = None) -> Path:
@@ -188,7 +189,7 @@ class Trainer:
     def pop_callback(self, callback: Any) -> Any:
         """Remove a callback (an instance, or the first instance of a class) and return it;
         None when there is none."""
-        for found in self._hf_callbacks + self._core.callbacks[1:]:  # [0] is _dispatch
+        for found in self._hf_callbacks + self._core.callbacks:
             if found is callback or (isinstance(callback, type) and isinstance(found, callback)):
                 owner = self._hf_callbacks if found in self._hf_callbacks else self._core.callbacks
                 owner.remove(found)
@@ -204,11 +205,11 @@ class Trainer:
         if self.pop_callback(callback) is None and not isinstance(callback, type):
             raise ValueError(f"{type(callback).__name__} is not one of this Trainer's callbacks")
 
-    def log(self, logs: dict[str, float]) -> None:
-        """Log ``logs`` (rank 0): the epoch is added, the record with the step goes to
-        ``state.log_history``, and callbacks' ``on_log`` see it, as Hugging Face's log."""
-        if not self.is_world_process_zero():
-            return
+    def log(self, logs: dict[str, float], start_time: float | None = None) -> None:
+        """Log ``logs`` (every rank, as Hugging Face's): the epoch is added, the record with
+        the step goes to ``state.log_history``, and callbacks' ``on_log`` see it. Training
+        and evaluation logs go through here, so a subclass overriding ``log`` sees them all.
+        (``start_time``: Hugging Face's speed metrics for it are not computed here.)"""
         record = {**logs, "epoch": self.state.epoch, "step": self.state.global_step}
         self.state.log_history.append(record)
         self._each("on_log", logs=record)  # with the step, as the training logs here
@@ -306,6 +307,7 @@ class Trainer:
 
     def _saved(self, _path: Path) -> None:
         self.state.global_step = self._core.step  # saves need not fall on logging steps
+        self.state.epoch = self._epoch_at(self._core.step)
         self._each("on_save")
 
     def _epoch_at(self, step: int) -> float:
@@ -315,16 +317,23 @@ class Trainer:
     def _dispatch(self, record: dict[str, Any]) -> None:
         # Hugging Face's names: its logs say learning_rate where tessera's records say lr.
         logs = {("learning_rate" if k == "lr" else k): v for k, v in record.items()}
-        self.state.global_step = record["step"]
-        self.state.epoch = logs["epoch"] = self._epoch_at(record["step"])
-        self.state.log_history.append(logs)
-        self._each("on_log", logs=logs)  # evaluations too, then on_evaluate, as HF does
+        self.state.global_step = logs.pop("step")
+        self.state.epoch = self._epoch_at(self.state.global_step)
+        logs.pop("epoch", None)
+        self.log(logs)  # evaluations too, then on_evaluate, as HF does
         if "eval_loss" in record:
-            self._each("on_evaluate", metrics=logs)
+            self._each("on_evaluate", metrics=self.state.log_history[-1])
         if self.control.should_training_stop:
             self._core.stop_requested = True
 
     def _each(self, hook: str, **kwargs: Any) -> None:
+        # What Hugging Face's CallbackHandler passes with every event; tessera feeds batches
+        # from its own sample order, so there are no dataloaders to pass (None).
+        core = getattr(self, "_core", None)
+        kwargs = {"model": self.model, "processing_class": self.processing_class,
+                  "optimizer": getattr(core, "optimizer", None),
+                  "lr_scheduler": getattr(core, "scheduler", None),
+                  "train_dataloader": None, "eval_dataloader": None, **kwargs}
         for callback in self._hf_callbacks:
             method = getattr(callback, hook, None)
             if method is None:

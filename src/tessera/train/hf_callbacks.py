@@ -52,7 +52,7 @@ def _hf_base_callback():
 
 class TrainerState:
     """What callbacks see (Hugging Face's names): step counters, the run's settings, the
-    log history (rank 0), and which process this is."""
+    log history (every rank), and which process this is."""
 
     def __init__(self) -> None:
         self.global_step = 0

@@ -92,7 +92,8 @@ class Trainer:
         eval_dataset: optional dataset of the same kind, for evaluation.
         strategy: the parallel layout; its world size must equal the number of workers.
         run_info: extra JSON-ready facts stored in checkpoints (e.g. the run config).
-        callbacks: functions called with each metrics record (rank 0 only).
+        callbacks: functions called with each metrics record (rank 0 only; the Hugging
+            Face front's events go through ``record_hooks``, called on every rank).
         data_collator: turns a list of samples into a batch (default: stack equal lengths).
         memory: chunk-memory options (the config's ``memory:`` section) for memory=chunk.
 
@@ -114,7 +115,9 @@ class Trainer:
         self.data_collator = data_collator or collate
         self.stop_requested = False  # set on rank 0 (e.g. by a callback) to pause like PAUSE
         self.run_info, self.callbacks = run_info or {}, list(callbacks)
-        self.save_callbacks: list[Callable[[Path], None]] = []  # rank 0, after each save
+        # Every rank: with each metrics record (all ranks hold the same), after each save.
+        self.record_hooks: list[Callable[[dict[str, Any]], None]] = []
+        self.save_callbacks: list[Callable[[Path], None]] = []
         self.strategy.require_available()
         check_eval_micro_batch(args.eval_micro_batch_size, self.strategy)
         self.ctx: WorkerContext = init_distributed(
@@ -302,9 +305,8 @@ class Trainer:
             meta["loss_scale"] = self.engine.scaler.state_dict()
         path = ckpt.save_checkpoint(self.ckpt_root, self.step, self.wrapped, self.optimizer,
                                     meta, keep=self.args.save_total_limit)
-        if self.ctx.is_main:
-            for callback in self.save_callbacks:
-                callback(path)
+        for callback in self.save_callbacks:
+            callback(path)
         return path
 
     def resume(self) -> bool:
@@ -429,6 +431,8 @@ class Trainer:
 
     def _emit(self, record: dict[str, Any], writer: MetricsWriter,
               progress: ProgressReporter) -> None:
+        for hook in self.record_hooks:
+            hook(record)
         if not self.ctx.is_main:
             return
         writer.write(record)
