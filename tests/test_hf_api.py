@@ -406,6 +406,21 @@ def test_batch_arguments_the_strategy_overrides_are_refused(kwargs, fragment):
     check_batch_arguments(TrainingArguments(strategy="pp=2,mbs=2,gbs=8"), strategy)  # unset
 
 
+def test_strategy_text_without_a_batch_takes_the_hugging_face_arguments():
+    from tessera.train.hf_api import resolve_strategy
+
+    # Left out, mbs and gbs were the Strategy's defaults, 1 and 1: one sample a step.
+    # (per_device_train_batch_size=4, gradient_accumulation_steps=2, dp=2 of 4 workers)
+    text = resolve_strategy("dp=2,pp=2,schedule=gpipe", _tiny_gpt2(), 4, 4, 2, "fp32")
+    assert (text.micro_batch_size, text.global_batch_size) == (4, 16)
+    assert resolve_strategy("pp=2,mbs=2", _tiny_gpt2(), 2, 8, 3, "fp32"
+                            ).global_batch_size == 6
+    assert resolve_strategy("pp=2,gbs=32", _tiny_gpt2(), 2, 8, 1, "fp32"
+                            ).micro_batch_size == 8
+    with pytest.raises(StrategyError, match="mbs"):
+        resolve_strategy("pp=2,mbs=two", _tiny_gpt2(), 2, 8, 1, "fp32")
+
+
 def test_an_evaluation_micro_batch_the_layout_cannot_run_is_refused():
     from tessera.train.trainer import check_eval_micro_batch
 

@@ -428,6 +428,12 @@ def _check_choice(name: str, value: Any, choices: tuple[str, ...]) -> None:
         raise StrategyError(f"{name} must be one of {', '.join(choices)}; got {value!r}")
 
 
+def text_values(text: str) -> dict[str, str]:
+    """Strategy ``text`` as field name -> value text (``mbs``/``gbs`` by their full names),
+    unchecked: :meth:`Strategy.from_mapping` checks them."""
+    return {TEXT_ALIASES.get(key, key): value for key, value in _split_text(text).items()}
+
+
 def _split_text(text: str) -> dict[str, str]:
     if not isinstance(text, str) or not text.strip():
         raise StrategyError("strategy text is empty; expected e.g. 'dp=2,tp=1,pp=1,mbs=2,gbs=16'")

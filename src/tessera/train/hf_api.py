@@ -32,7 +32,7 @@ from torch import nn
 from torch.utils.data import Dataset
 
 from tessera.config import TrainingArguments as CoreArguments
-from tessera.strategy import Strategy, StrategyError
+from tessera.strategy import Strategy, StrategyError, text_values
 from tessera.train.checkpoint import checkpoint_root, find_latest
 from tessera.train.trainer import Trainer as CoreTrainer
 from tessera.train.trainer import check_eval_micro_batch
@@ -424,12 +424,28 @@ def resolve_strategy(text: str | None, model: nn.Module, world: int, per_device:
 
         strategy = plan_strategy(model, world, gbs, precision, seq_len, device)
     else:
-        strategy = Strategy.parse(text)
+        strategy = Strategy.from_mapping(_batch_from_arguments(text, per_device, accumulation))
         if precision != "fp32" and strategy.precision != precision:
             raise StrategyError(f"strategy says precision={strategy.precision} but the "
                                 f"arguments ask for {precision} (bf16/fp16 flags): add "
                                 f"precision={precision} to the strategy text")
     return strategy.validate_for(world_size=world)
+
+
+def _batch_from_arguments(text: str, per_device: int, accumulation: int) -> dict[str, Any]:
+    """Strategy ``text`` as fields, where a left-out ``mbs`` or ``gbs`` comes from the
+    Hugging Face arguments: the micro-batch is ``per_device_train_batch_size`` and the global
+    batch that times ``gradient_accumulation_steps`` times the data-parallel ranks (the
+    Strategy's own defaults, 1 and 1, would silently train one sample per step)."""
+    values: dict[str, Any] = text_values(text)
+    values.setdefault("micro_batch_size", per_device)
+    if "global_batch_size" not in values:
+        try:
+            mbs, dp = int(values["micro_batch_size"]), int(values.get("dp", 1))
+        except ValueError:  # from_mapping refuses the value, naming its field
+            return values
+        values["global_batch_size"] = mbs * accumulation * dp
+    return values
 
 
 def _sample_length(dataset: Dataset) -> int | None:
