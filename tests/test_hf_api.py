@@ -118,6 +118,10 @@ def _argument_mapping(root, data) -> dict:
         callbacks=[Recorder])
     trainer.train()
     evaluated = trainer.evaluate()["eval_loss"]
+    # Other sets, as Hugging Face's evaluate takes them: a dict, each under its own prefix.
+    other = torch.utils.data.Subset(data, range(10, 16))
+    named = trainer.evaluate(eval_dataset={"same": evaluation, "other": other},
+                             metric_key_prefix="test")
     # Resumed at step 4 (the newest kept checkpoint) and run to 6: the metrics count 2 steps.
     resumed = Trainer(model=_tiny_gpt2(), args=TrainingArguments(
         output_dir=f"{root}/mapped", per_device_train_batch_size=4, max_steps=6,
@@ -151,7 +155,8 @@ def _argument_mapping(root, data) -> dict:
     unsaved.save_model(f"{root}/unsaved_model")
     recorder = trainer._hf_callbacks[0]
     return {"kept": sorted(p.name for p in Path(f"{root}/mapped/checkpoints").glob("step_*")),
-            "events": recorder.events, "evaluated": evaluated,
+            "events": recorder.events, "evaluated": evaluated, "named": named,
+            "other_direct": trainer.evaluate(other)["eval_loss"],
             "per_sample_mean": sum(per_sample) / len(per_sample),
             "tokens_across": [t._core.args.average_tokens_across_devices
                               for t in (trainer, unsaved)],
@@ -304,13 +309,19 @@ def _check_argument_mapping(out):
     rates = [r["learning_rate"] for r in logs if "loss" in r]
     assert rates == pytest.approx([1e-3, 7.5e-4, 5e-4, 2.5e-4])
     # An evaluation is logged, then reported to on_evaluate (at steps 2 and 4, and the
-    # explicit evaluate() after training).
-    kinds = [(e[0], "eval_loss" in e[1]) for e in out["events"] if e[0] != "save"]
+    # explicit evaluate() calls after training: the Trainer's set, the two named ones, the
+    # other set unnamed).
+    kinds = [(e[0], any(k.endswith("_loss") and k != "train_loss" for k in e[1]))
+             for e in out["events"] if e[0] != "save"]
     evals = [i for i, k in enumerate(kinds) if k == ("log", True)]
-    assert len(evals) == 3 and all(kinds[i + 1] == ("evaluate", True) for i in evals)
+    assert len(evals) == 6 and all(kinds[i + 1] == ("evaluate", True) for i in evals)
     # The whole evaluation set, each sample once: the mean of the samples' own losses
     # (equal lengths; fp32 sums in another order, 1e-5 on losses near 5).
     assert abs(out["evaluated"] - out["per_sample_mean"]) < 1e-5
+    # The same set under another name gives the same loss (the same sums); another set its own
+    assert set(out["named"]) == {"test_same_loss", "test_other_loss"}
+    assert out["named"]["test_same_loss"] == out["evaluated"]
+    assert out["named"]["test_other_loss"] == out["other_direct"] != out["evaluated"]
     assert "metrics.jsonl" not in out["mapped_files"]  # report_to="none" (the default)
     assert out["unsaved_files"] == ["metrics.jsonl"]  # save_strategy="no": no checkpoint
 

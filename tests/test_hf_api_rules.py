@@ -335,3 +335,22 @@ def test_use_cpu_plans_auto_for_the_host_not_its_gpu(monkeypatch, own_process_gr
             trainer = Trainer(model=Transformer(preset("tiny")), args=args, train_dataset=data)
             assert trainer._core.strategy.world_size == 1
             assert trainer._core.ctx.device.type == "cpu"
+
+
+def test_datasets_tessera_cannot_index_are_refused_naming_the_way():
+    from tessera.train.hf_data import check_map_style
+
+    with pytest.raises(ValueError, match="eval_dataset is a dict of datasets .wiki, code.*"
+                                         "metric_key_prefix='eval_<name>'"):
+        check_map_style("eval_dataset", {"wiki": [0], "code": [1]})
+
+    class Stream(torch.utils.data.IterableDataset):
+        def __iter__(self):
+            yield {"input_ids": torch.zeros(4, dtype=torch.long)}
+
+    with pytest.raises(ValueError, match="train_dataset is a Stream, which has no length"):
+        check_map_style("train_dataset", Stream())
+    with pytest.raises(ValueError, match="eval_dataset is a dict"):
+        Trainer(model=torch.nn.Linear(2, 2), args=TrainingArguments(max_steps=1),
+                train_dataset=[0, 1], eval_dataset={"a": [0]})
+    check_map_style("train_dataset", [{"input_ids": [1, 2]}])  # a list indexes

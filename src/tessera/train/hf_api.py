@@ -37,7 +37,8 @@ from tessera.train.checkpoint import checkpoint_root, find_latest
 from tessera.train.trainer import Trainer as CoreTrainer
 from tessera.train.trainer import check_eval_micro_batch
 from tessera.train.hf_callbacks import TrainerControl, TrainerState, check_callback_events
-from tessera.train.hf_data import hf_collator, labels_shifted, model_columns
+from tessera.train.hf_data import (check_map_style, hf_collator, labels_shifted,
+                                   model_columns)
 from tessera.train.hf_arguments import TrainingArguments, check_some_training
 from tessera.train.hf_overrides import check_overrides
 from tessera.train.hf_reports import (TrainOutput, format_metrics, train_output,
@@ -97,9 +98,12 @@ class Trainer:
             check_callback_events(callback)
             self._hf_callbacks.append(callback)
         plain = [c for c in callbacks if callable(c)]
+        check_map_style("train_dataset", train_dataset)
+        check_map_style("eval_dataset", eval_dataset)
         self._core_args, strategy = self._translate(model, train_dataset, eval_dataset)
         self.state.describe(self._core_args, self.args, self._steps_per_epoch,
                             strategy.micro_batch_size)
+        self._train_dataset = train_dataset  # evaluate(eval_dataset=...) checks its kind
         shifted = labels_shifted(*[d for d in (train_dataset, eval_dataset) if d is not None])
         # before layouts wrap model.forward
         collator = hf_collator(data_collator, not shifted, model_columns(model))
@@ -158,14 +162,41 @@ class Trainer:
         self._each("on_train_end")
         return output
 
-    def evaluate(self) -> dict[str, float]:
+    def evaluate(self, eval_dataset: Dataset | dict[str, Dataset] | None = None,
+                 ignore_keys: list[str] | None = None, metric_key_prefix: str = "eval"
+                 ) -> dict[str, float]:
         """``{"eval_loss": ...}`` over the whole evaluation set, each sample once (all ranks
         call it), in micro-batches of ``per_device_eval_batch_size`` when set (pp=1), logged
-        as Hugging Face logs it (``on_log``, then ``on_evaluate``, on every rank)."""
-        metrics = {"eval_loss": self._core.evaluate()}
+        as Hugging Face logs it (``on_log``, then ``on_evaluate``, on every rank).
+
+        ``eval_dataset``: another set than the Trainer's (of the same kind), or a dict of
+        them, each evaluated under ``{metric_key_prefix}_{name}``, as Hugging Face's.
+        ``metric_key_prefix`` names the loss ``{prefix}_loss``. ``ignore_keys`` (output keys
+        to leave out of predictions) has nothing to act on: only the loss is computed.
+        """
+        if isinstance(eval_dataset, dict):
+            metrics: dict[str, float] = {}
+            for name, dataset in eval_dataset.items():
+                metrics.update(self.evaluate(dataset, ignore_keys,
+                                             f"{metric_key_prefix}_{name}"))
+            return metrics
+        metrics = {f"{metric_key_prefix}_loss": self._evaluate_on(eval_dataset)}
         self.log(metrics)
         self._each("on_evaluate", metrics=metrics)
         return metrics
+
+    def _evaluate_on(self, dataset: Dataset | None) -> float:
+        if dataset is None:
+            return self._core.evaluate()
+        check_map_style("eval_dataset", dataset)
+        given = self._train_dataset if self._train_dataset is not None else self._core.eval_dataset
+        labels_shifted(*[d for d in (given, dataset) if d is not None])  # one kind
+        kept = self._core.eval_dataset
+        self._core.eval_dataset = dataset
+        try:
+            return self._core.evaluate()
+        finally:
+            self._core.eval_dataset = kept
 
     def save_model(self, output_dir: str | None = None) -> Path:
         """Write the full (unsharded) weights for ``from_pretrained`` or reloading."""

@@ -80,3 +80,26 @@ def _shifted(dataset: Any) -> bool:
     if hasattr(dataset, "dataset"):  # Subset, random_split
         return _shifted(dataset.dataset)
     return False
+
+
+def check_map_style(name: str, dataset: Any) -> None:
+    """Refuse what tessera cannot index: its sample order reads ``dataset[i]`` of
+    ``len(dataset)`` samples (the order a resume goes on from, each dp rank's share).
+
+    Raises:
+        ValueError: naming the argument, what it got and what to give instead.
+    """
+    if dataset is None:
+        return
+    if isinstance(dataset, dict):
+        raise ValueError(
+            f"{name} is a dict of datasets ({', '.join(map(str, dataset))}): evaluations during "
+            "training take one; give one here and evaluate the others with "
+            "trainer.evaluate(eval_dataset=..., metric_key_prefix='eval_<name>')")
+    if isinstance(dataset, torch.utils.data.IterableDataset) or not (
+            hasattr(dataset, "__len__") and hasattr(dataset, "__getitem__")):
+        raise ValueError(
+            f"{name} is a {type(dataset).__name__}, which has no length or index: tessera "
+            "needs a map-style dataset (len() and [i]; a datasets.Dataset, a list of samples, "
+            "a torch Dataset), so that each data-parallel rank reads its share and a resume "
+            "goes on where it stopped")
