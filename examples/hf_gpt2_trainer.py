@@ -47,6 +47,7 @@ def main(output_dir: str = "runs/hf_gpt2", max_steps: int = 30) -> dict:
     trainer.log_metrics("eval", metrics)
     trainer.save_metrics("eval", metrics)
     trainer.save_model(f"{output_dir}/final")
+    trainer.create_model_card(tasks="text-generation", dataset="bytes of this file")
     return metrics
 
 

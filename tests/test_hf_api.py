@@ -276,6 +276,10 @@ def _check_script_reports(folder, eval_metrics):
     assert len(logged) == 4  # logging_steps=5
     # train_loss is the mean over all 20 steps; the log holds 5-step means: their mean.
     assert train["train_loss"] == pytest.approx(sum(logged) / 4, rel=1e-6)
+    # run_clm.py's last call: a model card with the logged losses, Hub metadata first
+    card = (folder / "README.md").read_text()
+    assert card.startswith("---\nlibrary_name: transformers\npipeline_tag: text-generation")
+    assert "on bytes of this file" in card and f"| {logged[-1]:.4f} | " in card
 
 
 def _check_argument_mapping(out):

@@ -36,6 +36,7 @@ from tessera.strategy import Strategy, StrategyError, text_values
 from tessera.train.checkpoint import checkpoint_root, find_latest
 from tessera.train.trainer import Trainer as CoreTrainer
 from tessera.train.trainer import check_eval_micro_batch
+from tessera.train.hf_card import model_card, write_model_card
 from tessera.train.hf_callbacks import TrainerControl, TrainerState, check_callback_events
 from tessera.train.hf_data import (check_map_style, hf_collator, labels_shifted,
                                    model_columns)
@@ -206,6 +207,24 @@ class Trainer:
         if self._core.ctx.is_main and hasattr(self.processing_class, "save_pretrained"):
             self.processing_class.save_pretrained(folder)
         return folder
+
+    def create_model_card(self, language: Any = None, license: Any = None, tags: Any = None,
+                          model_name: str | None = None, finetuned_from: Any = None,
+                          tasks: Any = None, dataset_tags: Any = None, dataset: Any = None,
+                          dataset_args: Any = None) -> Path | None:
+        """Write ``README.md`` in ``output_dir`` (rank 0), as Hugging Face's: Hub metadata
+        from these keywords, the layout, hyperparameters, logged losses and versions.
+        Returns its path (None on other ranks)."""
+        if not self.is_world_process_zero():
+            return None
+        text = model_card(
+            Path(self.args.output_dir).name, self.args, self.state,
+            self._core.strategy.to_text(),
+            is_transformers_model=type(self.model).__module__.startswith("transformers."),
+            language=language, license=license, tags=tags, model_name=model_name,
+            finetuned_from=finetuned_from, tasks=tasks, dataset_tags=dataset_tags,
+            dataset=dataset, dataset_args=dataset_args)
+        return write_model_card(self.args.output_dir, text)
 
     def add_callback(self, callback: Any) -> None:
         """Add a Hugging Face-style callback (a class is instantiated; refused, naming it,

@@ -1,0 +1,121 @@
+"""The model card a Hugging Face training script writes last (``trainer.create_model_card``).
+
+``run_clm.py`` ends with ``trainer.create_model_card(**kwargs)`` when it does not push to the
+Hub. The card is ``README.md`` in ``output_dir``: Hub metadata (YAML front matter) from the
+script's keywords, then what the run was: layout, hyperparameters, the logged losses per
+step and the library versions, read from the Trainer's arguments, state and strategy.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+# Keywords of Hugging Face's create_model_card -> the card metadata key they fill.
+_METADATA = {"language": "language", "license": "license", "tags": "tags",
+             "finetuned_from": "base_model", "tasks": "pipeline_tag",
+             "dataset_tags": "datasets"}
+
+
+def model_card(title: str, args: Any, state: Any, strategy_text: str, *,
+               is_transformers_model: bool, language: Any = None, license: Any = None,
+               tags: Any = None, model_name: str | None = None, finetuned_from: Any = None,
+               tasks: Any = None, dataset_tags: Any = None, dataset: Any = None,
+               dataset_args: Any = None) -> str:
+    """The card's text (Hugging Face's keywords; ``dataset_args`` names the dataset's
+    configuration, shown beside its name)."""
+    given = {"language": language, "license": license, "tags": tags,
+             "finetuned_from": finetuned_from, "tasks": tasks, "dataset_tags": dataset_tags}
+    metadata: dict[str, Any] = {"library_name": "transformers"} if is_transformers_model else {}
+    for keyword, key in _METADATA.items():
+        value = given[keyword]
+        if value:
+            metadata[key] = list(value) if isinstance(value, (list, tuple)) else value
+    metadata["tags"] = sorted({*_as_list(metadata.get("tags")), "tessera"})
+    name = model_name or title
+    origin = f"a fine-tuned version of {finetuned_from}" if finetuned_from else "trained"
+    data = f" on {_as_list(dataset)[0]}" if dataset else ""
+    if dataset and dataset_args:
+        data += f" ({_as_list(dataset_args)[0]})"
+    lines = ["---", yaml.safe_dump(metadata, sort_keys=False).rstrip(), "---", "",
+             f"# {name}", "", f"This model is {origin}{data}, with tessera "
+             f"(layout `{strategy_text}`).", ""]
+    lines += _evaluation(state.log_history)
+    lines += ["## Training hyperparameters", ""]
+    lines += [f"- {key}: {value}" for key, value in _hyperparameters(args, state, strategy_text)]
+    lines += ["", "## Training results", ""] + _results(state.log_history)
+    lines += ["", "## Framework versions", ""] + [f"- {n} {v}" for n, v in _versions()]
+    return "\n".join(lines) + "\n"
+
+
+def write_model_card(output_dir: str | Path, text: str) -> Path:
+    """Write ``README.md`` in ``output_dir`` (created when missing); returns its path."""
+    path = Path(output_dir) / "README.md"
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(text)
+    return path
+
+
+def _as_list(value: Any) -> list:
+    if value is None:
+        return []
+    return list(value) if isinstance(value, (list, tuple, set)) else [value]
+
+
+def _evaluation(history: list[dict[str, Any]]) -> list[str]:
+    evals = [record for record in history if "eval_loss" in record]
+    if not evals:
+        return []
+    return ["It reaches on the evaluation set:", "",
+            f"- Loss: {evals[-1]['eval_loss']:.4f} (step {evals[-1].get('step')})", ""]
+
+
+def _hyperparameters(args: Any, state: Any, strategy_text: str) -> list[tuple[str, Any]]:
+    return [("learning_rate", args.learning_rate),
+            ("train_batch_size", state.train_batch_size),
+            ("seed", args.seed),
+            ("gradient_accumulation_steps", args.gradient_accumulation_steps),
+            ("layout (tessera strategy)", strategy_text),
+            ("optimizer", f"AdamW with betas=({args.adam_beta1},{args.adam_beta2}), "
+                          f"epsilon={args.adam_epsilon}, weight_decay={args.weight_decay}"),
+            ("lr_scheduler_type", args.lr_scheduler_type),
+            ("training_steps", state.max_steps)]
+
+
+def _results(history: list[dict[str, Any]]) -> list[str]:
+    """Hugging Face's table: the training loss of each logging step, and the evaluation
+    loss where one was logged at that step."""
+    rows: dict[int, dict[str, Any]] = {}
+    for record in history:
+        step = record.get("step")
+        if step is None or not ({"loss", "eval_loss"} & set(record)):
+            continue
+        row = rows.setdefault(step, {"epoch": record.get("epoch")})
+        for key in ("loss", "eval_loss"):
+            if key in record:
+                row[key] = record[key]
+    if not rows:
+        return ["No losses were logged."]
+    table = ["| Training Loss | Epoch | Step | Validation Loss |",
+             "|:-------------:|:-----:|:----:|:---------------:|"]
+    for step, row in sorted(rows.items()):
+        train = f"{row['loss']:.4f}" if "loss" in row else "No log"
+        evaluated = f"{row['eval_loss']:.4f}" if "eval_loss" in row else "No log"
+        table.append(f"| {train} | {row['epoch']} | {step} | {evaluated} |")
+    return table
+
+
+def _versions() -> list[tuple[str, str]]:
+    import torch
+
+    import tessera
+
+    found = [("tessera", getattr(tessera, "__version__", "unknown")),
+             ("PyTorch", torch.__version__)]
+    try:
+        import transformers
+    except ImportError:
+        return found
+    return found + [("Transformers", transformers.__version__)]
