@@ -133,17 +133,34 @@ def _across_pp(rank, world_size, root):
     straight = run("pp", "pp=2,mbs=2,gbs=8", 6)
     to_dp = run("dp", "dp=2,mbs=2,gbs=8", 4, str(root / "pp/checkpoints/step_00000002"))
     to_pp = run("pp_again", "pp=2,mbs=2,gbs=8", 6, str(root / "dp/checkpoints/step_00000004"))
-    return straight, to_dp, to_pp
+    # A checkpoint as stages wrote them before 2026-11-28: parameters registered sorted, the
+    # tied weight's optimizer state under "lm_head.weight".
+    from tessera.parallel.pipeline import module
+
+    in_model_order = module.StageModule.__init__
+    module.StageModule.__init__ = lambda self, params, buffers: in_model_order(
+        self, dict(sorted(params.items())), buffers)
+    try:
+        run("old", "pp=2,mbs=2,gbs=8", 2)
+    finally:
+        module.StageModule.__init__ = in_model_order
+    old = root / "old/checkpoints/step_00000002"
+    from_old = [run(f"from_old_{name}", text, 4, str(old))
+                for name, text in (("pp", "pp=2,mbs=2,gbs=8"), ("dp", "dp=2,mbs=2,gbs=8"))]
+    return straight, to_dp, to_pp, from_old
 
 
 def test_a_tied_hugging_face_model_resumes_across_pipeline_layouts(tmp_path):
     # The tied weight's optimizer state is keyed by its first name; pipeline stages once
     # named it "lm_head.weight" (sorted) where the whole model names it
     # "transformer.wte.weight", and such resumes failed on the missing key.
-    straight, to_dp, to_pp = run_distributed(_across_pp, world_size=2, args=(str(tmp_path),),
-                                             timeout=300)[0]
+    straight, to_dp, to_pp, from_old = run_distributed(
+        _across_pp, world_size=2, args=(str(tmp_path),), timeout=300)[0]
     # 2e-5 on losses near 4: the layouts sum the same terms in another order (rounding,
     # measured below 1e-6). The first loss of each pair reads the restored weights, the
     # second also the AdamW moments of the update between them.
     assert to_dp == pytest.approx(straight[2:4], abs=2e-5)
     assert to_pp == pytest.approx(straight[4:6], abs=2e-5)
+    # The old checkpoints load too, at pp=2 and at dp=2 (the key read under its old name).
+    for losses in from_old:
+        assert losses == pytest.approx(straight[2:4], abs=2e-5)

@@ -32,6 +32,8 @@ from torch import nn
 from torch.distributed.checkpoint.state_dict import (StateDictOptions, get_state_dict,
                                                      set_state_dict)
 
+from tessera.models.materialize import parameter_aliases
+
 META = "meta.json"
 # Pipeline stages (a model with ``flat_optimizer_state = True``) hold different parameters in
 # their optimizer's "group 0": index keys ("param_groups.0.lr") would collide across stages
@@ -211,8 +213,12 @@ def load_checkpoint(path: Path, model: nn.Module, optimizer: torch.optim.Optimiz
     meta = read_meta(path)
     flat = _saved_flat(path)
     model_sd, optim_sd = _state_dicts(model, optimizer, _FLAT if flat else _INDEXED)
-    state = {"model": model_sd, "optim": optim_sd}
+    renamed = _saved_alias_keys(model, optim_sd, path) if flat else {}
+    state = {"model": model_sd,
+             "optim": {renamed.get(key, key): value for key, value in optim_sd.items()}}
     dcp.load(state, checkpoint_id=str(path))
+    back = {saved: key for key, saved in renamed.items()}
+    state["optim"] = {back.get(key, key): value for key, value in state["optim"].items()}
     if model_sd:
         set_state_dict(model, optimizer, model_state_dict=state["model"],
                        optim_state_dict=state["optim"],
@@ -231,6 +237,29 @@ def _state_dicts(model: nn.Module, optimizer: torch.optim.Optimizer,
     if not model.state_dict():
         return {}, {}
     return get_state_dict(model, optimizer, options=options)
+
+
+def _saved_alias_keys(model: nn.Module, optim_sd: dict[str, Any], path: Path
+                      ) -> dict[str, str]:
+    """Flat optimizer keys this run names by a tied weight's first name where the
+    checkpoint holds them under another of its names -> that key. Pipeline stages named
+    a tied weight by its sorted-first name until 2026-11-28 (GPT-2's ``lm_head.weight``,
+    not ``transformer.wte.weight``), so their checkpoints load under either layout."""
+    saved = set(dcp.FileSystemReader(str(path)).read_metadata().state_dict_metadata)
+    module = model.module if isinstance(model, nn.parallel.DistributedDataParallel) else model
+    renamed: dict[str, str] = {}
+    for names in parameter_aliases(module).values():
+        for key in optim_sd:
+            part = next((p for p in ("state.", "param_groups.")
+                         if key.startswith(f"{p}{names[0]}.")), None)
+            if part is None or f"optim.{key}" in saved:
+                continue
+            rest = key[len(part) + len(names[0]):]
+            alias = next((f"{part}{a}{rest}" for a in names[1:]
+                          if f"optim.{part}{a}{rest}" in saved), None)
+            if alias is not None:
+                renamed[key] = alias
+    return renamed
 
 
 def _saved_flat(path: Path) -> bool:
