@@ -278,7 +278,7 @@ def _check_script_reports(folder, eval_metrics):
     assert train["train_loss"] == pytest.approx(sum(logged) / 4, rel=1e-6)
     # run_clm.py's last call: a model card with the logged losses, Hub metadata first
     card = (folder / "README.md").read_text()
-    assert card.startswith("---\nlibrary_name: transformers\npipeline_tag: text-generation")
+    assert card.startswith("---\nlibrary_name: transformers\ntags:\n- tessera\nmodel-index:")
     assert "on bytes of this file" in card and f"| {logged[-1]:.4f} | " in card
 
 
@@ -323,7 +323,8 @@ def _check_argument_mapping(out):
     # (equal lengths; fp32 sums in another order, 1e-5 on losses near 5).
     assert abs(out["evaluated"] - out["per_sample_mean"]) < 1e-5
     # The same set under another name gives the same loss (the same sums); another set its own
-    assert set(out["named"]) == {"test_same_loss", "test_other_loss"}
+    # (and the epoch, which Hugging Face's log adds to the metrics evaluate returns)
+    assert set(out["named"]) == {"test_same_loss", "test_other_loss", "epoch"}
     assert out["named"]["test_same_loss"] == out["evaluated"]
     assert out["named"]["test_other_loss"] == out["other_direct"] != out["evaluated"]
     assert "metrics.jsonl" not in out["mapped_files"]  # report_to="none" (the default)
@@ -430,10 +431,17 @@ def test_strategy_text_without_a_batch_takes_the_hugging_face_arguments():
     assert (text.micro_batch_size, text.global_batch_size) == (4, 16)
     assert resolve_strategy("pp=2,mbs=2", _tiny_gpt2(), 2, 8, 3, "fp32"
                             ).global_batch_size == 6
-    assert resolve_strategy("pp=2,gbs=32", _tiny_gpt2(), 2, 8, 1, "fp32"
-                            ).micro_batch_size == 8
+    # gbs alone: mbs from gbs = mbs x accumulation x dp, as Hugging Face's batch arguments
+    assert resolve_strategy("pp=2,gbs=32", _tiny_gpt2(), 2, 8, 2, "fp32"
+                            ).micro_batch_size == 16
+    assert resolve_strategy("dp=2,gbs=4", _tiny_gpt2(), 2, 8, 1, "fp32"
+                            ).micro_batch_size == 2
+    with pytest.raises(StrategyError, match="gbs=6 without mbs.*not whole; add mbs"):
+        resolve_strategy("dp=2,gbs=6", _tiny_gpt2(), 2, 8, 2, "fp32")
     with pytest.raises(StrategyError, match="mbs"):
         resolve_strategy("pp=2,mbs=two", _tiny_gpt2(), 2, 8, 1, "fp32")
+    with pytest.raises(StrategyError, match="given twice"):
+        resolve_strategy("mbs=2,micro_batch_size=4", _tiny_gpt2(), 1, 8, 1, "fp32")
 
 
 def test_an_evaluation_micro_batch_the_layout_cannot_run_is_refused():

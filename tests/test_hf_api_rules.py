@@ -198,6 +198,56 @@ class EvaluatesItsWay(Trainer):
         return 1
 
 
+class LossMixin:
+    def compute_loss(self, model, inputs, return_outputs=False, num_items_in_batch=None):
+        return 0 * model(**inputs).loss
+
+
+class MixedBefore(LossMixin, Trainer):
+    pass
+
+
+class MixedAfter(Trainer, LossMixin):
+    pass
+
+
+class SavesItsWay(Trainer):
+    def save_model(self, output_dir=None, _internal_call=False):
+        return None
+
+
+class LogsItsWay(Trainer):
+    def log(self, logs, start_time=None):  # does not call super().log
+        self.seen = [*getattr(self, "seen", []), dict(logs)]
+
+
+class OnEvaluate(TrainerCallback):
+    def __init__(self):
+        self.metrics = []
+
+    def on_evaluate(self, args, state, control, metrics=None, **kwargs):
+        self.metrics.append(dict(metrics))
+
+
+def test_a_log_override_sees_every_log_and_on_evaluate_its_metrics():
+    from types import SimpleNamespace
+
+    from tessera.train.hf_callbacks import TrainerState
+
+    trainer = LogsItsWay.__new__(LogsItsWay)  # the event dispatch alone, no workers
+    trainer.args, trainer.state, trainer.control = (TrainingArguments(), TrainerState(),
+                                                    TrainerControl())
+    trainer.model = trainer.processing_class = None
+    trainer._steps_per_epoch, trainer._core = 2, SimpleNamespace(stop_requested=False)
+    trainer._hf_callbacks = [OnEvaluate()]
+    trainer._dispatch({"step": 1, "loss": 3.0, "lr": 0.1})
+    trainer._dispatch({"step": 2, "eval_loss": 2.5})
+    # The override saw both logs (Hugging Face's names); on_evaluate the evaluation's own
+    # metrics, not a stale history record (the override appended none).
+    assert trainer.seen == [{"loss": 3.0, "learning_rate": 0.1}, {"eval_loss": 2.5}]
+    assert trainer._hf_callbacks[0].metrics == [{"eval_loss": 2.5}]
+
+
 def test_overriding_what_tessera_never_calls_is_refused_by_name(own_process_group):
     data = TokenDataset(np.arange(200) % 50, seq_len=16)
     from tessera.models import Transformer, preset
@@ -214,6 +264,15 @@ def test_overriding_what_tessera_never_calls_is_refused_by_name(own_process_grou
                         train_dataset=data, eval_dataset=data)
     trainer = EvaluatesItsWay(model=Transformer(preset("tiny")), args=args, train_dataset=data)
     assert trainer.evaluate() == {"eval_loss": 0.0} and trainer.my_own_helper() == 1
+    # A mixin's override counts, before or after Trainer in the bases
+    for mixed in (MixedBefore, MixedAfter):
+        with pytest.raises(ValueError, match=f"{mixed.__name__} overrides compute_loss"):
+            mixed(model=Transformer(preset("tiny")), args=args, train_dataset=data)
+    # save_model: Hugging Face also calls it for every checkpoint, tessera's core does not
+    with pytest.raises(ValueError, match="save_model is overridable with save_strategy='no'"):
+        SavesItsWay(model=Transformer(preset("tiny")), args=args, train_dataset=data)
+    unsaved = TrainingArguments(max_steps=1, per_device_train_batch_size=2, save_strategy="no")
+    SavesItsWay(model=Transformer(preset("tiny")), args=unsaved, train_dataset=data)
 
 
 def test_metrics_are_printed_and_saved_as_hugging_face_names_them(tmp_path):
@@ -343,6 +402,8 @@ def test_datasets_tessera_cannot_index_are_refused_naming_the_way():
     with pytest.raises(ValueError, match="eval_dataset is a dict of datasets .wiki, code.*"
                                          "metric_key_prefix='eval_<name>'"):
         check_map_style("eval_dataset", {"wiki": [0], "code": [1]})
+    with pytest.raises(ValueError, match="train_dataset is a dict.*give one split"):
+        check_map_style("train_dataset", {"train": [0], "validation": [1]})
 
     class Stream(torch.utils.data.IterableDataset):
         def __iter__(self):

@@ -429,9 +429,16 @@ def _check_choice(name: str, value: Any, choices: tuple[str, ...]) -> None:
 
 
 def text_values(text: str) -> dict[str, str]:
-    """Strategy ``text`` as field name -> value text (``mbs``/``gbs`` by their full names),
-    unchecked: :meth:`Strategy.from_mapping` checks them."""
-    return {TEXT_ALIASES.get(key, key): value for key, value in _split_text(text).items()}
+    """Strategy ``text`` as field name -> value text (``mbs``/``gbs`` by their full names;
+    a field given under both names is refused), values unchecked: :meth:`Strategy.from_mapping`
+    checks them."""
+    values: dict[str, str] = {}
+    for key, value in _split_text(text).items():
+        name = TEXT_ALIASES.get(key, key)
+        if name in values:
+            raise StrategyError(f"strategy field {key!r} given twice in {text!r}")
+        values[name] = value
+    return values
 
 
 def _split_text(text: str) -> dict[str, str]:

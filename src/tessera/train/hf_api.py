@@ -86,7 +86,7 @@ class Trainer:
                            preprocess_logits_for_metrics=preprocess_logits_for_metrics,
                            optimizers=None if optimizers == (None, None) else optimizers)
         self.args = args or TrainingArguments()
-        check_overrides(type(self), Trainer, self.args.eval_strategy)
+        check_overrides(type(self), Trainer, self.args)
         seed_everything(self.args.seed)
         self.state = TrainerState()
         self.control = TrainerControl()
@@ -182,7 +182,7 @@ class Trainer:
                                              f"{metric_key_prefix}_{name}"))
             return metrics
         metrics = {f"{metric_key_prefix}_loss": self._evaluate_on(eval_dataset)}
-        self.log(metrics)
+        self.log(metrics)  # adds the epoch, as Hugging Face's
         self._each("on_evaluate", metrics=metrics)
         return metrics
 
@@ -260,7 +260,8 @@ class Trainer:
         the step goes to ``state.log_history``, and callbacks' ``on_log`` see it. Training
         and evaluation logs go through here, so a subclass overriding ``log`` sees them all.
         (``start_time``: Hugging Face's speed metrics for it are not computed here.)"""
-        record = {**logs, "epoch": self.state.epoch, "step": self.state.global_step}
+        logs["epoch"] = self.state.epoch  # in place, as Hugging Face's (on_evaluate sees it)
+        record = {**logs, "step": self.state.global_step}
         self.state.log_history.append(record)
         self._each("on_log", logs=record)  # with the step, as the training logs here
 
@@ -372,7 +373,7 @@ class Trainer:
         logs.pop("epoch", None)
         self.log(logs)  # evaluations too, then on_evaluate, as HF does
         if "eval_loss" in record:
-            self._each("on_evaluate", metrics=self.state.log_history[-1])
+            self._each("on_evaluate", metrics=logs)
         if self.control.should_training_stop:
             self._core.stop_requested = True
 
@@ -483,17 +484,31 @@ def resolve_strategy(text: str | None, model: nn.Module, world: int, per_device:
 
 
 def _batch_from_arguments(text: str, per_device: int, accumulation: int) -> dict[str, Any]:
-    """Strategy ``text`` as fields, where a left-out ``mbs`` or ``gbs`` comes from the
-    Hugging Face arguments: the micro-batch is ``per_device_train_batch_size`` and the global
-    batch that times ``gradient_accumulation_steps`` times the data-parallel ranks (the
-    Strategy's own defaults, 1 and 1, would silently train one sample per step)."""
+    """Strategy ``text`` as fields, where a left-out ``mbs`` or ``gbs`` comes from Hugging
+    Face's batch identity, gbs = mbs x ``gradient_accumulation_steps`` x dp, with mbs =
+    ``per_device_train_batch_size`` when the text gives neither (the Strategy's own
+    defaults, 1 and 1, would silently train one sample per step).
+
+    Raises:
+        StrategyError: for a gbs that the accumulation steps and dp do not divide.
+    """
     values: dict[str, Any] = text_values(text)
-    values.setdefault("micro_batch_size", per_device)
-    if "global_batch_size" not in values:
-        try:
-            mbs, dp = int(values["micro_batch_size"]), int(values.get("dp", 1))
-        except ValueError:  # from_mapping refuses the value, naming its field
-            return values
+    given = {"micro_batch_size", "global_batch_size"} & set(values)
+    try:
+        dp = int(values.get("dp", 1))
+        mbs = int(values.get("micro_batch_size", per_device))
+        gbs = int(values["global_batch_size"]) if "global_batch_size" in given else None
+    except ValueError:  # from_mapping refuses the value, naming its field
+        return values
+    if given == {"global_batch_size"}:
+        if gbs % (accumulation * dp):
+            raise StrategyError(
+                f"strategy {text!r} gives gbs={gbs} without mbs: mbs = gbs / "
+                f"(gradient_accumulation_steps={accumulation} x dp={dp}) is not whole; add "
+                "mbs to the text")
+        values["micro_batch_size"] = gbs // (accumulation * dp)
+    elif "global_batch_size" not in given:
+        values["micro_batch_size"] = mbs
         values["global_batch_size"] = mbs * accumulation * dp
     return values
 

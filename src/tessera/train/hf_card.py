@@ -13,10 +13,11 @@ from typing import Any
 
 import yaml
 
-# Keywords of Hugging Face's create_model_card -> the card metadata key they fill.
-_METADATA = {"language": "language", "license": "license", "tags": "tags",
-             "finetuned_from": "base_model", "tasks": "pipeline_tag",
-             "dataset_tags": "datasets"}
+# Keywords of Hugging Face's create_model_card -> the card metadata key they fill, and
+# whether it is written as a list (as its TrainingSummary writes them).
+_METADATA = {"language": ("language", True), "license": ("license", False),
+             "finetuned_from": ("base_model", False), "tags": ("tags", True),
+             "dataset_tags": ("datasets", True)}
 
 
 def model_card(title: str, args: Any, state: Any, strategy_text: str, *,
@@ -24,17 +25,22 @@ def model_card(title: str, args: Any, state: Any, strategy_text: str, *,
                tags: Any = None, model_name: str | None = None, finetuned_from: Any = None,
                tasks: Any = None, dataset_tags: Any = None, dataset: Any = None,
                dataset_args: Any = None) -> str:
-    """The card's text (Hugging Face's keywords; ``dataset_args`` names the dataset's
-    configuration, shown beside its name)."""
+    """The card's text, its metadata as Hugging Face's ``TrainingSummary`` writes it
+    (``language``, ``tags`` and ``datasets`` as lists, ``finetuned_from`` as ``base_model``,
+    a ``model-index`` naming the model). Like Hugging Face's, the model index lists no
+    results: it keeps a result only with a task, a dataset and a metric it knows, and a loss
+    is not one, so ``tasks`` changes nothing here either. ``dataset`` and ``dataset_args``
+    (its configuration) are shown in the text."""
     given = {"language": language, "license": license, "tags": tags,
-             "finetuned_from": finetuned_from, "tasks": tasks, "dataset_tags": dataset_tags}
+             "finetuned_from": finetuned_from, "dataset_tags": dataset_tags}
+    name = model_name or title
     metadata: dict[str, Any] = {"library_name": "transformers"} if is_transformers_model else {}
-    for keyword, key in _METADATA.items():
+    for keyword, (key, as_list) in _METADATA.items():
         value = given[keyword]
         if value:
-            metadata[key] = list(value) if isinstance(value, (list, tuple)) else value
-    metadata["tags"] = sorted({*_as_list(metadata.get("tags")), "tessera"})
-    name = model_name or title
+            metadata[key] = _as_list(value) if as_list else value
+    metadata["tags"] = [*_as_list(metadata.get("tags")), "tessera"]
+    metadata["model-index"] = [{"name": name, "results": []}]
     origin = f"a fine-tuned version of {finetuned_from}" if finetuned_from else "trained"
     data = f" on {_as_list(dataset)[0]}" if dataset else ""
     if dataset and dataset_args:

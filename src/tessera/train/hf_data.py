@@ -92,10 +92,12 @@ def check_map_style(name: str, dataset: Any) -> None:
     if dataset is None:
         return
     if isinstance(dataset, dict):
-        raise ValueError(
-            f"{name} is a dict of datasets ({', '.join(map(str, dataset))}): evaluations during "
-            "training take one; give one here and evaluate the others with "
-            "trainer.evaluate(eval_dataset=..., metric_key_prefix='eval_<name>')")
+        way = ("evaluations during training take one; give one here and evaluate the others "
+               "with trainer.evaluate(eval_dataset=..., metric_key_prefix='eval_<name>')"
+               if name == "eval_dataset" else
+               "training takes one set: give one split (e.g. dataset['train'])")
+        raise ValueError(f"{name} is a dict of datasets ({', '.join(map(str, dataset))}): "
+                         + way)
     if isinstance(dataset, torch.utils.data.IterableDataset) or not (
             hasattr(dataset, "__len__") and hasattr(dataset, "__getitem__")):
         raise ValueError(

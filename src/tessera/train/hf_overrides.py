@@ -9,40 +9,46 @@ override would be silently ignored: it is refused when the Trainer is built, nam
 from __future__ import annotations
 
 # Overridable: tessera calls these where Hugging Face does (``log`` for every training and
-# evaluation log), or only a script calls them (``train``, ``save_model``, the reports).
+# evaluation log), or only a script calls them (``train``, the reports).
 HONOURED = frozenset({
-    "__init__", "train", "log", "save_model", "log_metrics", "save_metrics", "save_state",
-    "add_callback", "pop_callback", "remove_callback", "is_world_process_zero",
-    "is_local_process_zero", "create_model_card"})
-# Honoured only when nothing evaluates during training: those evaluations run in the core.
-HONOURED_WITHOUT_EVAL_STRATEGY = frozenset({"evaluate"})
+    "__init__", "train", "log", "log_metrics", "save_metrics", "save_state", "add_callback",
+    "pop_callback", "remove_callback", "is_world_process_zero", "is_local_process_zero",
+    "create_model_card"})
+# Hugging Face also calls these during training (every evaluation; every checkpoint's
+# weights), where tessera's core evaluates and checkpoints without them: overridable only
+# when training does neither, so that only the script's own calls run them.
+CALLED_DURING_TRAINING = {"evaluate": ("eval_strategy", "evaluations during training"),
+                          "save_model": ("save_strategy", "checkpoints")}
 
 
-def check_overrides(cls: type, base: type, eval_strategy: str) -> None:
+def check_overrides(cls: type, base: type, args) -> None:
     """Refuse methods of Hugging Face's Trainer that ``cls`` (a subclass of ``base``,
-    tessera's Trainer) defines and tessera would not call.
+    tessera's Trainer) or a mixin of it defines and tessera would not call.
 
     Raises:
         ValueError: naming the methods and what to do instead.
     """
     theirs = _hf_trainer_names()
-    allowed = HONOURED | (HONOURED_WITHOUT_EVAL_STRATEGY if eval_strategy == "no" else set())
+    allowed = HONOURED | {name for name, (field, _) in CALLED_DURING_TRAINING.items()
+                          if getattr(args, field) == "no"}
     defined = set()
-    for klass in cls.__mro__:
-        if klass is base or not issubclass(klass, base):
-            break
+    for klass in cls.__mro__:  # the user's classes and mixins, before or after ``base``
+        if klass in base.__mro__:
+            continue
         defined |= {name for name, value in vars(klass).items() if callable(value)
                     or isinstance(value, (staticmethod, classmethod, property))}
     ignored = sorted((defined & theirs) - allowed)
     if ignored:
-        evaluate = ("; evaluate is overridable with eval_strategy='no' (evaluations during "
-                    "training do not call it)" if "evaluate" in ignored else "")
+        conditional = "".join(
+            f"; {name} is overridable with {field}='no' ({what} do not call it)"
+            for name, (field, what) in CALLED_DURING_TRAINING.items() if name in ignored)
         raise ValueError(
             f"{cls.__name__} overrides {', '.join(ignored)} of Hugging Face's Trainer, which "
             "tessera's Trainer never calls (the layout runs the loss, the step, the "
-            "optimizer and the data order), so the override would be ignored. Overridable: "
-            f"{', '.join(sorted(HONOURED - {'__init__'}))}{evaluate}. A custom loss goes in "
-            "the model's forward (its returned loss); optimizer settings in the arguments")
+            "optimizer, the data order, evaluations and checkpoints), so the override would "
+            f"be ignored. Overridable: {', '.join(sorted(HONOURED - {'__init__'}))}"
+            f"{conditional}. A custom loss goes in the model's forward (its returned loss); "
+            "optimizer settings in the arguments")
 
 
 def _hf_trainer_names() -> set[str]:

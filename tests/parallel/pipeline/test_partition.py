@@ -430,6 +430,23 @@ def test_a_hugging_face_model_at_its_default_use_cache_is_captured_and_keeps_it(
     assert model.config.use_cache
     graph = capture(model, 1, 16)
     assert len(graph.compute) > 0 and model.config.use_cache is True
+    # A user's module wrapping it too (the outer module has no config)
+    wrapped = _Wraps(model)
+    assert len(capture(wrapped, 1, 16).compute) == len(graph.compute)
+    assert model.config.use_cache is True
+    # A forward asking for the cache itself is refused naming it
+    wrapped.use_cache = True
+    with pytest.raises(CaptureError, match="k/v cache was in the traced call.*use_cache=False"):
+        capture(wrapped, 1, 16)
+
+
+class _Wraps(nn.Module):
+    def __init__(self, lm: nn.Module) -> None:
+        super().__init__()
+        self.lm, self.use_cache = lm, None
+
+    def forward(self, input_ids):
+        return self.lm(input_ids=input_ids, use_cache=self.use_cache)
 
 
 class _LongSkip(nn.Module):

@@ -134,17 +134,18 @@ def capture(model: nn.Module, batch_size: int, seq_len: int, extra_inputs=None,
 
 @contextmanager
 def cache_off(model: nn.Module):
-    """A Hugging Face model's ``config.use_cache`` (every config's default is True) off
-    inside, as it was after: the cache is inference state, and its objects do not export."""
-    config = getattr(model, "config", None)
-    use_cache = getattr(config, "use_cache", None)
-    if use_cache:
+    """``config.use_cache`` (every Hugging Face config's default is True) off inside for
+    ``model`` and any model it wraps, each as it was after: the cache is inference state,
+    and its objects do not export."""
+    configs = {id(c): c for c in (getattr(m, "config", None) for m in model.modules())
+               if getattr(c, "use_cache", None)}
+    for config in configs.values():
         config.use_cache = False
     try:
         yield
     finally:
-        if use_cache:
-            config.use_cache = use_cache
+        for config in configs.values():
+            config.use_cache = True
 
 
 def build_proxy(program: ExportedProgram, more_inputs: tuple[str, ...] = (),
@@ -348,6 +349,10 @@ def _capture_message(model: nn.Module, err: Exception, shape: tuple[int, int]) -
     else:
         way_out = ("It is in the model's own forward, which no leaf module can hide: make it "
                    "traceable, or train this model with pp=1.")
+    if "Cache" in f"{type(err).__name__} {err}":  # a k/v cache object reached the export
+        way_out = ("A Hugging Face k/v cache was in the traced call: build the model with "
+                   "use_cache=False (a model this wraps, too), or pass use_cache=False in "
+                   "its forward. " + way_out)
     if _data_dependent(err):
         return (head + "Data-dependent control flow (a Python `if` on a tensor value) cannot "
                 "be traced: rewrite it with torch.cond, or take the way out below. " + way_out)
