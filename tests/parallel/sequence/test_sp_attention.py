@@ -214,7 +214,40 @@ def _too_long(group):
             "hf_positions_from_padding_idx": lambda: run(T.RobertaForCausalLM(T.RobertaConfig(
                 vocab_size=64, hidden_size=32, num_hidden_layers=1, num_attention_heads=4,
                 intermediate_size=64, is_decoder=True, hidden_dropout_prob=0.0,
-                attention_probs_dropout_prob=0.0)), 8)}
+                attention_probs_dropout_prob=0.0)), 8),
+            **_position_dependent(run, T),
+            # a per-token key of another length: each rank padded it and took its columns
+            "labels_longer": lambda: run(gpt2(), 12, labels=torch.zeros(1, 13, dtype=torch.long)),
+            # values with their own head size (multi-head latent attention)
+            "v_head_size": lambda: run(T.DeepseekV3ForCausalLM(T.DeepseekV3Config(
+                vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=1,
+                num_attention_heads=4, num_key_value_heads=4, n_routed_experts=2,
+                num_experts_per_tok=1, first_k_dense_replace=1, kv_lora_rank=8,
+                q_lora_rank=None, qk_rope_head_dim=8, qk_nope_head_dim=8, v_head_dim=4,
+                moe_intermediate_size=32, n_group=1, topk_group=1)), 16)}
+
+
+def _position_dependent(run, T):
+    """Models whose numbers follow each call's positions: dynamic NTK RoPE and Phi-3's
+    longrope (frequencies from the call's largest position id), Llama 4's attention
+    temperature (scaled by index in the call). Each sp rank's call sees its own shard."""
+    llama = dict(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=1,
+                 num_attention_heads=4, num_key_value_heads=2)
+    dynamic = lambda: T.LlamaForCausalLM(T.LlamaConfig(  # noqa: E731
+        **llama, max_position_embeddings=16,
+        rope_parameters={"rope_type": "dynamic", "factor": 4.0, "rope_theta": 10000.0}))
+    longrope = lambda: T.Phi3ForCausalLM(T.Phi3Config(  # noqa: E731
+        **llama, max_position_embeddings=64, pad_token_id=0, original_max_position_embeddings=16,
+        rope_parameters={"rope_type": "longrope", "rope_theta": 10000.0,
+                         "short_factor": [1.0] * 4, "long_factor": [4.0] * 4,
+                         "original_max_position_embeddings": 16}))
+    tuned = lambda: T.Llama4ForCausalLM(T.Llama4TextConfig(  # noqa: E731
+        **llama, intermediate_size_mlp=64, head_dim=8, num_local_experts=2,
+        no_rope_layers=[0], moe_layers=[], floor_scale=4, attn_temperature_tuning=True))
+    return {"hf_dynamic_rope_past_original": lambda: run(dynamic(), 20),
+            "hf_dynamic_rope_within_original": lambda: run(dynamic(), 16),
+            "hf_longrope_past_original": lambda: run(longrope(), 20),
+            "hf_temperature_past_floor": lambda: run(tuned(), 8)}
 
 
 def _silent_model_refusals(group):
@@ -529,6 +562,17 @@ def test_bad_input_is_refused_with_the_rule(runs):
         msgs["hf_own_positions_too_far"]
     assert "numbers positions from its input ids, after padding_idx=1" in \
         msgs["hf_positions_from_padding_idx"]
+    # Frequencies or scales that follow each call's positions: rows past the point where
+    # they start to change are refused (before, up to 1.4e-2 off in a gradient, silently)
+    assert ("exceeds the model's 16 positions (model.rotary_emb's rope_type 'dynamic' "
+            "changes its frequencies past 16 positions") in msgs["hf_dynamic_rope_past_original"]
+    assert msgs["hf_dynamic_rope_within_original"] is None
+    assert "rope_type 'longrope' changes its frequencies past 16" in \
+        msgs["hf_longrope_past_original"]
+    assert "exceeds the model's 3 positions" in msgs["hf_temperature_past_floor"]
+    assert "temperature tuning" in msgs["hf_temperature_past_floor"]
+    assert "batch labels has shape (1, 13), but input_ids is (1, 12)" in msgs["labels_longer"]
+    assert "head sizes q 16, k 16, v 4" in msgs["v_head_size"]
     assert "not through transformers' AttentionInterface" in msgs["hf_no_interface"]
     assert "mixes tokens outside attention (layer types ['conv'])" in msgs["hf_other_mixer"]
     assert "sliding attention window (sliding_window=2) over a sequence of 16" in \

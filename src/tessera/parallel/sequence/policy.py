@@ -103,6 +103,12 @@ class SequenceParallel:
         """
         ids = batch["input_ids"]
         B, T = ids.shape
+        for key in PER_TOKEN_KEYS:  # each rank pads and takes columns: a misfit goes unseen
+            if key in batch and tuple(batch[key].shape[:2]) != (B, T):
+                raise SequenceParallelError(
+                    f"batch {key} has shape {tuple(batch[key].shape)}, but input_ids is "
+                    f"({B}, {T}): sequence parallelism splits every per-token key along the "
+                    "same tokens")
         self._check_length(T, batch.get("position_ids"))
         self.row_length = T
         padded = padded_length(T, self.size, self.layout)
@@ -138,8 +144,8 @@ class SequenceParallel:
         if length > limit:
             raise SequenceParallelError(
                 f"sequence length {length} exceeds the model's {limit} positions ({source}): "
-                "shorten the rows (or their position_ids) or build the model with more "
-                "positions")
+                "shorten the rows (or their position_ids), build the model with more "
+                "positions, or train it with sp=1")
 
     def _default_positions(self, batch: dict[str, torch.Tensor], index: torch.Tensor
                            ) -> torch.Tensor:
@@ -222,6 +228,12 @@ class SequenceParallel:
             raise SequenceParallelError(
                 "sequence-parallel attention ran without token metadata: run the model through "
                 "SequenceParallel.forward_loss (or call set_tokens first)")
+        if not q.shape[-1] == k.shape[-1] == v.shape[-1]:  # every rank alike, before sends
+            raise SequenceParallelError(
+                f"sequence-parallel attention got head sizes q {q.shape[-1]}, k {k.shape[-1]}, "
+                f"v {v.shape[-1]}: the ring, RSA and Ulysses pass blocks of one head size "
+                "(multi-head latent attention, as in DeepSeek-V2/V3, gives values their own). "
+                "Train this model with sp=1")
         if not self.exportable:  # (under capture meta is a graph input of the same shape)
             self._check_tokens(q)
         seed = torch.randint(0, 2 ** 62, (), dtype=torch.int64) if dropout_p > 0 else None
@@ -256,6 +268,10 @@ class SequenceParallel:
 
     def _multiple(self) -> int:
         return self.size * (2 if self.layout == "zigzag" else 1)
+
+
+# Batch keys with one value per token, (B, T) as input_ids, which shard() splits alike.
+PER_TOKEN_KEYS = ("labels", "position_ids", "attention_mask", "document_ids")
 
 
 def _cross_entropy_sum(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
@@ -351,10 +367,13 @@ def _apply_hugging_face(model: nn.Module, sp: SequenceParallel) -> None:
     if "position_ids" not in inspect.signature(model.forward).parameters:
         raise SequenceParallelError(
             f"{type(model).__name__}.forward takes no position_ids (its decoder numbers "
-            "positions itself, as BART-style decoders do): each sp rank would embed its "
-            "tokens at positions 0.. of its own shard. Train this model with sp=1")
+            "positions or position biases itself, from each call's tokens: ALiBi in BLOOM "
+            "and MPT, a table in BART-style decoders): each sp rank would place its tokens "
+            "at positions 0.. of its own shard. Train this model with sp=1")
     sp.positions_from_mask = getattr(config, "model_type", None) in POSITIONS_FROM_MASK
-    sp.max_len = _learned_positions(model)
+    limits = [limit for limit in (_learned_positions(model), _rope_limit(model),
+                                  _temperature_limit(model)) if limit is not None]
+    sp.max_len = min(limits, key=lambda limit: limit[0]) if limits else None
     AttentionInterface.register(HF_ATTENTION_NAME, hf_attention)
     tagged = 0
     for module in model.modules():
@@ -396,6 +415,44 @@ def _learned_positions(model: nn.Module) -> tuple[int, str, bool] | None:
                     "with sp=1")
             return (module.num_embeddings - getattr(module, "offset", 0),
                     f"position table {name}", False)
+    return None
+
+
+def _rope_limit(model: nn.Module) -> tuple[int, str, bool] | None:
+    """Rotary embeddings whose frequencies follow each call's largest position id
+    (transformers' "dynamic" NTK scaling, Phi-3's "longrope"): past the original length
+    they change, from the positions a call sees, and each sp rank sees its own. Rows up to
+    that length get the original frequencies on every rank, as on one device."""
+    for name, module in model.named_modules():
+        kind = getattr(module, "rope_type", None)
+        kinds = set(kind.values()) if isinstance(kind, dict) else {kind}
+        dynamic = sorted(k for k in kinds if isinstance(k, str)
+                         and ("dynamic" in k or k == "longrope"))
+        if not dynamic:
+            continue
+        if isinstance(kind, dict):
+            raise SequenceParallelError(
+                f"{name} uses rope types {dynamic} per layer type, whose frequencies follow "
+                "each call's largest position id, which sp ranks do not share: train this "
+                "model with sp=1")
+        original = (module.config.rope_parameters["original_max_position_embeddings"]
+                    if kind == "longrope" else module.original_max_seq_len)
+        return (int(original), f"{name}'s rope_type {kind!r} changes its frequencies past "
+                f"{original} positions, from the largest position id each sp rank sees",
+                False)
+    return None
+
+
+def _temperature_limit(model: nn.Module) -> tuple[int, str, bool] | None:
+    """Llama 4's attention temperature tuning on its layers without RoPE scales queries by
+    their index in the call (not their position id): from ``floor_scale`` - 1 on, a rank's
+    local index gives another scale than the token's place in the row."""
+    for name, module in model.named_modules():
+        if getattr(module, "attn_temperature_tuning", False) and \
+                not getattr(module, "use_rope", True):
+            floor = int(module.floor_scale)
+            return (floor - 1, f"{name}'s attention temperature tuning scales queries by "
+                    f"their index within each sp rank's shard from index {floor - 1} on", True)
     return None
 
 
