@@ -265,7 +265,7 @@ def test_auto_plans_for_the_host_when_training_is_told_to_run_there(monkeypatch)
     (torch.arange(5), 5), (hf.BatchEncoding({"input_ids": [1, 2, 3]}), 3),
     ({"input_ids": torch.tensor(4)}, None), ({"text": "no ids"}, None)])
 def test_auto_plans_at_the_training_sets_length(sample, length):
-    from tessera.train.hf_api import _sample_length
+    from tessera.train.hf_strategy import sample_length as _sample_length
 
     assert _sample_length([sample]) == length
 

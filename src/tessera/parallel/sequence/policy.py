@@ -28,6 +28,7 @@ from torch import nn
 from tessera.parallel.plan import labels_without_padding
 from tessera.parallel.sequence.compose import TokenLoss
 from tessera.parallel.sequence.dropout import AttentionDropout
+from tessera.parallel.sequence.hf_positions import position_limit
 from tessera.parallel.sequence.layout import (SequenceParallelError, check_layout,
                                               local_indices, padded_length)
 from tessera.parallel.sequence.ring import ring_attention
@@ -40,7 +41,7 @@ IGNORE = -100
 # Hugging Face models whose decoder numbers positions from the attention mask when given no
 # position_ids (OPT's learned positions: cumsum(mask) * mask - 1, so left padding shifts
 # them); the others number them 0..T-1, as shard() does (RoBERTa-style tables, counted
-# from their padding index, are refused: _learned_positions).
+# from their padding index, are refused: hf_positions.py).
 POSITIONS_FROM_MASK = frozenset({"opt"})
 
 
@@ -371,9 +372,7 @@ def _apply_hugging_face(model: nn.Module, sp: SequenceParallel) -> None:
             "and MPT, a table in BART-style decoders): each sp rank would place its tokens "
             "at positions 0.. of its own shard. Train this model with sp=1")
     sp.positions_from_mask = getattr(config, "model_type", None) in POSITIONS_FROM_MASK
-    limits = [limit for limit in (_learned_positions(model), _rope_limit(model),
-                                  _temperature_limit(model)) if limit is not None]
-    sp.max_len = min(limits, key=lambda limit: limit[0]) if limits else None
+    sp.max_len = position_limit(model)
     AttentionInterface.register(HF_ATTENTION_NAME, hf_attention)
     tagged = 0
     for module in model.modules():
@@ -396,64 +395,6 @@ def _apply_hugging_face(model: nn.Module, sp: SequenceParallel) -> None:
             f"transformers' AttentionInterface (its attention implementation stays {used!r}), "
             "so sequence parallelism cannot route it: each rank would attend to its own "
             "tokens only. Train this model with sp=1")
-
-
-def _learned_positions(model: nn.Module) -> tuple[int, str, bool] | None:
-    """The rows of a learned absolute position table (GPT-2's ``wpe``, OPT's
-    ``embed_positions`` less its offset of 2) as ``SequenceParallel.max_len``, else None:
-    rotary positions have no table."""
-    for name, module in model.named_modules():
-        leaf = name.rsplit(".", 1)[-1]
-        if isinstance(module, nn.Embedding) and leaf in ("wpe", "embed_positions",
-                                                         "position_embeddings"):
-            if module.padding_idx is not None:  # RoBERTa-style: counted from padding_idx + 1
-                raise SequenceParallelError(
-                    f"{type(model).__name__} numbers positions from its input ids, after "
-                    f"padding_idx={module.padding_idx} of {name}, in its own forward: "
-                    "sequence parallelism passes each rank's positions counted from 0, "
-                    "which this model would embed as other positions. Train this model "
-                    "with sp=1")
-            return (module.num_embeddings - getattr(module, "offset", 0),
-                    f"position table {name}", False)
-    return None
-
-
-def _rope_limit(model: nn.Module) -> tuple[int, str, bool] | None:
-    """Rotary embeddings whose frequencies follow each call's largest position id
-    (transformers' "dynamic" NTK scaling, Phi-3's "longrope"): past the original length
-    they change, from the positions a call sees, and each sp rank sees its own. Rows up to
-    that length get the original frequencies on every rank, as on one device."""
-    for name, module in model.named_modules():
-        kind = getattr(module, "rope_type", None)
-        kinds = set(kind.values()) if isinstance(kind, dict) else {kind}
-        dynamic = sorted(k for k in kinds if isinstance(k, str)
-                         and ("dynamic" in k or k == "longrope"))
-        if not dynamic:
-            continue
-        if isinstance(kind, dict):
-            raise SequenceParallelError(
-                f"{name} uses rope types {dynamic} per layer type, whose frequencies follow "
-                "each call's largest position id, which sp ranks do not share: train this "
-                "model with sp=1")
-        original = (module.config.rope_parameters["original_max_position_embeddings"]
-                    if kind == "longrope" else module.original_max_seq_len)
-        return (int(original), f"{name}'s rope_type {kind!r} changes its frequencies past "
-                f"{original} positions, from the largest position id each sp rank sees",
-                False)
-    return None
-
-
-def _temperature_limit(model: nn.Module) -> tuple[int, str, bool] | None:
-    """Llama 4's attention temperature tuning on its layers without RoPE scales queries by
-    their index in the call (not their position id): from ``floor_scale`` - 1 on, a rank's
-    local index gives another scale than the token's place in the row."""
-    for name, module in model.named_modules():
-        if getattr(module, "attn_temperature_tuning", False) and \
-                not getattr(module, "use_rope", True):
-            floor = int(module.floor_scale)
-            return (floor - 1, f"{name}'s attention temperature tuning scales queries by "
-                    f"their index within each sp rank's shard from index {floor - 1} on", True)
-    return None
 
 
 def _check_ulysses_heads(heads: int, kv_heads: int, sp: SequenceParallel) -> None:
