@@ -211,9 +211,10 @@ def load_checkpoint(path: Path, model: nn.Module, optimizer: torch.optim.Optimiz
     if problem[0]:
         raise CheckpointError(problem[0])
     meta = read_meta(path)
-    flat = _saved_flat(path)
+    saved = set(dcp.FileSystemReader(str(path)).read_metadata().state_dict_metadata)
+    flat = _saved_flat(saved)
     model_sd, optim_sd = _state_dicts(model, optimizer, _FLAT if flat else _INDEXED)
-    renamed = _saved_alias_keys(model, optim_sd, path) if flat else {}
+    renamed = _saved_alias_keys(model, optim_sd, saved) if flat else {}
     state = {"model": model_sd,
              "optim": {renamed.get(key, key): value for key, value in optim_sd.items()}}
     dcp.load(state, checkpoint_id=str(path))
@@ -239,16 +240,17 @@ def _state_dicts(model: nn.Module, optimizer: torch.optim.Optimizer,
     return get_state_dict(model, optimizer, options=options)
 
 
-def _saved_alias_keys(model: nn.Module, optim_sd: dict[str, Any], path: Path
+def _saved_alias_keys(model: nn.Module, optim_sd: dict[str, Any], saved: set[str]
                       ) -> dict[str, str]:
     """Flat optimizer keys this run names by a tied weight's first name where the
     checkpoint holds them under another of its names -> that key. Pipeline stages named
     a tied weight by its sorted-first name until 2026-11-28 (GPT-2's ``lm_head.weight``,
-    not ``transformer.wte.weight``), so their checkpoints load under either layout."""
-    saved = set(dcp.FileSystemReader(str(path)).read_metadata().state_dict_metadata)
+    not ``transformer.wte.weight``), so their checkpoints load under either layout.
+    ``saved``: the checkpoint's keys."""
     module = model.module if isinstance(model, nn.parallel.DistributedDataParallel) else model
     renamed: dict[str, str] = {}
-    for names in parameter_aliases(module).values():
+    tied = [names for names in parameter_aliases(module).values() if len(names) > 1]
+    for names in tied:
         for key in optim_sd:
             part = next((p for p in ("state.", "param_groups.")
                          if key.startswith(f"{p}{names[0]}.")), None)
@@ -262,9 +264,9 @@ def _saved_alias_keys(model: nn.Module, optim_sd: dict[str, Any], path: Path
     return renamed
 
 
-def _saved_flat(path: Path) -> bool:
-    """Whether a checkpoint keys optimizer hyperparameters by parameter name (see _FLAT)."""
-    keys = dcp.FileSystemReader(str(path)).read_metadata().state_dict_metadata
+def _saved_flat(keys: set[str]) -> bool:
+    """Whether a checkpoint (its ``keys``) keys optimizer hyperparameters by parameter name
+    (see _FLAT)."""
     prefix = "optim.param_groups."
     return any(k.startswith(prefix) and not k[len(prefix):].split(".")[0].isdigit()
                for k in keys)

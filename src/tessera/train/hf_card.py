@@ -118,7 +118,7 @@ def _versions() -> list[tuple[str, str]]:
 
     import tessera
 
-    found = [("tessera", getattr(tessera, "__version__", "unknown")),
+    found = [("tessera", tessera.__version__),
              ("PyTorch", torch.__version__)]
     try:
         import transformers
