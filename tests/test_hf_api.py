@@ -1,6 +1,7 @@
 """The Hugging Face-style Trainer: same loss as the HF model, callbacks, epochs, save_model."""
 
 import inspect
+import json
 import math
 from pathlib import Path
 
@@ -149,10 +150,14 @@ def _argument_mapping(root, data) -> dict:
         train_refused = str(err)
     unsaved = Trainer(model=_tiny_gpt2(), args=TrainingArguments(
         output_dir=f"{root}/unsaved", per_device_train_batch_size=4, max_steps=2,
-        save_strategy="no", report_to="jsonl", average_tokens_across_devices=False),
-        train_dataset=data, processing_class=Processor())
+        save_strategy="no", report_to="jsonl", average_tokens_across_devices=False,
+        eval_strategy="steps", eval_steps=2),
+        train_dataset=data, processing_class=Processor(),
+        eval_dataset={"a": evaluation, "b": other})  # named sets, evaluated in training too
     unsaved.train()
     unsaved.save_model(f"{root}/unsaved_model")
+    records = [json.loads(line) for line in
+               (Path(root) / "unsaved" / "metrics.jsonl").read_text().splitlines()]
     recorder = trainer._hf_callbacks[0]
     return {"kept": sorted(p.name for p in Path(f"{root}/mapped/checkpoints").glob("step_*")),
             "events": recorder.events, "evaluated": evaluated, "named": named,
@@ -164,6 +169,8 @@ def _argument_mapping(root, data) -> dict:
             "unsaved_files": sorted(p.name for p in Path(f"{root}/unsaved").iterdir()),
             "processor_saved": (Path(root) / "unsaved_model" / "processor.txt").exists(),
             "resumed": (step, loss, resumed_metrics),
+            "named_in_training": [r for r in records if "eval_a_loss" in r],
+            "named_after": (unsaved.evaluate(), unsaved.evaluate("b")),
             "only_eval": (only_eval_loss, untrained_mean, train_refused)}
 
 
@@ -257,7 +264,6 @@ def _logged(events):
 def _check_script_reports(folder, eval_metrics):
     """What the script's log_metrics / save_metrics / save_state calls left, as Hugging
     Face's names them."""
-    import json
 
     train = json.loads((folder / "train_results.json").read_text())
     assert set(train) == {"train_runtime", "train_samples_per_second",
@@ -324,7 +330,18 @@ def _check_argument_mapping(out):
     assert abs(out["evaluated"] - out["per_sample_mean"]) < 1e-5
     # The same set under another name gives the same loss (the same sums); another set its own
     # (and the epoch, which Hugging Face's log adds to the metrics evaluate returns)
-    assert set(out["named"]) == {"test_same_loss", "test_other_loss", "epoch"}
+    speeds = ("runtime", "samples_per_second", "steps_per_second")
+    assert set(out["named"]) == {"epoch"} | {f"test_{name}_{what}" for name in ("same", "other")
+                                             for what in ("loss", *speeds)}
+    # A dict eval_dataset during training: each set evaluated at the evaluation step, under
+    # its own name, with its speed (Hugging Face's names); evaluate() after training gives
+    # the same losses (the same weights), and a set's name picks it alone ("eval_loss").
+    during = out["named_in_training"]
+    assert [r["step"] for r in during] == [2] and "eval_b_loss" not in during[0]
+    after, by_name = out["named_after"]
+    assert after["eval_a_loss"] == pytest.approx(during[0]["eval_a_loss"], abs=1e-6)
+    assert by_name["eval_loss"] == after["eval_b_loss"] != after["eval_a_loss"]
+    assert all(after[f"eval_{name}_{what}"] > 0 for name in "ab" for what in speeds)
     assert out["named"]["test_same_loss"] == out["evaluated"]
     assert out["named"]["test_other_loss"] == out["other_direct"] != out["evaluated"]
     assert "metrics.jsonl" not in out["mapped_files"]  # report_to="none" (the default)

@@ -399,9 +399,17 @@ def test_use_cpu_plans_auto_for_the_host_not_its_gpu(monkeypatch, own_process_gr
 def test_datasets_tessera_cannot_index_are_refused_naming_the_way():
     from tessera.train.hf_data import check_map_style
 
-    with pytest.raises(ValueError, match="eval_dataset is a dict of datasets .wiki, code.*"
-                                         "metric_key_prefix='eval_<name>'"):
-        check_map_style("eval_dataset", {"wiki": [0], "code": [1]})
+    from tessera.train.hf_eval import eval_sets
+
+    # A dict eval_dataset holds named sets (Hugging Face's eval_<name>_loss); each is checked.
+    assert list(eval_sets({"wiki": [0], "code": [1]})) == ["wiki", "code"]
+    with pytest.raises(ValueError, match=r"eval_dataset\['code'\] is a dict of datasets "
+                                         r"\(a\): give one set"):
+        eval_sets({"wiki": [0], "code": {"a": [1]}})
+    with pytest.raises(ValueError, match="eval_dataset is an empty dict"):
+        eval_sets({})
+    with pytest.raises(ValueError, match="keys name metrics .* got 0, a int"):
+        eval_sets({0: [1]})
     with pytest.raises(ValueError, match="train_dataset is a dict.*give one split"):
         check_map_style("train_dataset", {"train": [0], "validation": [1]})
 
@@ -411,7 +419,7 @@ def test_datasets_tessera_cannot_index_are_refused_naming_the_way():
 
     with pytest.raises(ValueError, match="train_dataset is a Stream, which has no length"):
         check_map_style("train_dataset", Stream())
-    with pytest.raises(ValueError, match="eval_dataset is a dict"):
+    with pytest.raises(ValueError, match=r"eval_dataset\['a'\] is a Stream, which has no"):
         Trainer(model=torch.nn.Linear(2, 2), args=TrainingArguments(max_steps=1),
-                train_dataset=[0, 1], eval_dataset={"a": [0]})
+                train_dataset=[0, 1], eval_dataset={"a": Stream()})
     check_map_style("train_dataset", [{"input_ids": [1, 2]}])  # a list indexes

@@ -41,6 +41,7 @@ from tessera.train.hf_callbacks import TrainerControl, TrainerState, check_callb
 from tessera.train.hf_data import (check_map_style, hf_collator, labels_shifted,
                                    model_columns)
 from tessera.train.hf_arguments import TrainingArguments, check_some_training
+from tessera.train.hf_eval import Evaluations, eval_sets, first_set
 from tessera.train.hf_overrides import check_overrides
 from tessera.train.hf_strategy import check_batch_arguments, resolve_strategy, sample_length
 from tessera.train.hf_reports import (TrainOutput, format_metrics, train_output,
@@ -101,16 +102,22 @@ class Trainer:
             self._hf_callbacks.append(callback)
         plain = [c for c in callbacks if callable(c)]
         check_map_style("train_dataset", train_dataset)
-        check_map_style("eval_dataset", eval_dataset)
-        self._core_args, strategy = self._translate(model, train_dataset, eval_dataset)
+        named = eval_sets(eval_dataset)  # a dict: each set evaluated under eval_<name>
+        self.train_dataset, self.eval_dataset = train_dataset, eval_dataset
+        single = first_set(eval_dataset)  # shapes the job when there is no train_dataset
+        self._core_args, strategy = self._translate(model, train_dataset, single)
         self.state.describe(self._core_args, self.args, self._steps_per_epoch,
                             strategy.micro_batch_size)
-        self._train_dataset = train_dataset  # evaluate(eval_dataset=...) checks its kind
-        shifted = labels_shifted(*[d for d in (train_dataset, eval_dataset) if d is not None])
+        reference = train_dataset if train_dataset is not None else single
+        shifted = labels_shifted(reference)
+        for other in (named or {"": single}).values():
+            labels_shifted(reference, other)  # one kind of labels throughout
         # before layouts wrap model.forward
         collator = hf_collator(data_collator, not shifted, model_columns(model))
-        self._core = CoreTrainer(model, self._core_args, train_dataset, eval_dataset,
+        self._core = CoreTrainer(model, self._core_args, train_dataset, single,
                                  strategy=strategy, callbacks=plain, data_collator=collator)
+        self._evaluations = Evaluations(self._core, named, reference)
+        self._core.evaluations = self._evaluations.during_training
         # Hugging Face fires every event on every process (callbacks that write check
         # state.is_world_process_zero); the core's records and saves reach every rank.
         self._core.record_hooks.append(self._dispatch)
@@ -164,41 +171,27 @@ class Trainer:
         self._each("on_train_end")
         return output
 
-    def evaluate(self, eval_dataset: Dataset | dict[str, Dataset] | None = None,
+    def evaluate(self, eval_dataset: Dataset | dict[str, Dataset] | str | None = None,
                  ignore_keys: list[str] | None = None, metric_key_prefix: str = "eval"
                  ) -> dict[str, float]:
-        """``{"eval_loss": ...}`` over the whole evaluation set, each sample once (all ranks
-        call it), in micro-batches of ``per_device_eval_batch_size`` when set (pp=1), logged
-        as Hugging Face logs it (``on_log``, then ``on_evaluate``, on every rank).
+        """``{prefix}_loss`` over the whole evaluation set, each sample once (all ranks call
+        it), in micro-batches of ``per_device_eval_batch_size`` when set (pp=1), with
+        ``{prefix}_runtime``, ``_samples_per_second`` and ``_steps_per_second``; logged as
+        Hugging Face logs it (``on_log``, then ``on_evaluate``, on every rank).
 
-        ``eval_dataset``: another set than the Trainer's (of the same kind), or a dict of
-        them, each evaluated under ``{metric_key_prefix}_{name}``, as Hugging Face's.
-        ``metric_key_prefix`` names the loss ``{prefix}_loss``. ``ignore_keys`` (output keys
-        to leave out of predictions) has nothing to act on: only the loss is computed.
+        ``eval_dataset``: another set than the Trainer's (of the same kind), a dict of them,
+        or the name of one of the Trainer's when its ``eval_dataset`` is a dict. Each set of
+        a dict is evaluated and logged under ``{metric_key_prefix}_{name}``, as Hugging
+        Face's. ``ignore_keys`` (output keys to leave out of predictions) has nothing to act
+        on: only the loss is computed.
         """
-        if isinstance(eval_dataset, dict):
-            metrics: dict[str, float] = {}
-            for name, dataset in eval_dataset.items():
-                metrics.update(self.evaluate(dataset, ignore_keys,
-                                             f"{metric_key_prefix}_{name}"))
-            return metrics
-        metrics = {f"{metric_key_prefix}_loss": self._evaluate_on(eval_dataset)}
-        self.log(metrics)  # adds the epoch, as Hugging Face's
-        self._each("on_evaluate", metrics=metrics)
+        metrics: dict[str, float] = {}
+        for prefix, dataset in self._evaluations.plan(eval_dataset, metric_key_prefix):
+            these = self._evaluations.metrics(dataset, prefix)
+            self.log(these)  # adds the epoch, as Hugging Face's
+            self._each("on_evaluate", metrics=these)
+            metrics.update(these)
         return metrics
-
-    def _evaluate_on(self, dataset: Dataset | None) -> float:
-        if dataset is None:
-            return self._core.evaluate()
-        check_map_style("eval_dataset", dataset)
-        given = self._train_dataset if self._train_dataset is not None else self._core.eval_dataset
-        labels_shifted(*[d for d in (given, dataset) if d is not None])  # one kind
-        kept = self._core.eval_dataset
-        self._core.eval_dataset = dataset
-        try:
-            return self._core.evaluate()
-        finally:
-            self._core.eval_dataset = kept
 
     def save_model(self, output_dir: str | None = None) -> Path:
         """Write the full (unsharded) weights for ``from_pretrained`` or reloading."""
@@ -373,7 +366,7 @@ class Trainer:
         self.state.epoch = self._epoch_at(self.state.global_step)
         logs.pop("epoch", None)
         self.log(logs)  # evaluations too, then on_evaluate, as HF does
-        if "eval_loss" in record:
+        if any(key.startswith("eval_") for key in record):  # an evaluation's metrics
             self._each("on_evaluate", metrics=logs)
         if self.control.should_training_stop:
             self._core.stop_requested = True

@@ -92,10 +92,8 @@ def check_map_style(name: str, dataset: Any) -> None:
     if dataset is None:
         return
     if isinstance(dataset, dict):
-        way = ("evaluations during training take one; give one here and evaluate the others "
-               "with trainer.evaluate(eval_dataset=..., metric_key_prefix='eval_<name>')"
-               if name == "eval_dataset" else
-               "training takes one set: give one split (e.g. dataset['train'])")
+        way = ("training takes one set: give one split (e.g. dataset['train'])"
+               if name == "train_dataset" else "give one set of samples here")
         raise ValueError(f"{name} is a dict of datasets ({', '.join(map(str, dataset))}): "
                          + way)
     if isinstance(dataset, torch.utils.data.IterableDataset) or not (

@@ -65,8 +65,8 @@ def format_record(record: dict[str, Any]) -> str:
     parts = []
     if "loss" in record:
         parts.append(f"loss {record['loss']:.4f}")
-    if "eval_loss" in record:
-        parts.append(f"eval {record['eval_loss']:.4f}")
+    for key in (k for k in record if k.startswith("eval") and k.endswith("_loss")):
+        parts.append(f"{key.removesuffix('_loss').replace('_', ' ')} {record[key]:.4f}")
     if "lr" in record:
         parts.append(f"lr {record['lr']:.2e}")
     if "tokens_per_s" in record:

@@ -118,6 +118,9 @@ class Trainer:
         # Every rank: with each metrics record (all ranks hold the same), after each save.
         self.record_hooks: list[Callable[[dict[str, Any]], None]] = []
         self.save_callbacks: list[Callable[[Path], None]] = []
+        # An evaluation step's metrics, one record per evaluated set (the HF front's named sets).
+        self.evaluations: Callable[[], list[dict[str, float]]] = \
+            lambda: [{"eval_loss": self.evaluate()}]
         self.strategy.require_available()
         check_eval_micro_batch(args.eval_micro_batch_size, self.strategy)
         self.ctx: WorkerContext = init_distributed(
@@ -424,9 +427,10 @@ class Trainer:
         last = self.step == self.args.max_steps
         if self.eval_dataset is None or not (every and (self.step % every == 0 or last)):
             return False
-        loss = self.evaluate()
-        result.eval_losses.append((self.step, loss))
-        self._emit({"step": self.step, "eval_loss": loss}, writer, progress)
+        for metrics in self.evaluations():
+            result.eval_losses.extend((self.step, value) for key, value in metrics.items()
+                                      if key.endswith("_loss"))
+            self._emit({"step": self.step, **metrics}, writer, progress)
         return True
 
     def _emit(self, record: dict[str, Any], writer: MetricsWriter,
