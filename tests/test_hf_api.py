@@ -462,7 +462,7 @@ def test_strategy_text_without_a_batch_takes_the_hugging_face_arguments():
 
 
 def test_an_evaluation_micro_batch_the_layout_cannot_run_is_refused():
-    from tessera.train.trainer import check_eval_micro_batch
+    from tessera.train.evaluation import check_eval_micro_batch
 
     with pytest.raises(StrategyError, match="pipeline stages .pp=2. run the training"):
         check_eval_micro_batch(4, Strategy.parse("pp=2,mbs=2,gbs=8"))

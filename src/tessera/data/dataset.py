@@ -76,11 +76,14 @@ class GlobalBatchOrder:
     When the global batch size changes at a resume, the stream continues at the sample
     where it stopped: ``start_step`` and ``start_sample`` give the step and stream position of
     the resume, and batch ``s`` is then positions ``start_sample + (s - start_step) * gbs``.
+
+    ``num_samples=None`` is a stream (an iterable dataset, ``data/stream.py``): its order is
+    its own, so the indices are the stream positions themselves.
     """
 
-    def __init__(self, num_samples: int, global_batch_size: int, seed: int,
+    def __init__(self, num_samples: int | None, global_batch_size: int, seed: int,
                  start_step: int = 0, start_sample: int | None = None) -> None:
-        if num_samples < 1:
+        if num_samples is not None and num_samples < 1:
             raise DataError("the dataset is empty")
         self.num_samples, self.global_batch_size, self.seed = (
             num_samples, global_batch_size, seed)
@@ -98,6 +101,8 @@ class GlobalBatchOrder:
         """Sample indices of global batch ``step`` (length gbs)."""
         first = self.samples_before(step)
         positions = np.arange(first, first + self.global_batch_size)
+        if self.num_samples is None:
+            return positions
         out = np.empty_like(positions)
         for epoch in np.unique(positions // self.num_samples):
             mask = positions // self.num_samples == epoch

@@ -1,9 +1,12 @@
-"""Which evaluation samples each data-parallel rank reads, in micro-batches."""
+"""Which evaluation samples each data-parallel rank reads, in micro-batches, and the
+micro-batch sizes a layout can evaluate in."""
 
 from __future__ import annotations
 
 import math
 from typing import Iterator
+
+from tessera.strategy import Strategy, StrategyError
 
 
 def eval_micro_batches(n_samples: int, global_batch: int, dp: int, dp_rank: int, mbs: int,
@@ -27,3 +30,27 @@ def eval_micro_batches(n_samples: int, global_batch: int, dp: int, dp_rank: int,
             positions = range(start, start + mbs)
             real = sum(p < n_samples for p in positions) if whole else mbs
             yield [p % n_samples for p in positions], real
+
+
+def check_eval_micro_batch(size: int, strategy: Strategy,
+                           name: str = "train.eval_micro_batch_size",
+                           unset: str = "leave it 0") -> None:
+    """Refuse an evaluation micro-batch size the layout cannot run (0: the training one).
+
+    Args:
+        name, unset: the argument as the caller's user knows it, and how to leave it unset.
+
+    Raises:
+        StrategyError: naming the size and the rule.
+    """
+    if not size or size == strategy.micro_batch_size:
+        return
+    if strategy.pp > 1:
+        raise StrategyError(f"{name}={size} differs from mbs="
+                            f"{strategy.micro_batch_size}, but pipeline stages (pp="
+                            f"{strategy.pp}) run the training micro-batch shape: {unset}")
+    q = strategy.tp_grid[0]
+    if strategy.tp_mode == "2d" and size % q:
+        raise StrategyError(f"{name}={size}: 2D tensor parallelism "
+                            f"splits each micro-batch over {q} grid rows, so it must be "
+                            f"divisible by {q}")

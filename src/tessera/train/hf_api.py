@@ -32,14 +32,14 @@ from torch import nn
 from torch.utils.data import Dataset
 
 from tessera.config import TrainingArguments as CoreArguments
+from tessera.data.stream import StreamSamples
 from tessera.strategy import Strategy, StrategyError
 from tessera.train.checkpoint import checkpoint_root, find_latest
 from tessera.train.trainer import Trainer as CoreTrainer
-from tessera.train.trainer import check_eval_micro_batch
+from tessera.train.evaluation import check_eval_micro_batch
 from tessera.train.hf_card import model_card, write_model_card
 from tessera.train.hf_callbacks import TrainerControl, TrainerState, check_callback_events
-from tessera.train.hf_data import (check_map_style, hf_collator, labels_shifted,
-                                   model_columns)
+from tessera.train.hf_data import hf_collator, labels_shifted, model_columns, readable
 from tessera.train.hf_arguments import TrainingArguments, check_some_training
 from tessera.train.hf_eval import Evaluations, eval_sets, first_set
 from tessera.train.hf_overrides import check_overrides
@@ -54,9 +54,11 @@ class Trainer:
     Args:
         model: any causal LM returning logits or an output with ``.logits``.
         args: :class:`TrainingArguments`.
-        train_dataset: map-style dataset of ``{"input_ids", ["labels"], ["attention_mask"]}``;
-            None for a Trainer that only evaluates (``train()`` is then refused).
-        eval_dataset: same kind, optional (required without a train_dataset).
+        train_dataset: map-style dataset of ``{"input_ids", ["labels"], ["attention_mask"]}``,
+            or an iterable one (read in order; needs ``max_steps``, docs/training.md); None
+            for a Trainer that only evaluates (``train()`` is then refused).
+        eval_dataset: same kind, or a dict of named sets, optional (required without a
+            train_dataset); an iterable one is read once into memory.
         data_collator: pads/stacks samples into a batch (as in Hugging Face).
         callbacks: Hugging Face-style callback objects or plain functions of a record. The
             events fired are ``SUPPORTED_EVENTS``; a callback defining another is refused,
@@ -101,8 +103,9 @@ class Trainer:
             check_callback_events(callback)
             self._hf_callbacks.append(callback)
         plain = [c for c in callbacks if callable(c)]
-        check_map_style("train_dataset", train_dataset)
+        train_dataset = readable("train_dataset", train_dataset)  # a stream: read in order
         named = eval_sets(eval_dataset)  # a dict: each set evaluated under eval_<name>
+        eval_dataset = named if named is not None else readable("eval_dataset", eval_dataset)
         self.train_dataset, self.eval_dataset = train_dataset, eval_dataset
         single = first_set(eval_dataset)  # shapes the job when there is no train_dataset
         self._core_args, strategy = self._translate(model, train_dataset, single)
@@ -312,8 +315,15 @@ class Trainer:
         strategy.check_split_points(a.pipeline_split_points)
         strategy.check_leaf_modules(a.pipeline_leaf_modules)
         # Global batches are whole (no short last batch), so an epoch is the full batches
-        # that fit: len // gbs steps (docs/training.md).
-        steps_per_epoch = max(1, len(shaping) // strategy.global_batch_size)
+        # that fit: len // gbs steps (docs/training.md). A stream has no length: its epoch
+        # is max_steps, as Hugging Face counts it.
+        if isinstance(shaping, StreamSamples):
+            if a.max_steps <= 0:
+                raise ValueError("train_dataset is iterable (no length), so the number of "
+                                 "training steps cannot be inferred: set max_steps > 0")
+            steps_per_epoch = a.max_steps
+        else:
+            steps_per_epoch = max(1, len(shaping) // strategy.global_batch_size)
         self._steps_per_epoch = steps_per_epoch
         max_steps = a.max_steps if a.max_steps > 0 else math.ceil(
             a.num_train_epochs * steps_per_epoch)

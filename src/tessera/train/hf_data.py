@@ -11,6 +11,7 @@ from torch import nn
 from torch.utils.data import Dataset
 
 from tessera.data.dataset import collate
+from tessera.data.stream import StreamSamples, is_stream
 
 
 def shift_for_next_token(batch: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
@@ -83,23 +84,36 @@ def _shifted(dataset: Any) -> bool:
 
 
 def check_map_style(name: str, dataset: Any) -> None:
-    """Refuse what tessera cannot index: its sample order reads ``dataset[i]`` of
-    ``len(dataset)`` samples (the order a resume goes on from, each dp rank's share).
+    """Refuse what tessera cannot read: a dataset with ``len()`` and ``[i]`` (its sample order
+    reads ``dataset[i]``, each dp rank its share) or an iterable one (read in order,
+    :func:`readable`).
 
     Raises:
         ValueError: naming the argument, what it got and what to give instead.
     """
-    if dataset is None:
+    if dataset is None or (is_stream(dataset) and not isinstance(dataset, dict)):
         return
     if isinstance(dataset, dict):
         way = ("training takes one set: give one split (e.g. dataset['train'])"
                if name == "train_dataset" else "give one set of samples here")
         raise ValueError(f"{name} is a dict of datasets ({', '.join(map(str, dataset))}): "
                          + way)
-    if isinstance(dataset, torch.utils.data.IterableDataset) or not (
-            hasattr(dataset, "__len__") and hasattr(dataset, "__getitem__")):
+    if not (hasattr(dataset, "__len__") and hasattr(dataset, "__getitem__")):
         raise ValueError(
-            f"{name} is a {type(dataset).__name__}, which has no length or index: tessera "
-            "needs a map-style dataset (len() and [i]; a datasets.Dataset, a list of samples, "
-            "a torch Dataset), so that each data-parallel rank reads its share and a resume "
-            "goes on where it stopped")
+            f"{name} is a {type(dataset).__name__}, which has no length and index and is not "
+            "iterable: give a map-style dataset (len() and [i]; a datasets.Dataset, a list of "
+            "samples, a torch Dataset) or an iterable one (a torch IterableDataset)")
+
+
+def readable(name: str, dataset: Any) -> Any:
+    """``dataset`` as the trainer reads it: a map-style one as it is; an iterable training
+    set as a stream read in order (``data/stream.py``); an iterable evaluation set read once
+    into a list (each evaluation reads it whole, as Hugging Face's does).
+
+    Raises:
+        ValueError: as :func:`check_map_style`.
+    """
+    check_map_style(name, dataset)
+    if dataset is None or not is_stream(dataset):
+        return dataset
+    return StreamSamples(dataset) if name == "train_dataset" else list(dataset)

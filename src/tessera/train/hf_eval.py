@@ -14,11 +14,12 @@ from typing import Any
 
 from torch.utils.data import Dataset
 
-from tessera.train.hf_data import check_map_style, labels_shifted
+from tessera.train.hf_data import check_map_style, labels_shifted, readable
 
 
 def eval_sets(eval_dataset: Any) -> dict[str, Dataset] | None:
-    """The named sets of a dict ``eval_dataset`` (each checked), None for one set.
+    """The named sets of a dict ``eval_dataset`` (each checked, an iterable one read into a
+    list), None for one set.
 
     Raises:
         ValueError: for an empty dict, a name that is not a string or a set tessera
@@ -33,8 +34,8 @@ def eval_sets(eval_dataset: Any) -> dict[str, Dataset] | None:
         if not isinstance(name, str):
             raise ValueError(f"eval_dataset's keys name metrics (eval_<name>_loss): got "
                              f"{name!r}, a {type(name).__name__}")
-        check_map_style(f"eval_dataset[{name!r}]", dataset)
-    return dict(eval_dataset)
+    return {name: readable(f"eval_dataset[{name!r}]", dataset)
+            for name, dataset in eval_dataset.items()}
 
 
 def first_set(eval_dataset: Any) -> Dataset | None:
@@ -77,7 +78,7 @@ class Evaluations:
         if eval_dataset is None or isinstance(eval_dataset, dict):
             named = eval_sets(eval_dataset) if eval_dataset is not None else self.named
             return [(f"{prefix}_{name}", dataset) for name, dataset in named.items()]
-        return [(prefix, eval_dataset)]
+        return [(prefix, readable("eval_dataset", eval_dataset))]
 
     def metrics(self, dataset: Dataset | None, prefix: str) -> dict[str, float]:
         """``{prefix}_loss`` over the whole set and the speed of its evaluation on this rank."""
@@ -94,7 +95,6 @@ class Evaluations:
     def _loss_on(self, dataset: Dataset | None) -> float:
         if dataset is None:
             return self.core.evaluate()
-        check_map_style("eval_dataset", dataset)
         labels_shifted(*[d for d in (self.reference, dataset) if d is not None])  # one kind
         kept = self.core.eval_dataset
         self.core.eval_dataset = dataset

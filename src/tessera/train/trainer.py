@@ -22,6 +22,7 @@ from torch.utils.data import Dataset
 
 from tessera.config import TrainingArguments
 from tessera.data.dataset import GlobalBatchOrder, collate
+from tessera.data.stream import StreamSamples, check_same_stream, sample_count
 from tessera.distributed import WorkerContext, init_distributed
 from tessera.mesh import Mesh
 from tessera.models.materialize import DeferredInit, has_meta
@@ -33,10 +34,10 @@ from tessera.parallel.pipeline.recompute import strategy_text
 from tessera.parallel.pipeline.whole import share_trained_weights
 from tessera.parallel.plan import fit_batch
 from tessera.parallel.rank_rng import rank_stream, step_seed
-from tessera.strategy import Strategy, StrategyError
+from tessera.strategy import Strategy
 from tessera.train import checkpoint as ckpt
 from tessera.train.engine import Engine
-from tessera.train.evaluation import eval_micro_batches
+from tessera.train.evaluation import check_eval_micro_batch, eval_micro_batches
 from tessera.train.export import load_safetensors_weights
 from tessera.train.metrics import MetricsWriter, Throughput, peak_flops
 from tessera.train.optim import PeakRamp, build_optimizer, build_scheduler
@@ -160,8 +161,10 @@ class Trainer:
         self.engine = engine_cls(self.plan, self.strategy, self.ctx.device)
         if self.plan.grad_scaler is not None:
             self.engine.scaler = self.plan.grad_scaler
-        self.order = (GlobalBatchOrder(len(train_dataset), self.strategy.global_batch_size,
-                                       args.seed) if train_dataset is not None else None)
+        self.order = (GlobalBatchOrder(sample_count(train_dataset),
+                                       self.strategy.global_batch_size, args.seed)
+                      if train_dataset is not None else None)
+        self._stream_unchecked = False  # a stream's samples not yet compared across ranks
         self.step = 0
         self.skipped_steps: list[int] = []  # steps whose update was skipped (nonfinite=skip)
         self.ckpt_root = ckpt.checkpoint_root(args.output_dir)
@@ -190,6 +193,7 @@ class Trainer:
                   "checkpoint: starting at step 0", flush=True)
         stop = self.args.max_steps if until_step is None else min(until_step, self.args.max_steps)
         result = TrainResult(step=self.step, first_step=self.step)
+        self._stream_unchecked = isinstance(self.train_dataset, StreamSamples)
         progress = ProgressReporter(self.args.max_steps, self.step, self.args.progress,
                                     self.ctx.is_main)
         writer = MetricsWriter(Path(self.args.output_dir) / "metrics.jsonl"
@@ -332,7 +336,7 @@ class Trainer:
         self.step = int(meta["step"])
         # Continue the sample stream where it stopped, also when gbs changed (a resize).
         self.order = GlobalBatchOrder(
-            len(self.train_dataset), self.strategy.global_batch_size, self.args.seed,
+            sample_count(self.train_dataset), self.strategy.global_batch_size, self.args.seed,
             start_step=self.step, start_sample=int(meta["samples_consumed"]))
         self._apply_learning_rate()
         return True
@@ -365,6 +369,10 @@ class Trainer:
         mbs = self.strategy.micro_batch_size
         micro_batches = [self._batch(self.train_dataset, indices[j: j + mbs])
                          for j in range(0, len(indices), mbs)]
+        if self._stream_unchecked:  # once a train(): every rank read the same samples
+            self._stream_unchecked = False
+            end = self.order.samples_before(self.step + 1)
+            check_same_stream(self.train_dataset.digest_through(end), self.ctx.device)
         # The step's loss is the mean over all its labels on every dp rank (loss_weights.py).
         weights = token_weights(micro_batches, self.ctx.device, self.mesh.group("dp"),
                                 self.mesh.size("dp"), self.args.average_tokens_across_devices)
@@ -463,30 +471,6 @@ class Trainer:
         best = torch.tensor(peak, dtype=torch.float64, device=self.ctx.device)
         dist.all_reduce(best, op=dist.ReduceOp.MAX)
         return Throughput(flops, float(best), self.ctx.world_size)
-
-
-def check_eval_micro_batch(size: int, strategy: Strategy,
-                           name: str = "train.eval_micro_batch_size",
-                           unset: str = "leave it 0") -> None:
-    """Refuse an evaluation micro-batch size the layout cannot run (0: the training one).
-
-    Args:
-        name, unset: the argument as the caller's user knows it, and how to leave it unset.
-
-    Raises:
-        StrategyError: naming the size and the rule.
-    """
-    if not size or size == strategy.micro_batch_size:
-        return
-    if strategy.pp > 1:
-        raise StrategyError(f"{name}={size} differs from mbs="
-                            f"{strategy.micro_batch_size}, but pipeline stages (pp="
-                            f"{strategy.pp}) run the training micro-batch shape: {unset}")
-    q = strategy.tp_grid[0]
-    if strategy.tp_mode == "2d" and size % q:
-        raise StrategyError(f"{name}={size}: 2D tensor parallelism "
-                            f"splits each micro-batch over {q} grid rows, so it must be "
-                            f"divisible by {q}")
 
 
 def describe_model(model: nn.Module) -> dict[str, Any]:
