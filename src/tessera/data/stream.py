@@ -65,8 +65,7 @@ class StreamSamples:
             sample = self._next()
             if self._position == 0:
                 self._first = sample
-            ids = sample.get("input_ids") if isinstance(sample, dict) else sample
-            self._digest.update(torch.as_tensor(ids).to(torch.int64).numpy().tobytes())
+            self._digest.update(_sample_bytes(sample))
             self._last = (self._position, sample)
             self._position += 1
 
@@ -87,6 +86,15 @@ class StreamSamples:
                 f"the iterable dataset {type(self.stream).__name__} yields no sample in pass "
                 f"{self.passes} (a generator yields once: give an iterable that starts again "
                 "on iter(), e.g. a torch IterableDataset)") from None
+
+
+def _sample_bytes(sample: Any) -> bytes:
+    """A sample's token ids as bytes (its text form when it has none: a collator tokenizes)."""
+    ids = sample.get("input_ids") if isinstance(sample, dict) else sample
+    try:
+        return torch.as_tensor(ids).to(torch.int64).numpy().tobytes()
+    except (TypeError, ValueError, RuntimeError):
+        return repr(sample).encode()
 
 
 def is_stream(dataset: Any) -> bool:
