@@ -65,6 +65,34 @@ def test_auto_strategy_is_planned_for_the_workers():
         load_config(None, [*base, "strategy=auto,gbs=16,dq=2"], world_size=2)
 
 
+def test_auto_plans_at_the_training_length_and_takes_any_valid_fixed_field():
+    small = ["model.preset=small", "data.seq_len=64"]
+
+    def planned(text, *extra, world=2):
+        return load_config(None, [*small, *extra, f"strategy={text}"],
+                           world_size=world).strategy
+
+    # The training length, not the model's position count: a 64-token job plans alike
+    # whatever max_seq_len the model allows (planned at 8192 it took sequence parallelism).
+    assert planned("auto,gbs=8", "model.max_seq_len=8192") == \
+        planned("auto,gbs=8", "model.max_seq_len=64")
+    # Fixed fields the search would prune as dominated, or values outside its own menu,
+    # are honoured when held fixed; per-stage ratios check against the planned pp.
+    assert planned("auto,gbs=8,sp=2,sp_mode=rsa").sp_mode == "rsa"
+    assert planned("auto,gbs=8,pp=2,schedule=gpipe").schedule == "gpipe"
+    assert planned("auto,gbs=8,pp=2,recompute=0.25").recompute == (0.25,)
+    assert planned("auto,gbs=8,pp=2,recompute=1/0").recompute == (1.0, 0.0)
+    assert planned("auto,gbs=8,schedule=interleaved").pp == 2
+    assert planned("auto,gbs=8,precision=fp16").precision == "fp16"  # CPU autocast runs it
+    for text, fragment in [
+            ("auto,gbs=8,sp=2,sp=1", "strategy field 'sp' given twice"),
+            ("auto,gbs=eight", "gbs (global_batch_size) must be an integer, got 'eight'"),
+            ("auto,gbs=8,sp=3", "the fixed sp=3 does not divide the 2 devices"),
+            ("auto,gbs=8,dp=2,pp=2", "the fixed dp=2*pp=2 = 4 does not divide the 2 devices")]:
+        with pytest.raises(ConfigError, match=re.escape(fragment)):
+            planned(text)
+
+
 @pytest.mark.parametrize("override, fragment", [
     ("=,", "the key '' is empty"),
     ("train..max_steps=3", "has an empty part"),

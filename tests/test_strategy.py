@@ -19,11 +19,11 @@ def test_text_form_round_trips_exactly():
 
 
 def test_every_field_is_parsed():
-    s = Strategy.parse("dp=8,tp=1,pp=1,mbs=1,gbs=8,memory=zero3,offload=cpu+disk,"
+    s = Strategy.parse("dp=4,tp=1,pp=2,mbs=1,gbs=8,memory=zero3,offload=cpu+disk,"
                        "precision=fp16,recompute=full,schedule=gpipe")
     assert s.offload == ("cpu", "disk") and s.recompute == (1.0,)
     assert s.precision == "fp16" and s.memory == "zero3" and s.schedule == "gpipe"
-    assert s.grad_accum_steps == 1 and s.world_size == 8
+    assert s.grad_accum_steps == 2 and s.world_size == 8
 
 
 def test_derived_values():
@@ -49,6 +49,10 @@ def test_derived_values():
     ("offload=gpu,memory=chunk", "offload must be one of"),
     ("memory=zero1", "needs dp > 1"),
     ("schedule=interleaved", "needs pp >= 2"),
+    # A mode whose degree is 1 would act on nothing: refused, not ignored.
+    ("schedule=gpipe", "schedule=gpipe orders pipeline stages and needs pp >= 2"),
+    ("sp_mode=ulysses", "sp_mode=ulysses lays out sequence parallelism and needs sp > 1"),
+    ("tp_mode=2d", "tp=1 with tp_mode=2d: tp must be a square (q*q grid) above 1"),
     ("dp=2,dp=2", "given twice"),
     ("dq=2", "unknown strategy field 'dq'"),
     ("dp", "not key=value"),
@@ -68,7 +72,12 @@ def test_validate_for_world_and_model():
     with pytest.raises(StrategyError, match="n_heads=4 is not divisible by 8"):
         Strategy(tp=8).validate_for(model=preset("tiny"))
     with pytest.raises(StrategyError, match="n_layers >= pp"):
-        Strategy(pp=3).validate_for(model=preset("tiny"))
+        Strategy(pp=3, global_batch_size=3).validate_for(model=preset("tiny"))
+    # Schedules' micro-batch rules are checked here too, before any worker starts.
+    with pytest.raises(StrategyError, match="schedule=1f1b with pp=2 needs at least 2 micro"):
+        Strategy(pp=2, global_batch_size=1).validate_for()
+    with pytest.raises(StrategyError, match="interleaved needs the micro-batches per step .3."):
+        Strategy(pp=2, global_batch_size=3, schedule="interleaved").validate_for()
     with pytest.raises(StrategyError, match="not divisible by sp"):
         Strategy(sp=3).validate_for(model=preset("tiny"), seq_len=32)
     odd_gqa = preset("tiny", d_model=96, n_heads=12, n_kv_heads=6)
@@ -115,7 +124,7 @@ def test_compositions_not_built_are_refused_by_name(text, fragment):
        sp=st.integers(1, 8), mbs=st.integers(1, 8), accum=st.integers(1, 8),
        tp_mode=st.sampled_from(["1d", "2d"]), precision=st.sampled_from(["fp32", "bf16"]))
 def test_valid_strategies_round_trip(dp, tp, pp, sp, mbs, accum, tp_mode, precision):
-    if tp_mode == "2d" and tp not in (1, 4, 9, 16):
+    if tp_mode == "2d" and tp not in (4, 9, 16):
         return
     s = Strategy(dp=dp, tp=tp, pp=pp, sp=sp, micro_batch_size=mbs,
                  global_batch_size=mbs * dp * accum, tp_mode=tp_mode, precision=precision)

@@ -329,7 +329,7 @@ def _plan(raw: dict[str, Any], text: str, world_size: int | None) -> str:
     probe = config_from_dict({**raw, "strategy": "dp=1,mbs=1,gbs=1"})  # validates the rest
     try:
         return resolve_auto_text(text, probe.model.build_config(), world_size,
-                                 probe.train.device).to_text()
+                                 probe.train.device, seq_len=probe.data.seq_len).to_text()
     except StrategyError as err:
         raise ConfigError(f"strategy: {err}") from None
 

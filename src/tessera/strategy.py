@@ -111,31 +111,31 @@ class Strategy:
 
     def __post_init__(self) -> None:
         # Normalise list-like inputs so that equal strategies compare and hash equal.
-        object.__setattr__(self, "recompute", _as_ratios(self.recompute))
+        object.__setattr__(self, "recompute", as_ratios(self.recompute))
         object.__setattr__(self, "offload", _as_tiers(self.offload))
         self._check_fields()
         self._check_relations()
 
     # ----------------------------------------------------------------------------- checks
     def _check_fields(self) -> None:
-        for name in ("dp", "tp", "pp", "sp", "micro_batch_size", "global_batch_size"):
-            value = getattr(self, name)
-            if isinstance(value, bool) or not isinstance(value, int):
-                raise StrategyError(f"{_label(name)} must be an integer, got {value!r}")
-            if value < 1:
-                raise StrategyError(f"{_label(name)} must be >= 1, got {value}")
-        _check_choice("tp_mode", self.tp_mode, TP_MODES)
-        _check_choice("tp_overlap", self.tp_overlap, TP_OVERLAPS)
-        _check_choice("sp_mode", self.sp_mode, SP_MODES)
-        _check_choice("schedule", self.schedule, SCHEDULES)
-        _check_choice("memory", self.memory, MEMORY_MODES)
-        _check_choice("precision", self.precision, PRECISIONS)
+        for name in _INT_FIELDS:
+            _check_count(name, getattr(self, name))
+        for name, choices in _CHOICES.items():
+            _check_choice(name, getattr(self, name), choices)
 
     def _check_relations(self) -> None:
-        if self.tp_mode == "2d" and math.isqrt(self.tp) ** 2 != self.tp:
+        if self.tp_mode == "2d" and (self.tp == 1 or math.isqrt(self.tp) ** 2 != self.tp):
             raise StrategyError(
-                f"tp={self.tp} with tp_mode=2d: tp must be a square (q*q grid), e.g. 4, 9, 16"
+                f"tp={self.tp} with tp_mode=2d: tp must be a square (q*q grid) above 1, e.g. "
+                "4, 9, 16"
             )
+        # A mode of a degree left at 1 would have nothing to act on: refused, not ignored.
+        if self.sp == 1 and self.sp_mode != "ring":
+            raise StrategyError(f"sp_mode={self.sp_mode} lays out sequence parallelism and "
+                                "needs sp > 1 (at sp=1 leave it at ring)")
+        if self.pp == 1 and self.schedule != "1f1b":
+            raise StrategyError(f"schedule={self.schedule} orders pipeline stages and needs "
+                                "pp >= 2 (at pp=1 leave it at 1f1b)")
         per_step = self.micro_batch_size * self.dp
         if self.global_batch_size % per_step:
             raise StrategyError(
@@ -153,8 +153,6 @@ class Strategy:
                 f"tp_overlap=subpipe splits each micro-batch in two inside pipeline stages: "
                 f"needs tp > 1, pp > 1 and an even mbs; got tp={self.tp}, pp={self.pp}, "
                 f"mbs={self.micro_batch_size}")
-        if self.schedule == "interleaved" and self.pp < 2:
-            raise StrategyError("schedule=interleaved needs pp >= 2")
         if self.offload and self.memory not in ("zero3", "chunk"):
             raise StrategyError(
                 f"offload={'+'.join(self.offload)} needs memory=zero3 or memory=chunk, "
@@ -237,9 +235,16 @@ class Strategy:
                      seq_len: int | None = None) -> "Strategy":
         """Check this strategy against a world size and a model; returns self.
 
+        Also checks what a run needs beyond the fields' own rules: enough micro-batches
+        a step for the pipeline schedule.
+
         Raises:
             StrategyError: naming the field and the rule that does not hold.
         """
+        problem = self.pp > 1 and pipeline_size_problem(self.schedule, self.pp,
+                                                        self.grad_accum_steps)
+        if problem:
+            raise StrategyError(problem)
         if world_size is not None and self.world_size != world_size:
             raise StrategyError(
                 f"dp*tp*pp*sp = {self.dp}*{self.tp}*{self.pp}*{self.sp} = {self.world_size} "
@@ -415,7 +420,55 @@ def _describe_gate(feature: str, s: Strategy) -> str:
 # ---------------------------------------------------------------------------- text helpers
 _FIELD_NAMES = {f.name for f in dataclasses.fields(Strategy)}
 _TEXT_KEYS = {_FIELD_TO_TEXT.get(n, n) for n in _FIELD_NAMES}
-_INT_FIELDS = {"dp", "tp", "pp", "sp", "micro_batch_size", "global_batch_size"}
+_INT_FIELDS = ("dp", "tp", "pp", "sp", "micro_batch_size", "global_batch_size")
+_CHOICES = {"tp_mode": TP_MODES, "tp_overlap": TP_OVERLAPS, "sp_mode": SP_MODES,
+            "schedule": SCHEDULES, "memory": MEMORY_MODES, "precision": PRECISIONS}
+
+
+def pipeline_size_problem(schedule: str, pp: int, micro_batches: int) -> str | None:
+    """Why ``schedule`` cannot run ``micro_batches`` a step over ``pp`` stages (None: it
+    can): 1F1B-style schedules fill every stage, interleaving walks groups of pp."""
+    if schedule != "gpipe" and micro_batches < pp:
+        return (f"schedule={schedule} with pp={pp} needs at least {pp} micro-batches per step, "
+                f"got {micro_batches} (raise gbs or lower mbs, or use schedule=gpipe)")
+    if schedule == "interleaved" and micro_batches % pp:
+        return (f"schedule=interleaved needs the micro-batches per step ({micro_batches}) to "
+                f"be a multiple of pp={pp}")
+    return None
+
+
+def fixed_fields(text: str) -> dict[str, Any]:
+    """Strategy text's fields, each parsed and checked on its own (a known name given once,
+    an integer >= 1, one of its choices, ratios in [0, 1], offload tiers), leaving out the
+    rules that tie fields together: what ``strategy=auto,...`` holds fixed while the planner
+    chooses the rest.
+
+    Raises:
+        StrategyError: naming the field and its rule.
+    """
+    out: dict[str, Any] = {}
+    for name, raw in text_values(text).items():
+        if name not in _FIELD_NAMES:
+            raise StrategyError(f"unknown strategy field {_FIELD_TO_TEXT.get(name, name)!r}; "
+                                f"known: {', '.join(sorted(_TEXT_KEYS))}")
+        value = _parse_value(name, raw)
+        if name in _INT_FIELDS:
+            _check_count(name, value)
+        elif name == "recompute":
+            value = as_ratios(value)
+        elif name == "offload":
+            value = _as_tiers(value)
+        else:
+            _check_choice(name, value, _CHOICES[name])
+        out[name] = value
+    return out
+
+
+def _check_count(name: str, value: Any) -> None:
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise StrategyError(f"{_label(name)} must be an integer, got {value!r}")
+    if value < 1:
+        raise StrategyError(f"{_label(name)} must be >= 1, got {value}")
 
 
 def _label(name: str) -> str:
@@ -483,7 +536,8 @@ def _parse_recompute(raw: str) -> tuple[float, ...]:
         ) from None
 
 
-def _as_ratios(value: Any) -> tuple[float, ...]:
+def as_ratios(value: Any) -> tuple[float, ...]:
+    """Recomputation ratios from text, a number or a sequence, each checked in [0, 1]."""
     if isinstance(value, str):
         value = _parse_recompute(value)
     if isinstance(value, (int, float)) and not isinstance(value, bool):

@@ -28,8 +28,9 @@ from tessera.planner.memory import device_memory
 from tessera.planner.model_spec import describe_model
 from tessera.planner.simulator import Estimate, SimOptions, estimate, lower_bound
 from tessera.planner.space import (DISK_OPTION, MEMORY_OPTIONS, layouts, micro_batch_sizes,
+                                   structural_reasons,
                                    raw_space_size, recompute_options, schedules)
-from tessera.strategy import Strategy, StrategyError
+from tessera.strategy import Strategy, StrategyError, as_ratios
 
 FIXABLE = ("dp", "tp", "tp_mode", "pp", "sp", "sp_mode", "micro_batch_size", "schedule",
            "recompute", "memory", "offload")
@@ -48,9 +49,12 @@ class Infeasible:
     suggestions: list[str] = field(default_factory=list)
 
     def message(self) -> str:
-        head = (f"no strategy fits in device memory; the closest "
-                f"({self.closest.to_text() if self.closest else 'none'}) is short by "
-                f"{self.shortfall_bytes / 2**30:.2f} GiB per device")
+        if self.closest is None:  # nothing to price: the rules left no candidate
+            head = "no strategy satisfies the structural rules"
+        else:
+            head = (f"no strategy fits in device memory; the closest "
+                    f"({self.closest.to_text()}) is short by "
+                    f"{self.shortfall_bytes / 2**30:.2f} GiB per device")
         return head + "".join(f"\n  - {s}" for s in self.suggestions)
 
 
@@ -153,8 +157,8 @@ def _constraints(fixed: Mapping[str, Any] | None) -> dict[str, Any]:
         if name not in FIXABLE:
             raise PlannerError(f"cannot fix strategy field {key!r}; fixable: {', '.join(FIXABLE)}")
         out[name] = value
-    if "recompute" in out:
-        out["recompute"] = Strategy(recompute=out["recompute"]).recompute
+    if "recompute" in out:  # per-stage ratios are checked against pp in each candidate
+        out["recompute"] = as_ratios(out["recompute"])
     if "offload" in out:
         out["offload"] = Strategy(memory="chunk", offload=out["offload"]).offload
     return out
@@ -196,14 +200,15 @@ class _Search:
                         if k in ("dp", "tp", "tp_mode", "pp", "sp", "sp_mode")}
         for lay in layouts(self.model, n, min(self.cluster.devices_per_node, n), self.gbs,
                            layout_fixed):
-            if lay.sp_mode == "rsa" and not self.exhaustive:
+            if lay.sp_mode == "rsa" and not self.exhaustive and "sp_mode" not in self.fixed:
                 self.pruned["dominated"] += 1
                 continue
             for mbs in micro_batch_sizes(self.gbs, lay.dp, lay.pp, max_mbs):
                 if self.fixed.get("micro_batch_size", mbs) != mbs:
                     continue
                 m = self.gbs // (mbs * lay.dp)
-                for sched in schedules(self.model, lay.pp, m, self.exhaustive):
+                for sched in schedules(self.model, lay.pp, m, self.exhaustive,
+                                       self.fixed.get("schedule")):
                     if self.fixed.get("schedule", sched) != sched:
                         continue
                     try:  # the Strategy's own model rules have the last word
@@ -229,10 +234,9 @@ class _Search:
             if offload and memory in fitted_modes and not self.exhaustive:
                 self.pruned["dominated"] += 1
                 continue
-            for ratios in recompute_options(base.pp):
-                if not self._allowed("recompute", ratios):
-                    continue
-                if base.schedule == "scp" and max(ratios) == 0.0:
+            held = self.fixed.get("recompute")  # any ratios the user gives, not only ours
+            for ratios in [held] if held is not None else recompute_options(base.pp):
+                if base.schedule == "scp" and max(ratios) == 0.0 and held is None:
                     continue
                 try:
                     s = base.replace(memory=memory, offload=offload, recompute=ratios)
@@ -281,10 +285,7 @@ def _explain(state: _Search, model: ModelConfig, cluster: Cluster, gbs: int, n: 
              precision: str, constraints: dict, allow_disk: bool, explain: bool) -> Infeasible:
     short, closest = state.shortfall
     if closest is None:
-        return Infeasible(0.0, None, [
-            "no strategy satisfies the structural rules: check that the global batch size "
-            f"({gbs}) is divisible by the data-parallel degrees possible on {n} devices and "
-            "that fixed fields are compatible"])
+        return Infeasible(0.0, None, structural_reasons(model, n, gbs, constraints))
     tips = []
     if explain:
         for factor in (2, 4, 8, 16, 32, 64):

@@ -114,20 +114,49 @@ def micro_batch_sizes(gbs: int, dp: int, pp: int, max_mbs: int) -> list[int]:
     return [b for b in divisors(per_rank) if b <= max_mbs and (pp == 1 or per_rank // b >= pp)]
 
 
-def schedules(model: ModelConfig, pp: int, micro_batches: int, exhaustive: bool) -> list[str]:
+def schedules(model: ModelConfig, pp: int, micro_batches: int, exhaustive: bool,
+              wanted: str | None = None) -> list[str]:
     """Schedules worth pricing. With one stage they all run the same way, so only 1f1b.
 
     GPipe costs the same time as 1F1B in the simulator and holds more activations, so it is
-    dominated and only priced in exhaustive mode.
+    dominated and only priced in exhaustive mode, or when ``wanted`` (a schedule the user
+    holds fixed; scp is then priced from pp micro-batches, what the runtime needs).
     """
     if pp == 1:
         return ["1f1b"]
-    out = ["1f1b", "scp"] + (["gpipe"] if exhaustive else [])
+    out = ["1f1b", "scp"] + (["gpipe"] if exhaustive or wanted == "gpipe" else [])
     if model.n_layers % (2 * pp) == 0:
         out.append("interleaved")
-    if micro_batches < 4:
+    if micro_batches < 4 and wanted != "scp":
         out.remove("scp")
     return [s for s in SCHEDULES if s in out]
+
+
+def structural_reasons(model: ModelConfig, n_devices: int, gbs: int, fixed: dict
+                       ) -> list[str]:
+    """Why no layout passes the structural rules, naming the fields held fixed that break
+    them (a general hint when none does alone)."""
+    degrees = {k: fixed[k] for k in ("dp", "tp", "pp", "sp") if k in fixed}
+    product = 1
+    for value in degrees.values():
+        product *= value
+    reasons = []
+    if n_devices % product:
+        held = "*".join(f"{k}={v}" for k, v in degrees.items())
+        held = held if len(degrees) == 1 else f"{held} = {product}"
+        reasons.append(f"the fixed {held} does not divide the {n_devices} devices")
+    if fixed.get("pp", 1) > model.n_layers:
+        reasons.append(f"pp={fixed['pp']} exceeds the model's {model.n_layers} layers")
+    if model.max_seq_len % fixed.get("sp", 1):
+        reasons.append(f"sp={fixed['sp']} does not divide the sequence length "
+                       f"{model.max_seq_len}")
+    if gbs % fixed.get("dp", 1):
+        reasons.append(f"dp={fixed['dp']} does not divide gbs={gbs}")
+    if fixed.get("schedule", "1f1b") != "1f1b" and fixed.get("pp") == 1:
+        reasons.append(f"schedule={fixed['schedule']} needs pp >= 2")
+    return reasons or [f"check that gbs={gbs} leaves every pipeline stage micro-batches on "
+                       f"the data-parallel degrees possible on {n_devices} devices, and that "
+                       "the fixed fields suit each other and the model"]
 
 
 def raw_space_size(n_devices: int, gbs: int) -> int:

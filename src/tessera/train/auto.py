@@ -80,31 +80,34 @@ def best_runnable(model_config, world_size: int, global_batch_size: int, precisi
                     devices=world_size, available_only=True, precision=precision,
                     fixed=fixed or None, top_k=1)
     if not result.results:
-        raise StrategyError(f"strategy=auto: nothing fits on {world_size} device(s): "
-                            f"{result.infeasible}")
+        held = ",".join(f"{key}={value}" for key, value in (fixed or {}).items())
+        raise StrategyError(f"strategy=auto: nothing runs on {world_size} device(s) with "
+                            f"gbs={global_batch_size}{', ' + held if held else ''}: "
+                            f"{result.infeasible.message()}")
     return result.best.strategy
 
 
-def resolve_auto_text(text: str, model_config, world_size: int, device: str = "auto"
-                      ) -> Strategy:
-    """Resolve ``auto[,field=value...]`` (e.g. ``auto,gbs=64,precision=bf16``) for a job.
+def resolve_auto_text(text: str, model_config, world_size: int, device: str = "auto",
+                      seq_len: int | None = None) -> Strategy:
+    """Resolve ``auto[,field=value...]`` (e.g. ``auto,gbs=64,precision=bf16``) for a job
+    whose samples hold ``seq_len`` tokens (default: the model's position count).
 
-    The fields after ``auto`` are held fixed; ``gbs`` is required, since the batch size is a
+    The fields after ``auto`` are held fixed, each checked on its own as strategy text
+    checks it (``strategy.fixed_fields``); ``gbs`` is required, since the batch size is a
     training decision and not the planner's.
     """
-    from tessera.strategy import TEXT_ALIASES
+    from tessera.planner.model_spec import describe_model
+    from tessera.strategy import fixed_fields
 
-    fixed: dict[str, object] = {}
-    for item in text.split(",")[1:]:
-        if "=" not in item:
-            raise StrategyError(f"strategy {text!r}: {item!r} is not key=value")
-        key, value = (part.strip() for part in item.split("=", 1))
-        fixed[TEXT_ALIASES.get(key, key)] = value
+    rest = text.split(",", 1)[1] if "," in text else ""
+    try:
+        fixed = fixed_fields(rest) if rest.strip() else {}
+    except StrategyError as err:
+        raise StrategyError(f"strategy {text!r}: {err}") from None
     if "global_batch_size" not in fixed:
         raise StrategyError(f"strategy {text!r}: auto needs the global batch size, e.g. "
                             "'auto,gbs=64'")
-    gbs = int(fixed.pop("global_batch_size"))
+    gbs = fixed.pop("global_batch_size")
     precision = str(fixed.pop("precision", "fp32"))
-    parsed = Strategy.from_mapping({**fixed, "global_batch_size": gbs}) if fixed else None
-    fixed_values = {k: getattr(parsed, k) for k in fixed} if parsed else {}
-    return best_runnable(model_config, world_size, gbs, precision, fixed_values, device)
+    model = describe_model(model_config, seq_len) if seq_len else model_config
+    return best_runnable(model, world_size, gbs, precision, fixed, device)

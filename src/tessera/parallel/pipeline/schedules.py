@@ -26,6 +26,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from tessera.strategy import chunks_for  # noqa: F401  (the pipeline's name for it)
+from tessera.strategy import pipeline_size_problem
 
 SCHEDULE_NAMES = ("gpipe", "1f1b", "interleaved", "scp")
 
@@ -51,13 +52,9 @@ def check_sizes(schedule: str, pp: int, micro_batches: int) -> None:
     if schedule not in SCHEDULE_NAMES:
         raise ScheduleError(f"schedule must be one of {', '.join(SCHEDULE_NAMES)}, got "
                             f"{schedule!r}")
-    if schedule != "gpipe" and micro_batches < pp:
-        raise ScheduleError(f"schedule={schedule} with pp={pp} needs at least {pp} "
-                            f"micro-batches per step, got {micro_batches} (raise gbs or lower "
-                            "mbs, or use schedule=gpipe)")
-    if schedule == "interleaved" and micro_batches % pp:
-        raise ScheduleError(f"schedule=interleaved needs the micro-batches per step "
-                            f"({micro_batches}) to be a multiple of pp={pp}")
+    problem = pipeline_size_problem(schedule, pp, micro_batches)
+    if problem:
+        raise ScheduleError(problem)
 
 
 def build(schedule: str, pp: int, micro_batches: int) -> list[list[Action]]:
