@@ -108,3 +108,28 @@ def test_block_numerics_stay_fp32_under_bf16_autocast(path, monkeypatch):
     assert out_ac.dtype == torch.float32 and all(g.dtype == torch.float32 for g in grads_ac)
     assert torch.equal(out_ac, out) and torch.equal(lse_ac, lse)  # the same fp32 arithmetic
     assert all(torch.equal(a, b) for a, b in zip(grads_ac, grads))
+
+
+def test_the_hf_entry_returns_contiguous_rows_and_names_a_mask_it_cannot_apply():
+    from types import SimpleNamespace
+
+    from tessera.parallel.sequence.policy import hf_attention
+
+    class Attention(torch.nn.Module):
+        is_causal = True
+
+    # One rank's ring as the entry sees it: whatever it computes, (B, nh, T, hs) back.
+    ring = SimpleNamespace(exportable=False, row_length=8, size=1,
+                           attention=lambda q, k, v, dropout, scaling: q * 2)
+    module = Attention()
+    module.tessera_sequence_parallel = ring
+    q = torch.randn(2, 4, 8, 16)  # (B, nh, T, hs)
+    out, _ = hf_attention(module, q, q, q, None)
+    # (B, T, nh, hs), laid out so that a model's .view() of it works (JetMoE's does).
+    assert out.shape == (2, 8, 4, 16) and out.is_contiguous()
+    out.view(2, 8, 64)
+    with pytest.raises(SequenceParallelError, match="Attention received a 4D attention mask "
+                                                    "or bias.*or train this model with sp=1"):
+        hf_attention(module, q, q, q, torch.zeros(2, 1, 8, 8))
+    with pytest.raises(SequenceParallelError, match=r"s_aux=a tensor of shape \(4,\)"):
+        hf_attention(module, q, q, q, None, s_aux=torch.zeros(4))

@@ -323,10 +323,14 @@ def hf_attention(module: nn.Module, query: torch.Tensor, key: torch.Tensor,
     _refuse_attention_variants(module, kwargs, real or query.shape[2] * sp.size)
     if attention_mask is not None:
         raise SequenceParallelError(
-            "sequence parallelism builds its own masks: pass document_ids / attention_mask "
-            "in the batch, not a 4D attention mask to the model")
+            f"{type(module).__name__} received a 4D attention mask or bias: one passed to the "
+            "model, or one the model builds itself (e.g. Doge's dynamic mask). Sequence "
+            "parallelism builds its own masks from the batch's attention_mask / document_ids "
+            "and cannot apply another: pass masks in the batch, or train this model with sp=1")
     out = sp.attention(query, key, value, dropout, scaling)
-    return out.transpose(1, 2), None
+    # (B, T, nh, hs) laid out contiguously, as transformers' own attention functions return
+    # it: models .view() it (JetMoE).
+    return out.transpose(1, 2).contiguous(), None
 
 
 # Keyword arguments transformers passes to an attention function for variants the ring,
@@ -346,8 +350,10 @@ def _refuse_attention_variants(module: nn.Module, kwargs: dict, length: int) -> 
         if name in _SPANS and value is not None and value >= length:
             continue
         if value is not None:
+            shown = (f"a tensor of shape {tuple(value.shape)}" if torch.is_tensor(value)
+                     else repr(value))
             raise SequenceParallelError(
-                f"{type(module).__name__} uses {what} ({name}={value!r}) over a sequence of "
+                f"{type(module).__name__} uses {what} ({name}={shown}) over a sequence of "
                 f"{length} tokens, which sequence parallelism does not compute: its "
                 "attention is full causal softmax attention. Train this model with sp=1")
     if kwargs.get("is_causal", getattr(module, "is_causal", True)) is False:
