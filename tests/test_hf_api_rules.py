@@ -422,3 +422,25 @@ def test_datasets_tessera_cannot_read_are_refused_naming_the_way():
                                          "index and is not iterable"):
         check_map_style("train_dataset", 5)
     check_map_style("train_dataset", [{"input_ids": [1, 2]}])  # a list indexes
+
+
+def test_a_router_loss_no_layout_trains_is_refused_not_dropped(own_process_group):
+    import transformers as T
+
+    def mixtral(**extra):
+        return T.MixtralForCausalLM(T.MixtralConfig(
+            vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=1,
+            num_attention_heads=4, num_key_value_heads=2, num_local_experts=4,
+            num_experts_per_tok=2, use_cache=False, **extra))
+
+    data = [{"input_ids": torch.arange(8)} for _ in range(4)]
+    args = TrainingArguments(max_steps=1, per_device_train_batch_size=2, save_strategy="no")
+    # At pp=1 (no capture to notice it) the load-balancing term was silently left out.
+    with pytest.raises(ValueError, match="output_router_logits=True: its own loss adds the "
+                                         "router's load-balancing loss .x router_aux_loss_coef"
+                                         "=0.5.*output_router_logits=False"):
+        Trainer(model=mixtral(output_router_logits=True, router_aux_loss_coef=0.5), args=args,
+                train_dataset=data)
+    # A zero coefficient adds nothing: taken.
+    Trainer(model=mixtral(output_router_logits=True, router_aux_loss_coef=0.0), args=args,
+            train_dataset=data)

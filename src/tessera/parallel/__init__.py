@@ -15,7 +15,7 @@ from torch import nn
 from tessera.mesh import Mesh
 from tessera.models.materialize import DeferredInit, has_meta
 from tessera.parallel.data import wrap_data_parallel
-from tessera.parallel.plan import Parallelized
+from tessera.parallel.plan import Parallelized, refuse_extra_losses
 from tessera.parallel.recompute import apply_recompute
 from tessera.strategy import Strategy, StrategyError
 
@@ -46,6 +46,7 @@ def parallelize(model: nn.Module, strategy: Strategy, mesh: Mesh,
     torch.export cannot capture whole (pipeline/leaves.py).
     """
     strategy.require_available()
+    refuse_extra_losses(model)  # a term no layout would add: refused, not dropped
     if stage_budget is not None and strategy.pp == 1:
         raise StrategyError("train.stage_memory_budget chooses pipeline stages' recomputation "
                             "and needs pp > 1; at pp=1 give the strategy's recompute= instead")

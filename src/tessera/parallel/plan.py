@@ -35,6 +35,25 @@ def lm_loss(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
     return total / (labels != -100).sum().clamp_min(1)
 
 
+def refuse_extra_losses(model: nn.Module) -> None:
+    """Refuse a model whose own loss adds a term to the next-token loss, which every layout
+    trains alone (from the logits): a Mixture-of-Experts router's load-balancing loss
+    (``output_router_logits=True`` with a non-zero ``router_aux_loss_coef``).
+
+    Raises:
+        ValueError: naming the setting and the way out.
+    """
+    config = getattr(model, "config", None)
+    coefficient = getattr(config, "router_aux_loss_coef", 0.0) or 0.0
+    if getattr(config, "output_router_logits", False) and coefficient:
+        raise ValueError(
+            f"{type(model).__name__} is built with output_router_logits=True: its own loss "
+            f"adds the router's load-balancing loss (x router_aux_loss_coef={coefficient}), "
+            "which tessera does not train (every layout trains the next-token loss of the "
+            "logits alone). Build it with output_router_logits=False, or "
+            "router_aux_loss_coef=0")
+
+
 def default_forward_loss(module: nn.Module, batch: Batch) -> torch.Tensor:
     """Mean loss of a whole micro-batch on one rank."""
     return lm_loss(causal_lm_logits(module, batch["input_ids"]), batch["labels"])
