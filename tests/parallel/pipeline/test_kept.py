@@ -41,9 +41,20 @@ def _hf(arch):
     return lambda: build_hf_model(arch, **config)
 
 
+def _without_dtype_asserts(module: torch.fx.GraphModule) -> torch.fx.GraphModule:
+    """The captured module without its dtype asserts (true of the fp32 trace, not under
+    autocast), as the pipeline's stage pieces run it: they keep only what computes."""
+    for node in list(module.graph.nodes):
+        if node.op == "call_function" and "_assert_tensor_metadata" in str(node.target):
+            module.graph.erase_node(node)
+    module.recompile()
+    return module
+
+
 def _saved_peak(module: nn.Module, ids: torch.Tensor, dtype: torch.dtype | None) -> int:
-    """Peak bytes autograd saves in one forward (parameters excluded, their casts included)."""
-    probe = SavedPeak(module.parameters())
+    """Peak bytes autograd saves in one forward (parameters and buffers excluded, the stage's
+    state: RoPE tables saved for backward are slices of buffers; casts included)."""
+    probe = SavedPeak([*module.parameters(), *module.buffers()])
     context = torch.autocast("cpu", dtype=dtype) if dtype else contextlib.nullcontext()
     with probe, context:
         out = module(ids)
@@ -51,8 +62,11 @@ def _saved_peak(module: nn.Module, ids: torch.Tensor, dtype: torch.dtype | None)
     return probe.peak
 
 
-@pytest.mark.parametrize("build", [_reference("gelu"), _reference("swiglu"), _hf("gpt2"),
-                                   _hf("llama")], ids=["gelu", "swiglu", "gpt2", "llama"])
+@pytest.mark.parametrize("build", [
+    _reference("gelu"), _reference("swiglu"), _hf("gpt2"), _hf("llama"),
+    # RoPE's q.float(): the capture asserts it fp32, which bf16 autocast breaks (skipped)
+    lambda: Transformer(preset("small-llama", n_kv_heads=2, **SHAPE))],
+    ids=["gelu", "swiglu", "gpt2", "llama", "reference-rope"])
 def test_estimated_activations_are_what_the_captured_graph_saves(build):
     torch.manual_seed(0)
     batch, seq = 2, 512
@@ -61,7 +75,7 @@ def test_estimated_activations_are_what_the_captured_graph_saves(build):
     for dtype in (None, BF16):
         table = CostTable(measured_under(graph, "cpu", dtype), DeviceRates())
         estimate = table.activations(0, len(graph.compute))
-        measured = _saved_peak(graph.program.module(), ids, dtype)
+        measured = _saved_peak(_without_dtype_asserts(graph.program.module()), ids, dtype)
         # The same graph, the same kernels, the same autocast: the same storages, counted
         # once each (fake and real runs differ only in what holds the bytes).
         assert estimate == measured, (dtype, estimate, measured)

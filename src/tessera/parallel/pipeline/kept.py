@@ -123,6 +123,10 @@ class _Recorder(fx.Interpreter):
             self.held.add(_storage(base))
             out = base.view(base.shape)
             self.weight_of[n.name] = n.args[0].name
+        elif n.op == "call_function" and op_name(n) == "_assert_tensor_metadata":
+            # The capture's dtype checks hold for its fp32 trace, not for autocast's 16-bit
+            # values (a RoPE's q.float() asserts its input fp32); they keep nothing.
+            out = None
         else:
             out = super().run_node(n)
             if n.target in self.autocast_output and torch.is_autocast_enabled(out.device.type):
