@@ -114,6 +114,7 @@ class Trainer:
         self.args, self.strategy = args, strategy or Strategy()
         self.train_dataset, self.eval_dataset = train_dataset, eval_dataset
         self.data_collator = data_collator or collate
+        self._row_length: int | None = None  # tokens per batch row, read once (_seq_len)
         self.stop_requested = False  # set on rank 0 (e.g. by a callback) to pause like PAUSE
         self.run_info, self.callbacks = run_info or {}, list(callbacks)
         # Every rank: with each metrics record (all ranks hold the same), after each save.
@@ -453,9 +454,14 @@ class Trainer:
             callback(record)
 
     def _seq_len(self) -> int:
-        """Tokens per sample: the run's shape (the evaluation set's without training data)."""
-        data = self.train_dataset if self.train_dataset is not None else self.eval_dataset
-        return len(data[0]["input_ids"])
+        """Tokens per row of a batch, the run's shape: the first sample as the collator
+        makes it a batch (a Hugging Face-style sample is one token shorter after its shift,
+        and pipeline stages are captured at this length); the evaluation set's without
+        training data."""
+        if self._row_length is None:
+            data = self.train_dataset if self.train_dataset is not None else self.eval_dataset
+            self._row_length = int(self.data_collator([data[0]])["input_ids"].shape[-1])
+        return self._row_length
 
     def _throughput(self) -> Throughput:
         config = getattr(self.model, "config", None)

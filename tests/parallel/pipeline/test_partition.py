@@ -535,3 +535,25 @@ def test_a_ranks_virtual_stages_share_its_budget_under_interleaving(uniform):
     assert 0 < max(part.recompute) < 1 or part.recompute != full.recompute
     with pytest.raises(StrategyError, match="shared by 2 virtual stages per rank"):
         _cut(uniform, 4, 8, strategy, [0.0] * 4, int(max(full.stage_memory) * 1.5))
+
+
+def test_stages_of_a_graph_that_depends_on_its_shape_are_refused_naming_the_shapes():
+    # Zamba's capture at 31 tokens reuses node names of the 32-token one for other ops:
+    # matched by name, a stage read a value no stage handed it (a raw internal error).
+    import transformers as T
+
+    from tessera.parallel.pipeline.program import stage_groups
+
+    config = T.ZambaConfig(vocab_size=256, hidden_size=64, num_hidden_layers=4,
+                           num_attention_heads=4, num_key_value_heads=2, intermediate_size=128,
+                           max_position_embeddings=128, use_cache=False,
+                           tie_word_embeddings=False)
+    with torch.device("meta"):
+        model = T.ZambaForCausalLM(config)
+    seed, other = capture(model, 2, 32), capture(model, 2, 31)
+    cut = partition(seed, 2, 4)
+    assert [len(g) for g in stage_groups(seed, seed, cut)] == [
+        cut.bounds[1] - cut.bounds[0], cut.bounds[2] - cut.bounds[1]]
+    with pytest.raises(RuntimeError, match=r"depends on the input shape, and this batch is "
+                                           r"\(2, 31\) where the stages were cut at \(2, 32\)"):
+        stage_groups(other, seed, cut)

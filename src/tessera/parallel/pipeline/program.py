@@ -41,30 +41,45 @@ def stage_groups(graph: ProxyGraph, seed: ProxyGraph, partition: Partition
     """Compute-node names of each stage of ``graph``, in graph order, as ``partition`` cut
     ``seed`` (the graph it was made on).
 
-    Nodes are matched by name; where a capture at another shape names them otherwise (export
-    drops an ``expand`` that is a no-op at batch 1, and every later ``expand`` is numbered one
-    lower), by position, if both graphs run the same ops in the same modules in the same order.
+    Nodes are matched by name where the name means the same op in the same module in both;
+    where a capture at another shape names them otherwise (export drops an ``expand`` that
+    is a no-op at batch 1, and every later ``expand`` is numbered one lower; a model's
+    shape-dependent branch numbers its ``to`` nodes otherwise), by position, if both graphs
+    run the same ops in the same modules in the same order.
     """
     stage_of = partition.stage_of(seed)
-    missing = [n for n in graph.compute if n not in stage_of]
+    missing = [n for n in graph.compute if n not in stage_of or not _same_node(graph, seed, n)]
     if missing and _same_compute(graph, seed):
         stage_of, missing = partition.stage_of(graph), []
     if missing:
         raise RuntimeError(f"the graph captured at this shape has nodes the partition does not "
                            f"know ({', '.join(missing[:3])}...): the model's graph depends on "
-                           "the input shape")
+                           f"the input shape, and this batch is {tuple(graph_shape(graph))} "
+                           f"where the stages were cut at {tuple(graph_shape(seed))}: pad every "
+                           "batch to that shape (or give samples of one length)")
     groups: list[list[str]] = [[] for _ in range(partition.stages)]
     for name in graph.compute:
         groups[stage_of[name]].append(name)
     return groups
 
 
+def graph_shape(graph: ProxyGraph) -> torch.Size:
+    """The (B, T) of the input_ids a graph was captured at."""
+    return graph.nodes[graph.inputs[0]].node.meta["val"].shape
+
+
 def _same_compute(graph: ProxyGraph, seed: ProxyGraph) -> bool:
     """Whether both graphs' compute nodes run the same ops in the same modules, in order."""
     return len(graph.compute) == len(seed.compute) and all(
-        graph.nodes[a].node.target == seed.nodes[b].node.target
-        and module_of(graph.nodes[a].node) == module_of(seed.nodes[b].node)
-        for a, b in zip(graph.compute, seed.compute))
+        _same_node(graph, seed, a, b) for a, b in zip(graph.compute, seed.compute))
+
+
+def _same_node(graph: ProxyGraph, seed: ProxyGraph, name: str, seed_name: str | None = None
+               ) -> bool:
+    """Whether ``graph``'s node ``name`` runs the op of ``seed``'s ``seed_name`` (default:
+    the same name), in the same module."""
+    a, b = graph.nodes[name].node, seed.nodes[seed_name or name].node
+    return a.target == b.target and module_of(a) == module_of(b)
 
 
 def head_tail(graph: ProxyGraph, group: list[str], ratio: float,
