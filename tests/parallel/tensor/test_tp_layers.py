@@ -26,6 +26,8 @@ import tp_checks
 TOL = 1e-5
 MESHES = ("1d_tp2", "1d_tp4", "2d_2x2")
 MODELS = ("ref-gpt", "ref-llama", "hf-gpt2", "hf-llama")
+# Hugging Face classes laid out with Llama's policy (policy.LLAMA_LAYOUT), at 1D tp=2.
+LLAMA_LAYOUT = ("hf-mistral", "hf-qwen2", "hf-granite", "hf-smollm3", "hf-arcee")
 # (mesh, model, exportable layers): tp=2 reference Llama (plain and as pipeline stages run
 # it), GPT-2's fused q|k|v, and tp=4 Llama whose 2 kv heads are replicated.
 ALL_REDUCE_CASES = (("1d_tp2", "ref-llama", False), ("1d_tp2", "ref-llama", True),
@@ -49,6 +51,8 @@ def _all_checks(rank, world_size, folder):
         if name.startswith("1d"):
             for kind in ("ref-gpt", "ref-llama"):  # Megatron sequence parallelism
                 out["models"][name, kind + "+sp"] = tp_checks.model_parity(mesh, kind, True)
+    for kind in LLAMA_LAYOUT:
+        out["models"]["1d_tp2", kind] = tp_checks.model_parity(meshes["1d_tp2"], kind)
     out["from_meta"] = {(m, kind): tp_checks.from_meta(meshes[m], kind)
                         for m, kind in (("1d_tp2", "hf-gpt2"), ("2d_2x2", "ref-llama"))}
     out["attention_dropout"] = {case: tp_checks.attention_dropout_parity(meshes[case[0]],
@@ -100,7 +104,8 @@ def test_every_layer_matches_single_device(results, mesh):
 
 @pytest.mark.slow
 @pytest.mark.parametrize("mesh, kind", [(m, k) for m in MESHES for k in MODELS]
-                         + [(m, k + "+sp") for m in MESHES[:2] for k in MODELS[:2]])
+                         + [(m, k + "+sp") for m in MESHES[:2] for k in MODELS[:2]]
+                         + [("1d_tp2", k) for k in LLAMA_LAYOUT])
 def test_whole_model_matches_single_device(results, mesh, kind):
     for rank, res in enumerate(results):
         got = res["models"][mesh, kind]

@@ -46,7 +46,13 @@ def test_reference_policy_styles():
     assert style_of("blocks.0.attn", policy) == "attention"
     assert style_of("lm_head", policy) == "vocab_head"
     assert style_of("blocks.0", policy) is None
-    assert set(POLICIES) == {"Transformer", "GPT2LMHeadModel", "LlamaForCausalLM"}
+    # Llama's layout under other classes (each checked against one device in
+    # test_tp_layers.py), and nothing else.
+    from tessera.parallel.tensor.policy import LLAMA_LAYOUT
+
+    assert set(POLICIES) == {"Transformer", "GPT2LMHeadModel", "LlamaForCausalLM",
+                             *LLAMA_LAYOUT}
+    assert all(POLICIES[name] is POLICIES["LlamaForCausalLM"] for name in LLAMA_LAYOUT)
 
 
 def test_shapes_not_divisible_are_refused():

@@ -88,7 +88,26 @@ def build(kind: str) -> nn.Module:
         return Transformer(preset("tiny-llama"))
     arch = kind.split("-")[1]
     ref = preset("tiny" if arch == "gpt2" else "tiny-llama")
+    if arch not in ("gpt2", "llama"):
+        return _llama_layout(arch, hf_config_from_reference("llama", ref))
     return build_hf_model(arch, **hf_config_from_reference(arch, ref))
+
+
+# Configs beyond Llama's shape: Granite's multipliers (embeddings, residuals, attention
+# scores, logits), which a policy that bypassed the model's own forward would lose.
+LLAMA_LAYOUT_EXTRA = {"granite": dict(embedding_multiplier=3.0, residual_multiplier=0.5,
+                                      attention_multiplier=0.2, logits_scaling=2.0)}
+
+
+def _llama_layout(model_type: str, llama: dict) -> nn.Module:
+    """A class that tensor parallelism lays out with Llama's policy (policy.LLAMA_LAYOUT),
+    at tiny Llama's shape."""
+    import transformers
+
+    config = transformers.AutoConfig.for_model(model_type, use_cache=False, pad_token_id=None,
+                                               **llama,
+                                               **LLAMA_LAYOUT_EXTRA.get(model_type, {}))
+    return transformers.AutoModelForCausalLM.from_config(config)
 
 
 def batch() -> dict[str, torch.Tensor]:

@@ -75,6 +75,19 @@ POLICIES: dict[str, list[tuple[str, str]]] = {
 }
 
 
+# Hugging Face classes whose modules are Llama's, name for name and role for role (RMSNorm,
+# rotary q/k/v/o attention, a gated MLP, embeddings and head): Llama's policy, each checked
+# against one device (tests/parallel/tensor/test_tp_layers.py; Granite with its embedding,
+# residual, attention and logit multipliers). Matching names are not enough: Gemma's and
+# Cohere's modules are named as Llama's, but at tp=2 their losses left one device's (7e-3
+# and 3e-5 relative at the first steps, 2026-11-28), and Helium's failed with a head size
+# other than hidden / heads (its default), so they have no entry.
+LLAMA_LAYOUT = ("MistralForCausalLM", "Qwen2ForCausalLM", "GraniteForCausalLM",
+                "SmolLM3ForCausalLM", "ArceeForCausalLM")
+for _name in LLAMA_LAYOUT:
+    POLICIES[_name] = POLICIES["LlamaForCausalLM"]
+
+
 class PolicyError(StrategyError):
     """A model or option mix cannot be tensor-parallelised; the message names the rule."""
 
@@ -101,11 +114,13 @@ def policy_for(model: nn.Module) -> list[tuple[re.Pattern, str]]:
     name = type(model).__name__
     if name not in POLICIES:
         raise PolicyError(
-            f"no tensor-parallel policy for model class {name!r}: add an entry "
-            f"POLICIES[{name!r}] = [(module-path regex, style), ...] in "
-            f"tessera/parallel/tensor/policy.py (styles: colwise, colwise_kv, colwise_qkv, "
-            f"rowwise, vocab_embed, vocab_head, position, norm, attention, mlp); known classes: "
-            f"{', '.join(POLICIES)}")
+            f"no tensor-parallel policy for model class {name!r} (known: "
+            f"{', '.join(POLICIES)}): train it with tp=1 (data, pipeline and sequence "
+            "parallelism need no policy), or register one in your script before the "
+            f"Trainer is built: tessera.parallel.tensor.policy.POLICIES[{name!r}] = "
+            "[(module-path regex, style), ...] (styles: colwise, colwise_kv, colwise_qkv, "
+            "rowwise, vocab_embed, vocab_head, position, norm, attention, mlp; "
+            "docs/tensor_parallel.md), and check its losses against tp=1")
     return [(re.compile(pattern), style) for pattern, style in POLICIES[name]]
 
 
