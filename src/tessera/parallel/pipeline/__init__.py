@@ -25,6 +25,7 @@ from torch import nn
 from tessera.mesh import Mesh
 from tessera.models.materialize import DeferredInit, has_meta, parameter_aliases
 from tessera.parallel.pipeline.capture import CaptureError, ProxyGraph, capture, retarget
+from tessera.parallel.pipeline.fidelity import warn_if_capture_differs
 from tessera.parallel.pipeline.comm import Channel, stage_channels
 from tessera.parallel.pipeline.cost import DeviceRates
 from tessera.parallel.pipeline.engine import PipelineEngine
@@ -147,6 +148,8 @@ def apply_pipeline(plan: Parallelized, strategy: Strategy, mesh: Mesh,
     extra = inputs.example if inputs is not None else None
     local_len = rank_tokens(inputs, seq_len) if seq_len else None
     graph = capture_for_partition(model, stage_batch(strategy), extra, local_len)
+    if strategy.tp == 1 and extra is None and not has_meta(model):
+        warn_if_capture_differs(graph, model)  # stages run the capture, not the forward
     loss_fn = tp_loss(strategy, mesh) or lm_loss
     # Whole logits per token (tp's are vocabulary-sharded) are sliceable; stages named by
     # split points hold whole modules, the head included.

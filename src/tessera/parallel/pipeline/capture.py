@@ -174,8 +174,8 @@ def build_proxy(program: ExportedProgram, more_inputs: tuple[str, ...] = (),
         elif node.op == "get_attr":  # a submodule of a higher-order op
             nodes[node.name] = ProxyNode(node.name, "const", node)
         elif node.op == "call_function":
-            if not node.users:  # dead values and metadata asserts: nothing to run
-                continue
+            if not node.users and not writes_in_place(node):
+                continue  # dead values and metadata asserts: nothing to run
             preds = [nodes[a.name] for a in node.all_input_nodes]
             root = _viewed_param(node, preds)
             if root is not None:
@@ -195,6 +195,17 @@ def build_proxy(program: ExportedProgram, more_inputs: tuple[str, ...] = (),
     output = output or _logits_node(program, nodes)
     inputs = list(sig.user_inputs) + list(more_inputs)
     return ProxyGraph(program, nodes, compute, output, inputs, param_users)
+
+
+def writes_in_place(node: fx.Node) -> bool:
+    """Whether the node's op writes into one of its inputs (``x[:, i] = ...`` exports as a
+    ``copy_`` that nothing reads): kept as a compute node, or a stage built from the graph
+    would lose the write (it did: OLMo-Hybrid's exported forward substitution)."""
+    schema = getattr(node.target, "_schema", None)
+    if schema is not None:
+        return bool(schema.is_mutable)
+    name = op_name(node)
+    return name.endswith("_") and not name.startswith("_")
 
 
 def _priced(node: fx.Node, preds: list[ProxyNode]) -> NodeCost:
