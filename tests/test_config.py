@@ -88,7 +88,11 @@ def test_auto_plans_at_the_training_length_and_takes_any_valid_fixed_field():
             ("auto,gbs=8,sp=2,sp=1", "strategy field 'sp' given twice"),
             ("auto,gbs=eight", "gbs (global_batch_size) must be an integer, got 'eight'"),
             ("auto,gbs=8,sp=3", "the fixed sp=3 does not divide the 2 devices"),
-            ("auto,gbs=8,dp=2,pp=2", "the fixed dp=2*pp=2 = 4 does not divide the 2 devices")]:
+            ("auto,gbs=8,dp=2,pp=2", "the fixed dp=2*pp=2 = 4 does not divide the 2 devices"),
+            ("auto,gbs=8,mbs=3", "mbs=3 does not divide gbs=8"),
+            ("auto,gbs=8,recompute=0.5/0.5,pp=1", "2 per-stage ratios: pp must be 2, not 1"),
+            ("auto,gbs=8,memory=zero1", "this build does not run, e.g.: ZeRO memory"),
+            ("auto,gbs=8,tp_overlap=subpipe", "cannot fix strategy field 'tp_overlap'")]:
         with pytest.raises(ConfigError, match=re.escape(fragment)):
             planned(text)
 

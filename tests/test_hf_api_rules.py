@@ -397,7 +397,7 @@ def test_use_cpu_plans_auto_for_the_host_not_its_gpu(monkeypatch, own_process_gr
 
 
 def test_datasets_tessera_cannot_read_are_refused_naming_the_way():
-    from tessera.train.hf_data import check_map_style
+    from tessera.train.hf_data import check_readable
     from tessera.train.hf_eval import eval_sets
 
     # A dict eval_dataset holds named sets (Hugging Face's eval_<name>_loss); each is checked.
@@ -410,18 +410,18 @@ def test_datasets_tessera_cannot_read_are_refused_naming_the_way():
     with pytest.raises(ValueError, match="keys name metrics .* got 0, a int"):
         eval_sets({0: [1]})
     with pytest.raises(ValueError, match="train_dataset is a dict.*give one split"):
-        check_map_style("train_dataset", {"train": [0], "validation": [1]})
+        check_readable("train_dataset", {"train": [0], "validation": [1]})
 
     class Stream(torch.utils.data.IterableDataset):
         def __iter__(self):
             yield {"input_ids": torch.zeros(4, dtype=torch.long)}
 
-    check_map_style("train_dataset", Stream())  # read in order (test_hf_streams.py)
+    check_readable("train_dataset", Stream())  # read in order (test_hf_streams.py)
     assert len(eval_sets({"a": Stream()})["a"]) == 1  # an evaluation stream: read whole
     with pytest.raises(ValueError, match="train_dataset is a int, which has no length and "
                                          "index and is not iterable"):
-        check_map_style("train_dataset", 5)
-    check_map_style("train_dataset", [{"input_ids": [1, 2]}])  # a list indexes
+        check_readable("train_dataset", 5)
+    check_readable("train_dataset", [{"input_ids": [1, 2]}])  # a list indexes
 
 
 def test_a_router_loss_no_layout_trains_is_refused_not_dropped(own_process_group):
@@ -441,6 +441,15 @@ def test_a_router_loss_no_layout_trains_is_refused_not_dropped(own_process_group
                                          "=0.5.*output_router_logits=False"):
         Trainer(model=mixtral(output_router_logits=True, router_aux_loss_coef=0.5), args=args,
                 train_dataset=data)
+    # Other families name the coefficient otherwise (JetMoE's aux_loss_coef).
+    from tessera.parallel.plan import refuse_extra_losses
+
+    jetmoe = T.JetMoeForCausalLM(T.JetMoeConfig(
+        vocab_size=64, hidden_size=32, num_hidden_layers=1, num_attention_heads=4,
+        num_key_value_heads=2, kv_channels=8, intermediate_size=64, num_local_experts=4,
+        num_experts_per_tok=2, output_router_logits=True, use_cache=False))
+    with pytest.raises(ValueError, match=r"JetMoeForCausalLM .*\(x aux_loss_coef=0.01\)"):
+        refuse_extra_losses(jetmoe)
     # A zero coefficient adds nothing: taken.
     Trainer(model=mixtral(output_router_logits=True, router_aux_loss_coef=0.0), args=args,
             train_dataset=data)

@@ -61,7 +61,8 @@ def test_a_stream_is_read_in_order_pass_after_pass():
     first = view[0]["input_ids"]  # kept: the run's shape is read from it
     assert torch.equal(first, samples[mapped.global_batch(0)[0]]["input_ids"])
     again = view[3]  # behind the stream: read again from its first pass
-    assert torch.equal(again["input_ids"], view[3]["input_ids"]) and stream.epochs == [0, 1, 0]
+    assert torch.equal(again["input_ids"], samples[mapped.global_batch(0)[3]]["input_ids"])
+    assert stream.epochs == [0, 1, 0]
     # Equal streams digest alike, another differs.
     assert StreamSamples(Passes(_samples())).digest_through(8) == view.digest_through(8)
     assert StreamSamples(Passes(_samples(), shift=1)).digest_through(8) != \
@@ -69,10 +70,29 @@ def test_a_stream_is_read_in_order_pass_after_pass():
 
 
 def test_a_stream_that_cannot_start_again_is_refused_naming_why():
-    view = StreamSamples(sample for sample in _samples(2))  # a generator: one pass
-    view[1]
-    with pytest.raises(StreamError, match="yields no sample in pass 2 .a generator yields once"):
-        view[2]
+    # A generator cannot start a new pass, nor go back for a resume (it went on instead).
+    with pytest.raises(StreamError, match="one-pass generator .iter.. returns itself.: a "
+                                          "stream must start again on iter"):
+        StreamSamples(sample for sample in _samples(2))
+
+    class Empty(torch.utils.data.IterableDataset):
+        def __iter__(self):
+            return iter(())
+
+    with pytest.raises(StreamError, match="Empty yields no sample in pass 1"):
+        StreamSamples(Empty())[0]
+
+
+def test_samples_differing_anywhere_digest_apart():
+    from tessera.data.stream import samples_digest
+
+    big = {"input_ids": torch.zeros(5000, dtype=torch.long), "text": "a"}
+    other = {"input_ids": big["input_ids"].clone(), "text": "a"}
+    other["input_ids"][2500] = 1  # repr would print both alike ("...")
+    assert samples_digest([big]) != samples_digest([other])
+    assert samples_digest([big]) != samples_digest([{**big, "text": "b"}])
+    assert samples_digest([big]) != samples_digest([big, big])  # the count too
+    assert samples_digest([big]) == samples_digest([dict(big)])
 
 
 def test_a_stream_without_max_steps_is_refused():
@@ -101,12 +121,14 @@ def _stream_runs(rank, world_size, root):
     out["eval_list"] = streamed.evaluate(samples)["eval_loss"]
     split = Trainer(model=_gpt2(), args=TrainingArguments(
         output_dir=f"{root}/split", save_strategy="no", **args),
-        train_dataset=Passes(samples, shift=rank))  # each rank its own stream: refused
-    try:
-        split.train()
-        out["split"] = None
-    except StreamError as err:
-        out["split"] = str(err)
+        train_dataset=Passes(samples, shift=rank),  # each rank its own stream: refused
+        eval_dataset=Passes(samples[rank:]))  # each rank its own evaluation stream too
+    for key, run in (("split", split.train), ("split_eval", split.evaluate)):
+        try:
+            run()
+            out[key] = None
+        except StreamError as err:
+            out[key] = str(err)
     return out
 
 
@@ -120,5 +142,7 @@ def test_a_stream_trains_as_the_same_samples_indexed(tmp_path):
     # Resumed at step 2: the stream read again past the first 8 samples, steps 3-4 alike.
     assert out["resumed"] == pytest.approx(out["streamed"][2:], abs=1e-6)
     assert out["eval"] == pytest.approx(out["eval_list"], abs=1e-6)
-    assert all("ranks read different samples" in o["split"]
+    assert all("ranks read different samples from the training stream" in o["split"]
                and "split_dataset_by_node" in o["split"] for o in outs)
+    assert all("ranks read different samples from an evaluation stream" in o["split_eval"]
+               for o in outs)

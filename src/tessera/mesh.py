@@ -56,7 +56,7 @@ class Mesh:
         if not dist.is_initialized():
             raise RuntimeError("Mesh needs torch.distributed initialised (tessera.launch does it)")
         world = dist.get_world_size()
-        strategy.validate_for(world_size=world)
+        strategy.check_world_size(world)  # the layout alone: step sizes are the run's
         self.strategy = strategy
         self.device_type = device_type or default_device_type()
         q_rows, q_cols = strategy.tp_grid

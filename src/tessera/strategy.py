@@ -245,14 +245,23 @@ class Strategy:
                                                         self.grad_accum_steps)
         if problem:
             raise StrategyError(problem)
-        if world_size is not None and self.world_size != world_size:
+        if world_size is not None:
+            self.check_world_size(world_size)
+        if model is not None:
+            self._check_model(model, seq_len or model.max_seq_len)
+        return self
+
+    def check_world_size(self, world_size: int) -> None:
+        """Refuse degrees whose product is not ``world_size`` (what a mesh needs alone).
+
+        Raises:
+            StrategyError: naming the product and the world size.
+        """
+        if self.world_size != world_size:
             raise StrategyError(
                 f"dp*tp*pp*sp = {self.dp}*{self.tp}*{self.pp}*{self.sp} = {self.world_size} "
                 f"must equal the world size {world_size}"
             )
-        if model is not None:
-            self._check_model(model, seq_len or model.max_seq_len)
-        return self
 
     def _check_model(self, model: ModelShape, seq_len: int) -> None:
         heads_split = math.isqrt(self.tp) if self.tp_mode == "2d" else self.tp
@@ -560,6 +569,11 @@ def _as_tiers(value: Any) -> tuple[str, ...]:
     if len(set(tiers)) != len(tiers):
         raise StrategyError(f"offload lists a tier twice: {'+'.join(tiers)}")
     return tiers
+
+
+def field_text(name: str, value: Any) -> str:
+    """One field as strategy text writes it, e.g. ``mbs=2`` or ``recompute=1/0.5``."""
+    return f"{_FIELD_TO_TEXT.get(name, name)}={_format_value(name, value)}"
 
 
 def _format_value(name: str, value: Any) -> str:

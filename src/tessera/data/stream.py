@@ -12,6 +12,7 @@ that ends starts the next one, after ``set_epoch(pass)`` when the iterable has i
 from __future__ import annotations
 
 import hashlib
+import pickle
 from typing import Any, Iterable, Iterator
 
 import torch
@@ -32,6 +33,11 @@ class StreamSamples:
     labels_shifted = False  # Hugging Face-style samples: labels at the input positions
 
     def __init__(self, stream: Iterable) -> None:
+        if iter(stream) is stream:  # a generator or iterator: one pass, no going back
+            raise StreamError(
+                f"the iterable dataset is a one-pass {type(stream).__name__} (iter() returns "
+                "itself): a stream must start again on iter() for a new pass or a resume; "
+                "give an iterable that does, e.g. a torch IterableDataset")
         self.stream = stream
         self._first: Any = None
         self._restart()
@@ -82,19 +88,35 @@ class StreamSamples:
         try:
             return next(self._iterator)
         except StopIteration:
-            raise StreamError(
-                f"the iterable dataset {type(self.stream).__name__} yields no sample in pass "
-                f"{self.passes} (a generator yields once: give an iterable that starts again "
-                "on iter(), e.g. a torch IterableDataset)") from None
+            raise StreamError(f"the iterable dataset {type(self.stream).__name__} yields no "
+                              f"sample in pass {self.passes}") from None
 
 
 def _sample_bytes(sample: Any) -> bytes:
-    """A sample's token ids as bytes (its text form when it has none: a collator tokenizes)."""
-    ids = sample.get("input_ids") if isinstance(sample, dict) else sample
-    try:
-        return torch.as_tensor(ids).to(torch.int64).numpy().tobytes()
-    except (TypeError, ValueError, RuntimeError):
-        return repr(sample).encode()
+    """Every value of a sample as bytes, keys sorted (token ids and labels as int64, text
+    and anything else pickled: repr would shorten large tensors)."""
+    items = sorted(sample.items()) if isinstance(sample, dict) else [("", sample)]
+    out = []
+    for key, value in items:
+        try:
+            data = torch.as_tensor(value).to(torch.int64).numpy().tobytes()
+        except (TypeError, ValueError, RuntimeError):
+            data = pickle.dumps(value, protocol=4)
+        out.append(str(key).encode() + b"\0" + data)
+    return b"\1".join(out)
+
+
+def samples_digest(samples: list[Any]) -> int:
+    """A 62-bit digest of samples read whole (an evaluation stream), their count included."""
+    digest = hashlib.blake2b(digest_size=8)
+    digest.update(len(samples).to_bytes(8, "little"))
+    for sample in samples:
+        digest.update(_sample_bytes(sample))
+    return int.from_bytes(digest.digest(), "little") >> 2
+
+
+class StreamList(list):
+    """An evaluation stream read whole into memory (checked across ranks when evaluated)."""
 
 
 def is_stream(dataset: Any) -> bool:
@@ -109,7 +131,8 @@ def sample_count(dataset: Any) -> int | None:
     return None if isinstance(dataset, StreamSamples) else len(dataset)
 
 
-def check_same_stream(digest: int, device: torch.device, group: Any = None) -> None:
+def check_same_stream(digest: int, device: torch.device, group: Any = None,
+                      what: str = "the training stream") -> None:
     """Refuse ranks that read different samples from the same stream positions.
 
     Raises:
@@ -119,7 +142,7 @@ def check_same_stream(digest: int, device: torch.device, group: Any = None) -> N
     dist.all_reduce(values, op=dist.ReduceOp.MAX, group=group)
     if values[0].item() != -values[1].item():
         raise StreamError(
-            "the ranks read different samples from the training stream: every rank reads the "
+            f"the ranks read different samples from {what}: every rank reads the "
             "whole iterable and keeps its share, so it must yield the same samples in the same "
             "order everywhere (seed its shuffle; do not split it by rank, e.g. with "
             "datasets.distributed.split_dataset_by_node: tessera shards it)")

@@ -37,21 +37,38 @@ def lm_loss(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
 
 def refuse_extra_losses(model: nn.Module) -> None:
     """Refuse a model whose own loss adds a term to the next-token loss, which every layout
-    trains alone (from the logits): a Mixture-of-Experts router's load-balancing loss
-    (``output_router_logits=True`` with a non-zero ``router_aux_loss_coef``).
+    trains alone (from the logits): a Mixture-of-Experts router's load-balancing loss, added
+    when ``output_router_logits=True`` unless its coefficient is 0.
 
     Raises:
         ValueError: naming the setting and the way out.
     """
     config = getattr(model, "config", None)
-    coefficient = getattr(config, "router_aux_loss_coef", 0.0) or 0.0
-    if getattr(config, "output_router_logits", False) and coefficient:
-        raise ValueError(
-            f"{type(model).__name__} is built with output_router_logits=True: its own loss "
-            f"adds the router's load-balancing loss (x router_aux_loss_coef={coefficient}), "
-            "which tessera does not train (every layout trains the next-token loss of the "
-            "logits alone). Build it with output_router_logits=False, or "
-            "router_aux_loss_coef=0")
+    if not getattr(config, "output_router_logits", False):
+        return
+    coefficients = _aux_loss_coefficients(model, config)
+    if coefficients and not any(coefficients.values()):
+        return  # every term the model adds is multiplied by 0
+    named = ", ".join(f"{k}={v}" for k, v in coefficients.items()) or "its coefficient"
+    raise ValueError(
+        f"{type(model).__name__} is built with output_router_logits=True: its own loss adds "
+        f"the router's load-balancing loss (x {named}), which tessera does not train (every "
+        "layout trains the next-token loss of the logits alone). Build it with "
+        "output_router_logits=False, or the coefficient 0")
+
+
+def _aux_loss_coefficients(model: nn.Module, config) -> dict[str, float]:
+    """The router loss coefficients a Hugging Face model reads, under the names its family
+    uses (Mixtral's router_aux_loss_coef, JetMoE's aux_loss_coef, DBRX's moe_loss_weight)."""
+    found = {}
+    for owner, name in ((model, "router_aux_loss_coef"), (config, "router_aux_loss_coef"),
+                        (config, "aux_loss_coef"),
+                        (getattr(config, "ffn_config", None), "moe_loss_weight"),
+                        (getattr(config, "text_config", None), "router_aux_loss_coef")):
+        value = getattr(owner, name, None)
+        if isinstance(value, (int, float)) and not isinstance(value, bool):
+            found[name] = float(value)
+    return found
 
 
 def default_forward_loss(module: nn.Module, batch: Batch) -> torch.Tensor:

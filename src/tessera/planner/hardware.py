@@ -284,7 +284,9 @@ def local_cpu(cores: int | None = None) -> DeviceSpec:
     except (ValueError, OSError, AttributeError):
         pages = 8 * GIB
     shm = Link("shared memory (gloo)", 2 * GB, 30e-6)
-    # fp16 and bf16 as fp32: autocast on CPU runs them (the runtime trains both there).
+    # fp16 and bf16 priced at the fp32 rate: autocast on CPU runs both (the runtime trains
+    # them there), and no CPU rate for them is measured; CPU fp16 matmuls are often slower,
+    # so the planner's CPU fp16 times are optimistic.
     return DeviceSpec(name="cpu", peak_flops={"fp32": 50e9, "bf16": 50e9, "fp16": 50e9},
                       memory_bytes=pages / cores,
                       memory_bandwidth=10 * GB, intra=shm, inter=Link("Ethernet 10 Gb/s", 1.1 * GB,

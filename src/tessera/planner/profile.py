@@ -238,7 +238,8 @@ def profile_cluster(workers: int | None = None, quick: bool = False,
     overheads.update(measure_tp_overheads(layouts=layouts))
     base = local_cpu(workers)
     device = dataclasses.replace(
-        base, peak_flops={"fp32": peak, "bf16": peak, "fp16": peak},  # fp32 matmul rate
+        # 16-bit at the measured fp32 rate: not measured (see local_cpu)
+        base, peak_flops={"fp32": peak, "bf16": peak, "fp16": peak},
         memory_bandwidth=bandwidth,
         attention_efficiency=attention, attention_dropout_efficiency=attention_dropping,
         kernel_overhead=overhead,

@@ -30,7 +30,7 @@ from tessera.planner.simulator import Estimate, SimOptions, estimate, lower_boun
 from tessera.planner.space import (DISK_OPTION, MEMORY_OPTIONS, layouts, micro_batch_sizes,
                                    structural_reasons,
                                    raw_space_size, recompute_options, schedules)
-from tessera.strategy import Strategy, StrategyError, as_ratios
+from tessera.strategy import NotAvailableError, Strategy, StrategyError, as_ratios
 
 FIXABLE = ("dp", "tp", "tp_mode", "pp", "sp", "sp_mode", "micro_batch_size", "schedule",
            "recompute", "memory", "offload")
@@ -180,6 +180,7 @@ class _Search:
         self.evaluated = 0
         self.pruned = {"dominated": 0, "memory": 0, "bound": 0, "invalid": 0, "not built": 0}
         self.shortfall: tuple[float, Strategy | None] = (float("inf"), None)
+        self.not_built = ""  # why the first candidate this build cannot run was skipped
 
     @property
     def best(self) -> list[Estimate]:
@@ -253,9 +254,13 @@ class _Search:
 
     def _try(self, s: Strategy) -> bool:
         self.evaluated += 1
-        if self.runnable_only and not s.is_runnable():
-            self.pruned["not built"] += 1  # the runtime of this build would refuse it
-            return False
+        if self.runnable_only:
+            try:
+                s.require_available()
+            except NotAvailableError as err:
+                self.pruned["not built"] += 1  # the runtime of this build would refuse it
+                self.not_built = self.not_built or str(err)  # the first, for the message
+                return False
         dev = self.cluster.device
         mem = device_memory(self.model, s, self.model.max_seq_len, dev.reserved_bytes,
                             dev.flash_attention, (self.options or SimOptions()).tessera_runtime,
@@ -285,6 +290,9 @@ def _explain(state: _Search, model: ModelConfig, cluster: Cluster, gbs: int, n: 
              precision: str, constraints: dict, allow_disk: bool, explain: bool) -> Infeasible:
     short, closest = state.shortfall
     if closest is None:
+        if state.not_built:  # candidates existed, but this build runs none of them
+            return Infeasible(0.0, None, [f"every candidate needs what this build does not "
+                                          f"run, e.g.: {state.not_built}"])
         return Infeasible(0.0, None, structural_reasons(model, n, gbs, constraints))
     tips = []
     if explain:

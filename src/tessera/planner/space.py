@@ -152,8 +152,18 @@ def structural_reasons(model: ModelConfig, n_devices: int, gbs: int, fixed: dict
                        f"{model.max_seq_len}")
     if gbs % fixed.get("dp", 1):
         reasons.append(f"dp={fixed['dp']} does not divide gbs={gbs}")
-    if fixed.get("schedule", "1f1b") != "1f1b" and fixed.get("pp") == 1:
-        reasons.append(f"schedule={fixed['schedule']} needs pp >= 2")
+    if gbs % fixed.get("micro_batch_size", 1):
+        reasons.append(f"mbs={fixed['micro_batch_size']} does not divide gbs={gbs}")
+    schedule, pp = fixed.get("schedule", "1f1b"), fixed.get("pp")
+    if schedule != "1f1b" and (pp == 1 or n_devices == 1):
+        reasons.append(f"schedule={schedule} needs pp >= 2")
+    if schedule == "interleaved" and pp and model.n_layers % (2 * pp):
+        reasons.append(f"schedule=interleaved needs the {model.n_layers} layers divisible by "
+                       f"2 x pp = {2 * pp}")
+    ratios = fixed.get("recompute", ())
+    if len(ratios) > 1 and (pp not in (None, len(ratios)) or n_devices % len(ratios)):
+        reasons.append(f"recompute gives {len(ratios)} per-stage ratios: pp must be "
+                       f"{len(ratios)}" + (f", not {pp}" if pp else ""))
     return reasons or [f"check that gbs={gbs} leaves every pipeline stage micro-batches on "
                        f"the data-parallel degrees possible on {n_devices} devices, and that "
                        "the fixed fields suit each other and the model"]

@@ -104,7 +104,7 @@ class Trainer:
             self._hf_callbacks.append(callback)
         plain = [c for c in callbacks if callable(c)]
         self.train_dataset, self.eval_dataset = train_dataset, eval_dataset  # as given
-        train_dataset = readable("train_dataset", train_dataset)  # a stream: read in order
+        train_dataset = readable("train_dataset", train_dataset, training=True)  # in order
         named = eval_sets(eval_dataset)  # a dict: each set evaluated under eval_<name>
         eval_dataset = named if named is not None else readable("eval_dataset", eval_dataset)
         single = first_set(eval_dataset)  # shapes the job when there is no train_dataset

@@ -11,7 +11,7 @@ from torch import nn
 from torch.utils.data import Dataset
 
 from tessera.data.dataset import collate
-from tessera.data.stream import StreamSamples, is_stream
+from tessera.data.stream import StreamList, StreamSamples, is_stream
 
 
 def shift_for_next_token(batch: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
@@ -83,7 +83,7 @@ def _shifted(dataset: Any) -> bool:
     return False
 
 
-def check_map_style(name: str, dataset: Any) -> None:
+def check_readable(name: str, dataset: Any) -> None:
     """Refuse what tessera cannot read: a dataset with ``len()`` and ``[i]`` (its sample order
     reads ``dataset[i]``, each dp rank its share) or an iterable one (read in order,
     :func:`readable`).
@@ -105,15 +105,16 @@ def check_map_style(name: str, dataset: Any) -> None:
             "samples, a torch Dataset) or an iterable one (a torch IterableDataset)")
 
 
-def readable(name: str, dataset: Any) -> Any:
+def readable(name: str, dataset: Any, training: bool = False) -> Any:
     """``dataset`` as the trainer reads it: a map-style one as it is; an iterable training
     set as a stream read in order (``data/stream.py``); an iterable evaluation set read once
-    into a list (each evaluation reads it whole, as Hugging Face's does).
+    into a list (each evaluation reads it whole, as Hugging Face's does; compared across
+    ranks when first evaluated).
 
     Raises:
-        ValueError: as :func:`check_map_style`.
+        ValueError: as :func:`check_readable`.
     """
-    check_map_style(name, dataset)
+    check_readable(name, dataset)
     if dataset is None or not is_stream(dataset):
         return dataset
-    return StreamSamples(dataset) if name == "train_dataset" else list(dataset)
+    return StreamSamples(dataset) if training else StreamList(dataset)

@@ -14,7 +14,8 @@ from typing import Any
 
 from torch.utils.data import Dataset
 
-from tessera.train.hf_data import check_map_style, labels_shifted, readable
+from tessera.data.stream import StreamList, check_same_stream, samples_digest
+from tessera.train.hf_data import check_readable, labels_shifted, readable
 
 
 def eval_sets(eval_dataset: Any) -> dict[str, Dataset] | None:
@@ -26,7 +27,7 @@ def eval_sets(eval_dataset: Any) -> dict[str, Dataset] | None:
             cannot index (named).
     """
     if not isinstance(eval_dataset, dict):
-        check_map_style("eval_dataset", eval_dataset)
+        check_readable("eval_dataset", eval_dataset)
         return None
     if not eval_dataset:
         raise ValueError("eval_dataset is an empty dict: give at least one named set")
@@ -55,6 +56,7 @@ class Evaluations:
     def __init__(self, core: Any, named: dict[str, Dataset] | None,
                  reference: Dataset | None) -> None:
         self.core, self.named, self.reference = core, named, reference
+        self._checked: set[int] = set()  # evaluation streams compared across ranks
 
     def during_training(self) -> list[dict[str, float]]:
         """The metrics of each of the Trainer's sets, for the core's evaluation steps."""
@@ -82,6 +84,13 @@ class Evaluations:
 
     def metrics(self, dataset: Dataset | None, prefix: str) -> dict[str, float]:
         """``{prefix}_loss`` over the whole set and the speed of its evaluation on this rank."""
+        data = dataset if dataset is not None else self.core.eval_dataset
+        if isinstance(data, StreamList) and id(data) not in self._checked:
+            # Read by each rank from its own iterator: the same samples everywhere, or each
+            # rank would evaluate other ones (and run other numbers of collectives).
+            check_same_stream(samples_digest(data), self.core.ctx.device,
+                              what="an evaluation stream")
+            self._checked.add(id(data))
         started = time.perf_counter()
         loss = self._loss_on(dataset)
         runtime = time.perf_counter() - started

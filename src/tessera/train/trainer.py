@@ -73,6 +73,8 @@ class TrainResult:
 
     step: int  # steps completed in total (including those before a resume)
     losses: list[float] = field(default_factory=list)  # per-step mean loss over dp ranks
+    # (step, eval_loss) of the evaluation set; a dict of named sets reports each in its
+    # records (eval_<name>_loss), not here
     eval_losses: list[tuple[int, float]] = field(default_factory=list)
     checkpoint: str | None = None  # the last checkpoint written, if any
     paused: bool = False  # stopped early because a pause was requested
@@ -437,8 +439,8 @@ class Trainer:
         if self.eval_dataset is None or not (every and (self.step % every == 0 or last)):
             return False
         for metrics in self.evaluations():
-            result.eval_losses.extend((self.step, value) for key, value in metrics.items()
-                                      if key.endswith("_loss"))
+            if "eval_loss" in metrics:  # the evaluation set's (named sets: in the records)
+                result.eval_losses.append((self.step, metrics["eval_loss"]))
             self._emit({"step": self.step, **metrics}, writer, progress)
         return True
 

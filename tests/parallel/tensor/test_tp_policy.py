@@ -52,7 +52,8 @@ def test_reference_policy_styles():
 
     assert set(POLICIES) == {"Transformer", "GPT2LMHeadModel", "LlamaForCausalLM",
                              *LLAMA_LAYOUT}
-    assert all(POLICIES[name] is POLICIES["LlamaForCausalLM"] for name in LLAMA_LAYOUT)
+    assert all(POLICIES[name] == POLICIES["LlamaForCausalLM"]
+               and POLICIES[name] is not POLICIES["LlamaForCausalLM"] for name in LLAMA_LAYOUT)
 
 
 def test_shapes_not_divisible_are_refused():

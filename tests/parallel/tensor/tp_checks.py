@@ -96,7 +96,9 @@ def build(kind: str) -> nn.Module:
 # Configs beyond Llama's shape: Granite's multipliers (embeddings, residuals, attention
 # scores, logits), which a policy that bypassed the model's own forward would lose.
 LLAMA_LAYOUT_EXTRA = {"granite": dict(embedding_multiplier=3.0, residual_multiplier=0.5,
-                                      attention_multiplier=0.2, logits_scaling=2.0)}
+                                      attention_multiplier=0.2, logits_scaling=2.0),
+                      # 4 layers: the 4th has no rotary embedding (SmolLM3's NoPE layers)
+                      "smollm3": dict(num_hidden_layers=4, no_rope_layer_interval=4)}
 
 
 def _llama_layout(model_type: str, llama: dict) -> nn.Module:
@@ -104,9 +106,9 @@ def _llama_layout(model_type: str, llama: dict) -> nn.Module:
     at tiny Llama's shape."""
     import transformers
 
-    config = transformers.AutoConfig.for_model(model_type, use_cache=False, pad_token_id=None,
-                                               **llama,
-                                               **LLAMA_LAYOUT_EXTRA.get(model_type, {}))
+    config = transformers.AutoConfig.for_model(
+        model_type, use_cache=False, pad_token_id=None,
+        **{**llama, **LLAMA_LAYOUT_EXTRA.get(model_type, {})})
     return transformers.AutoModelForCausalLM.from_config(config)
 
 

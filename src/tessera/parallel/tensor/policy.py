@@ -85,7 +85,7 @@ POLICIES: dict[str, list[tuple[str, str]]] = {
 LLAMA_LAYOUT = ("MistralForCausalLM", "Qwen2ForCausalLM", "GraniteForCausalLM",
                 "SmolLM3ForCausalLM", "ArceeForCausalLM")
 for _name in LLAMA_LAYOUT:
-    POLICIES[_name] = POLICIES["LlamaForCausalLM"]
+    POLICIES[_name] = list(POLICIES["LlamaForCausalLM"])  # each its own, to extend alone
 
 
 class PolicyError(StrategyError):
