@@ -24,18 +24,16 @@ import math
 from dataclasses import dataclass
 from typing import Any, Mapping, Protocol
 
-TP_MODES = ("1d", "2d")
-TP_OVERLAPS = ("none", "subpipe")
-SP_MODES = ("ring", "rsa", "ulysses")
-SCHEDULES = ("gpipe", "1f1b", "interleaved", "scp")
-MEMORY_MODES = ("ddp", "zero1", "zero2", "zero3", "chunk")
-OFFLOAD_TIERS = ("cpu", "disk")
-PRECISIONS = ("fp32", "bf16", "fp16")
+from tessera.strategy_fields import (  # the Strategy's vocabulary, re-exported (__all__)
+    CHOICES, FIELD_TO_TEXT, INT_FIELDS, MEMORY_MODES, OFFLOAD_TIERS, PRECISIONS, SCHEDULES,
+    SP_MODES, TEXT_ALIASES, TP_MODES, TP_OVERLAPS, StrategyError, as_ratios, as_tiers,
+    check_choice, check_count, field_label, field_text, format_value, parse_value,
+    pipeline_size_problem, split_text, text_values)
 
-# Short names used by the text form, and the dataclass field each one stands for.
-TEXT_ALIASES = {"mbs": "micro_batch_size", "gbs": "global_batch_size"}
-_FIELD_TO_TEXT = {v: k for k, v in TEXT_ALIASES.items()}
-
+__all__ = ["AVAILABLE", "MEMORY_MODES", "OFFLOAD_TIERS", "PRECISIONS", "SCHEDULES", "SP_MODES",
+           "TEXT_ALIASES", "TP_MODES", "TP_OVERLAPS", "ModelShape", "NotAvailableError",
+           "Strategy", "StrategyError", "as_ratios", "blocks_to_recompute", "chunks_for",
+           "field_label", "field_text", "fixed_fields", "pipeline_size_problem", "text_values"]
 
 
 def blocks_to_recompute(ratio: float, n_blocks: int) -> int:
@@ -49,10 +47,6 @@ def blocks_to_recompute(ratio: float, n_blocks: int) -> int:
 def chunks_for(schedule: str) -> int:
     """Virtual stages per rank: 2 under interleaving, else 1."""
     return 2 if schedule == "interleaved" else 1
-
-
-class StrategyError(ValueError):
-    """A Strategy value (or its text form) breaks a rule; the message names field and rule."""
 
 
 class NotAvailableError(StrategyError):
@@ -112,16 +106,16 @@ class Strategy:
     def __post_init__(self) -> None:
         # Normalise list-like inputs so that equal strategies compare and hash equal.
         object.__setattr__(self, "recompute", as_ratios(self.recompute))
-        object.__setattr__(self, "offload", _as_tiers(self.offload))
+        object.__setattr__(self, "offload", as_tiers(self.offload))
         self._check_fields()
         self._check_relations()
 
     # ----------------------------------------------------------------------------- checks
     def _check_fields(self) -> None:
-        for name in _INT_FIELDS:
-            _check_count(name, getattr(self, name))
-        for name, choices in _CHOICES.items():
-            _check_choice(name, getattr(self, name), choices)
+        for name in INT_FIELDS:
+            check_count(name, getattr(self, name))
+        for name, choices in CHOICES.items():
+            check_choice(name, getattr(self, name), choices)
 
     def _check_relations(self) -> None:
         if self.tp_mode == "2d" and (self.tp == 1 or math.isqrt(self.tp) ** 2 != self.tp):
@@ -309,7 +303,7 @@ class Strategy:
                      "precision"):
             value = getattr(self, name)
             if value != getattr(default, name):
-                parts.append(f"{name}={_format_value(name, value)}")
+                parts.append(f"{name}={format_value(name, value)}")
         return ",".join(parts)
 
     def __str__(self) -> str:
@@ -318,7 +312,7 @@ class Strategy:
     @classmethod
     def parse(cls, text: str) -> "Strategy":
         """Parse the text form; unknown keys, repeated keys and bad values are refused."""
-        return cls.from_mapping(_split_text(text))
+        return cls.from_mapping(split_text(text))
 
     @classmethod
     def from_mapping(cls, values: Mapping[str, Any]) -> "Strategy":
@@ -332,7 +326,7 @@ class Strategy:
                 )
             if name in kwargs:
                 raise StrategyError(f"strategy field {key!r} given twice")
-            kwargs[name] = _parse_value(name, raw)
+            kwargs[name] = parse_value(name, raw)
         return cls(**kwargs)
 
     def to_dict(self) -> dict[str, Any]:
@@ -426,24 +420,10 @@ def _describe_gate(feature: str, s: Strategy) -> str:
     }[feature]
 
 
-# ---------------------------------------------------------------------------- text helpers
+# ------------------------------------------------------------------- fields held alone
 _FIELD_NAMES = {f.name for f in dataclasses.fields(Strategy)}
-_TEXT_KEYS = {_FIELD_TO_TEXT.get(n, n) for n in _FIELD_NAMES}
-_INT_FIELDS = ("dp", "tp", "pp", "sp", "micro_batch_size", "global_batch_size")
-_CHOICES = {"tp_mode": TP_MODES, "tp_overlap": TP_OVERLAPS, "sp_mode": SP_MODES,
-            "schedule": SCHEDULES, "memory": MEMORY_MODES, "precision": PRECISIONS}
+_TEXT_KEYS = {FIELD_TO_TEXT.get(n, n) for n in _FIELD_NAMES}
 
-
-def pipeline_size_problem(schedule: str, pp: int, micro_batches: int) -> str | None:
-    """Why ``schedule`` cannot run ``micro_batches`` a step over ``pp`` stages (None: it
-    can): 1F1B-style schedules fill every stage, interleaving walks groups of pp."""
-    if schedule != "gpipe" and micro_batches < pp:
-        return (f"schedule={schedule} with pp={pp} needs at least {pp} micro-batches per step, "
-                f"got {micro_batches} (raise gbs or lower mbs, or use schedule=gpipe)")
-    if schedule == "interleaved" and micro_batches % pp:
-        return (f"schedule=interleaved needs the micro-batches per step ({micro_batches}) to "
-                f"be a multiple of pp={pp}")
-    return None
 
 
 def fixed_fields(text: str) -> dict[str, Any]:
@@ -458,134 +438,22 @@ def fixed_fields(text: str) -> dict[str, Any]:
     out: dict[str, Any] = {}
     for name, raw in text_values(text).items():
         if name not in _FIELD_NAMES:
-            raise StrategyError(f"unknown strategy field {_FIELD_TO_TEXT.get(name, name)!r}; "
+            raise StrategyError(f"unknown strategy field {FIELD_TO_TEXT.get(name, name)!r}; "
                                 f"known: {', '.join(sorted(_TEXT_KEYS))}")
-        value = _parse_value(name, raw)
-        if name in _INT_FIELDS:
-            _check_count(name, value)
+        value = parse_value(name, raw)
+        if name in INT_FIELDS:
+            check_count(name, value)
         elif name == "recompute":
             value = as_ratios(value)
         elif name == "offload":
-            value = _as_tiers(value)
+            value = as_tiers(value)
         else:
-            _check_choice(name, value, _CHOICES[name])
+            check_choice(name, value, CHOICES[name])
         out[name] = value
     return out
 
 
-def _check_count(name: str, value: Any) -> None:
-    if isinstance(value, bool) or not isinstance(value, int):
-        raise StrategyError(f"{_label(name)} must be an integer, got {value!r}")
-    if value < 1:
-        raise StrategyError(f"{_label(name)} must be >= 1, got {value}")
 
-
-def _label(name: str) -> str:
-    short = _FIELD_TO_TEXT.get(name)
-    return f"{short} ({name})" if short else name
-
-
-def _check_choice(name: str, value: Any, choices: tuple[str, ...]) -> None:
-    if value not in choices:
-        raise StrategyError(f"{name} must be one of {', '.join(choices)}; got {value!r}")
-
-
-def text_values(text: str) -> dict[str, str]:
-    """Strategy ``text`` as field name -> value text (``mbs``/``gbs`` by their full names;
-    a field given under both names is refused), values unchecked: :meth:`Strategy.from_mapping`
-    checks them."""
-    values: dict[str, str] = {}
-    for key, value in _split_text(text).items():
-        name = TEXT_ALIASES.get(key, key)
-        if name in values:
-            raise StrategyError(f"strategy field {key!r} given twice in {text!r}")
-        values[name] = value
-    return values
-
-
-def _split_text(text: str) -> dict[str, str]:
-    if not isinstance(text, str) or not text.strip():
-        raise StrategyError("strategy text is empty; expected e.g. 'dp=2,tp=1,pp=1,mbs=2,gbs=16'")
-    pairs: dict[str, str] = {}
-    for item in text.split(","):
-        item = item.strip()
-        if "=" not in item:
-            raise StrategyError(f"strategy item {item!r} is not key=value (in {text!r})")
-        key, value = (part.strip() for part in item.split("=", 1))
-        if key in pairs:
-            raise StrategyError(f"strategy field {key!r} given twice in {text!r}")
-        pairs[key] = value
-    return pairs
-
-
-def _parse_value(name: str, raw: Any) -> Any:
-    if not isinstance(raw, str):
-        return raw
-    if name in _INT_FIELDS:
-        try:
-            return int(raw)
-        except ValueError:
-            raise StrategyError(f"{_label(name)} must be an integer, got {raw!r}") from None
-    if name == "recompute":
-        return _parse_recompute(raw)
-    if name == "offload":
-        return () if raw in ("", "none") else tuple(raw.split("+"))
-    return raw
-
-
-def _parse_recompute(raw: str) -> tuple[float, ...]:
-    named = {"none": (0.0,), "full": (1.0,)}
-    if raw in named:
-        return named[raw]
-    try:
-        return tuple(float(part) for part in raw.split("/"))
-    except ValueError:
-        raise StrategyError(
-            f"recompute must be none, full, a ratio or per-stage ratios like 1/0.5; got {raw!r}"
-        ) from None
-
-
-def as_ratios(value: Any) -> tuple[float, ...]:
-    """Recomputation ratios from text, a number or a sequence, each checked in [0, 1]."""
-    if isinstance(value, str):
-        value = _parse_recompute(value)
-    if isinstance(value, (int, float)) and not isinstance(value, bool):
-        value = (value,)
-    try:
-        ratios = tuple(float(v) for v in value)
-    except (TypeError, ValueError):
-        raise StrategyError(f"recompute must be ratios in [0, 1], got {value!r}") from None
-    if not ratios or any(not 0.0 <= r <= 1.0 for r in ratios):
-        raise StrategyError(f"recompute ratios must each lie in [0, 1], got {value!r}")
-    return ratios
-
-
-def _as_tiers(value: Any) -> tuple[str, ...]:
-    if isinstance(value, str):
-        value = () if value in ("", "none") else tuple(value.split("+"))
-    tiers = tuple(value)
-    for tier in tiers:
-        _check_choice("offload", tier, OFFLOAD_TIERS)
-    if len(set(tiers)) != len(tiers):
-        raise StrategyError(f"offload lists a tier twice: {'+'.join(tiers)}")
-    return tiers
-
-
-def field_text(name: str, value: Any) -> str:
-    """One field as strategy text writes it, e.g. ``mbs=2`` or ``recompute=1/0.5``."""
-    return f"{_FIELD_TO_TEXT.get(name, name)}={_format_value(name, value)}"
-
-
-def _format_value(name: str, value: Any) -> str:
-    if name == "recompute":
-        if value == (0.0,):
-            return "none"
-        if value == (1.0,):
-            return "full"
-        return "/".join(f"{r:g}" for r in value)
-    if name == "offload":
-        return "+".join(value) if value else "none"
-    return str(value)
 
 
 _DEFAULT = Strategy()
