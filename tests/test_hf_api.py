@@ -218,7 +218,7 @@ def _whole_after_pp2(root, data) -> dict:
     with torch.no_grad():
         model(torch.zeros(1, 4, dtype=torch.long))  # callable: no refusal
     return {"whole_off": worst[0].item(), "whole_unchanged": int(worst[1]),
-            "whole_compared": sum(k in params for k in saved)}
+            "whole_compared": sum(k in params for k in saved), "whole_keys": sorted(saved)}
 
 
 @pytest.mark.slow
@@ -252,6 +252,10 @@ def test_hf_script_runs_on_two_workers(tmp_path):
     # On the device: every weight trained on every rank and equal to what save_model wrote
     # (the same values copied, so exactly; before, each rank's other stage stayed initial).
     assert out["whole_compared"] > 10 and out["whole_unchanged"] == 0
+    # GPT-2's tied head written once, as save_pretrained writes it from one device (gathered
+    # from the stages the two names held two tensors, and both were written).
+    assert "transformer.wte.weight" in out["whole_keys"]
+    assert "lm_head.weight" not in out["whole_keys"]
     assert out["whole_off"] == 0.0
     _check_argument_mapping(out)
 

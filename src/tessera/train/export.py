@@ -51,7 +51,8 @@ def save_full_model(trainer, output_dir: Path) -> Path:
         output_dir.mkdir(parents=True, exist_ok=True)
         model = trainer.model
         if hasattr(model, "save_pretrained"):
-            model.save_pretrained(output_dir, state_dict=state, safe_serialization=True)
+            model.save_pretrained(output_dir, state_dict=_without_tied_head(model, state),
+                                  safe_serialization=True)
         elif isinstance(model, Transformer):
             _save_reference(model, state, output_dir)
         else:
@@ -87,6 +88,26 @@ def _save_reference(model: Transformer, state: dict[str, torch.Tensor], output_d
     save_file({k: v.contiguous() for k, v in state.items()}, str(output_dir / REFERENCE_WEIGHTS))
     (output_dir / REFERENCE_CONFIG).write_text(json.dumps(
         {"tessera_model": model.config.to_dict()}, indent=2))
+
+
+def _without_tied_head(model: nn.Module, state: dict[str, torch.Tensor]
+                       ) -> dict[str, torch.Tensor]:
+    """The state without the output embedding's key when the model ties it to the input
+    embedding, as ``save_pretrained`` writes a tie of one tensor; gathered under tp or pp the
+    two names hold separate (equal) tensors, which it would write twice."""
+    config = getattr(model, "config", None)
+    text = config.get_text_config() if hasattr(config, "get_text_config") else config
+    head = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
+    if not getattr(text, "tie_word_embeddings", False) or head is None:
+        return state
+    key = next((f"{name}.weight" for name, module in model.named_modules()
+                if module is head), None)
+    embed = model.get_input_embeddings()
+    embed_key = next((f"{name}.weight" for name, module in model.named_modules()
+                      if module is embed), None)
+    if key is None or embed_key not in state or key == embed_key:
+        return state
+    return {name: value for name, value in state.items() if name != key}
 
 
 def _save_module(model: nn.Module, state: dict[str, torch.Tensor], output_dir: Path) -> None:
