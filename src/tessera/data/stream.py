@@ -64,7 +64,7 @@ class StreamSamples:
         whose streams yielded the same token ids."""
         if end > self._position:
             self._read_to(end)
-        return int.from_bytes(self._digest.copy().digest(), "little") >> 2
+        return _to_int(self._digest.copy())
 
     def _read_to(self, end: int) -> None:
         while self._position < end:
@@ -112,6 +112,11 @@ def samples_digest(samples: list[Any]) -> int:
     digest.update(len(samples).to_bytes(8, "little"))
     for sample in samples:
         digest.update(_sample_bytes(sample))
+    return _to_int(digest)
+
+
+def _to_int(digest: Any) -> int:
+    """A 64-bit hash as a 62-bit integer: its negation fits int64 (check_same_stream)."""
     return int.from_bytes(digest.digest(), "little") >> 2
 
 

@@ -17,6 +17,7 @@ takeaways plus the Strategy's own checks) remove most of it:
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 from typing import Iterator
 
@@ -137,9 +138,7 @@ def structural_reasons(model: ModelConfig, n_devices: int, gbs: int, fixed: dict
     """Why no layout passes the structural rules, naming the fields held fixed that break
     them (a general hint when none does alone)."""
     degrees = {k: fixed[k] for k in ("dp", "tp", "pp", "sp") if k in fixed}
-    product = 1
-    for value in degrees.values():
-        product *= value
+    product = math.prod(degrees.values())
     reasons = []
     if n_devices % product:
         held = "*".join(f"{k}={v}" for k, v in degrees.items())

@@ -91,7 +91,7 @@ def check_readable(name: str, dataset: Any) -> None:
     Raises:
         ValueError: naming the argument, what it got and what to give instead.
     """
-    if dataset is None or (is_stream(dataset) and not isinstance(dataset, dict)):
+    if dataset is None or is_stream(dataset):  # a dict has len and [i]: not a stream
         return
     if isinstance(dataset, dict):
         way = ("training takes one set: give one split (e.g. dataset['train'])"

@@ -15,19 +15,18 @@ from typing import Any
 from torch.utils.data import Dataset
 
 from tessera.data.stream import StreamList, check_same_stream, samples_digest
-from tessera.train.hf_data import check_readable, labels_shifted, readable
+from tessera.train.hf_data import labels_shifted, readable
 
 
 def eval_sets(eval_dataset: Any) -> dict[str, Dataset] | None:
     """The named sets of a dict ``eval_dataset`` (each checked, an iterable one read into a
-    list), None for one set.
+    list), None for one set (checked by :func:`readable`).
 
     Raises:
         ValueError: for an empty dict, a name that is not a string or a set tessera
             cannot index (named).
     """
     if not isinstance(eval_dataset, dict):
-        check_readable("eval_dataset", eval_dataset)
         return None
     if not eval_dataset:
         raise ValueError("eval_dataset is an empty dict: give at least one named set")
@@ -94,7 +93,7 @@ class Evaluations:
         started = time.perf_counter()
         loss = self._loss_on(dataset)
         runtime = time.perf_counter() - started
-        samples = len(dataset if dataset is not None else self.core.eval_dataset)
+        samples = len(data)
         args, strategy = self.core.args, self.core.strategy
         per_step = (args.eval_micro_batch_size or strategy.micro_batch_size) \
             * self.core.mesh.size("dp")

@@ -92,6 +92,10 @@ class ProxyGraph:
     def param_bytes(self, name: str) -> int:
         return value_bytes(self.nodes[name].node.meta.get("val"))
 
+    def input_shape(self) -> tuple[int, ...]:
+        """The (B, T) of the input_ids the graph was captured at."""
+        return tuple(self.nodes[self.inputs[0]].node.meta["val"].shape)
+
 
 def capture(model: nn.Module, batch_size: int, seq_len: int, extra_inputs=None,
             head_slices: int = 1) -> ProxyGraph:

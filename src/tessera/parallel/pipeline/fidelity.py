@@ -16,6 +16,7 @@ import torch
 from torch import nn
 
 from tessera.parallel.pipeline.capture import ProxyGraph
+from tessera.parallel.plan import causal_lm_logits
 
 # fp32 sums in another order differ by ~1e-6 relative; a different code path by far more
 # (OLMo-Hybrid: 2e-4 in the loss, more in single logits).
@@ -29,17 +30,16 @@ class CaptureMismatchWarning(UserWarning):
 def eager_gap(graph: ProxyGraph, model: nn.Module) -> float:
     """Largest logit difference between the capture and the model, relative to the largest
     logit, on one micro-batch of random tokens (the model's weights must be real)."""
-    ids_val = graph.nodes[graph.inputs[0]].node.meta["val"]  # (B, T) the capture ran at
     vocab = graph.nodes[graph.output].node.meta["val"].shape[-1]
     device = next(model.parameters()).device
-    ids = torch.randint(0, vocab, tuple(ids_val.shape),
+    ids = torch.randint(0, vocab, graph.input_shape(),  # (B, T) the capture ran at
                         generator=torch.Generator().manual_seed(0)).to(device)
     with torch.no_grad(), torch.random.fork_rng(devices=[] if device.type == "cpu"
                                                 else [device]):
         torch.manual_seed(0)
-        captured = _logits(graph.program.module()(ids))
+        captured = causal_lm_logits(graph.program.module(), ids)
         torch.manual_seed(0)
-        eager = _logits(model(ids))
+        eager = causal_lm_logits(model, ids)
     scale = eager.abs().max().clamp_min(1e-12)
     return float((captured.float() - eager.float()).abs().max() / scale)
 
@@ -56,8 +56,3 @@ def warn_if_capture_differs(graph: ProxyGraph, model: nn.Module) -> float:
             "pp=1, run the differing module eagerly (pipeline_leaf_modules), or train with "
             "pp=1", CaptureMismatchWarning, stacklevel=2)
     return gap
-
-
-def _logits(out) -> torch.Tensor:
-    return out if isinstance(out, torch.Tensor) else out.logits if hasattr(out, "logits") \
-        else out[0]

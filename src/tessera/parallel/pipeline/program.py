@@ -54,18 +54,13 @@ def stage_groups(graph: ProxyGraph, seed: ProxyGraph, partition: Partition
     if missing:
         raise RuntimeError(f"the graph captured at this shape has nodes the partition does not "
                            f"know ({', '.join(missing[:3])}...): the model's graph depends on "
-                           f"the input shape, and this batch is {tuple(graph_shape(graph))} "
-                           f"where the stages were cut at {tuple(graph_shape(seed))}: pad every "
+                           f"the input shape, and this batch is {graph.input_shape()} "
+                           f"where the stages were cut at {seed.input_shape()}: pad every "
                            "batch to that shape (or give samples of one length)")
     groups: list[list[str]] = [[] for _ in range(partition.stages)]
     for name in graph.compute:
         groups[stage_of[name]].append(name)
     return groups
-
-
-def graph_shape(graph: ProxyGraph) -> torch.Size:
-    """The (B, T) of the input_ids a graph was captured at."""
-    return graph.nodes[graph.inputs[0]].node.meta["val"].shape
 
 
 def _same_compute(graph: ProxyGraph, seed: ProxyGraph) -> bool:
@@ -224,7 +219,7 @@ class PipelineProgram:
 
     def _build(self, shape: tuple[int, int], training: bool) -> Built:
         seed = self._seed_graph
-        seed_shape = tuple(seed.nodes[seed.inputs[0]].node.meta["val"].shape)
+        seed_shape = seed.input_shape()
         # Sub-pipelined stages run a graph captured at half the micro-batch on both halves.
         parts = self.sub_batches if shape[0] % self.sub_batches == 0 else 1
         traced = (shape[0] // parts, shape[1])
