@@ -86,8 +86,8 @@ from tessera.models.hf import build_hf_model, hf_config_from_reference
 from tessera.parallel.pipeline import capture, partition
 from tessera.parallel.pipeline.cost import DeviceRates
 from tessera.parallel.pipeline.head import head_slices_for, slice_head
-from tessera.parallel.pipeline.partition import (STATE_FACTOR, CostTable, evaluate_bounds,
-                                                 layer_bounds)
+from tessera.parallel.pipeline.cost_table import STATE_FACTOR, CostTable
+from tessera.parallel.pipeline.partition import evaluate_bounds, layer_bounds
 from tessera.parallel.plan import lm_loss
 from tessera.testing import run_distributed
 
@@ -330,7 +330,8 @@ def peak_activation_bytes(schedule: str, pp: int, m: int, n_layers: int, mbs: in
     """Estimated peak activation bytes over stages under full recomputation, from the
     partitioner's per-stage activation and boundary bytes and the schedule's action order
     (scp keeps what the partition keeps, or with ``keep_all`` the last S-1-s micro-batches)."""
-    from tessera.parallel.pipeline.partition import CostTable, partition
+    from tessera.parallel.pipeline.cost_table import CostTable
+    from tessera.parallel.pipeline.partition import partition
     from tessera.parallel.pipeline.schedules import build, recomputes
 
     with torch.device("meta"):

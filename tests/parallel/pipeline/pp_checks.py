@@ -20,7 +20,7 @@ from tessera.models.materialize import DeferredInit, has_meta, materialize
 from tessera.parallel import parallelize
 from tessera.parallel.pipeline import PipelineEngine
 from tessera.parallel.pipeline.cost import DeviceRates
-from tessera.parallel.pipeline.partition import CostTable, candidate_cuts
+from tessera.parallel.pipeline.cost_table import CostTable, candidate_cuts
 from tessera.parallel.plan import Parallelized
 from tessera.strategy import Strategy
 from tessera.train.engine import Engine

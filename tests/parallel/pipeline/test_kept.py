@@ -22,7 +22,7 @@ from tessera.parallel.pipeline.comm import TensorSpec, pack, unpack
 from tessera.parallel.pipeline.cost import DeviceRates, op_name
 from tessera.parallel.pipeline.kept import kept_bytes
 from tessera.parallel.pipeline.kept import measured_under
-from tessera.parallel.pipeline.partition import CostTable
+from tessera.parallel.pipeline.cost_table import CostTable
 from tessera.parallel.pipeline.program import PipelineProgram
 from tessera.parallel.pipeline.split import split_graph
 from tessera.parallel.pipeline.stage import StageRunner

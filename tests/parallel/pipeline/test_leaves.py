@@ -19,7 +19,8 @@ from tessera.parallel.pipeline.capture import CaptureError, capture
 from tessera.parallel.pipeline.kept import kept_bytes, measured_under
 from tessera.parallel.pipeline.leaves import is_leaf_call, mark_leaves
 from tessera.parallel.pipeline.cost import DeviceRates
-from tessera.parallel.pipeline.partition import CostTable, candidate_cuts, partition
+from tessera.parallel.pipeline.cost_table import CostTable, candidate_cuts
+from tessera.parallel.pipeline.partition import partition
 from tessera.parallel.pipeline.split import boundaries, spec_of, split_graph
 from tessera.strategy import Strategy, StrategyError
 from tessera.testing import run_distributed, tiny_trainer, train_tiny

@@ -18,9 +18,8 @@ from tessera.parallel.pipeline import capture, partition
 from tessera.parallel.pipeline.capture import CaptureError
 from tessera.parallel.pipeline.head import head_slices_for, slice_head, sliced_head_loss
 from tessera.parallel.pipeline.cost import DeviceRates
-from tessera.parallel.pipeline.partition import (ROWS_FACTOR, STATE_FACTOR, CostTable,
-                                                 PartitionError, evaluate_bounds,
-                                                 layer_bounds)
+from tessera.parallel.pipeline.cost_table import ROWS_FACTOR, STATE_FACTOR, CostTable
+from tessera.parallel.pipeline.partition import PartitionError, evaluate_bounds, layer_bounds
 from tessera.parallel.pipeline.recompute import (ratios_from_first, stage_aware_ratios,
                                                  strategy_text)
 from tessera.parallel.pipeline.rows import find_row_shares
@@ -275,7 +274,7 @@ def test_an_embedding_narrower_than_the_blocks_leaves_block_boundaries_to_cut():
     # OPT-350m projects a 512-wide embedding up to 1024: the cuts beside the projections
     # carry half the residual's bytes, and must not rule out every block boundary.
     import transformers as T
-    from tessera.parallel.pipeline.partition import candidate_cuts
+    from tessera.parallel.pipeline.cost_table import candidate_cuts
     from tessera.parallel.pipeline.split_points import cuts_at
 
     config = T.OPTConfig(vocab_size=1000, hidden_size=64, ffn_dim=256, num_hidden_layers=6,
@@ -348,7 +347,7 @@ def test_too_many_interleaved_stages_name_the_pp_that_fits():
 
 
 def test_split_points_name_the_modules_that_start_stages():
-    from tessera.parallel.pipeline.partition import candidate_cuts
+    from tessera.parallel.pipeline.cost_table import candidate_cuts
     from tessera.parallel.pipeline.split_points import cuts_at, module_path
     from tessera.strategy import StrategyError
 

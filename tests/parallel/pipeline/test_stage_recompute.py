@@ -64,7 +64,7 @@ def test_rms_norm_models_recompute_one_block_at_a_time():
     they belong to that block, so the head still splits at every block boundary."""
     from tessera.models.hf import build_hf_model, hf_config_from_reference
     from tessera.parallel.pipeline.capture import module_of
-    from tessera.parallel.pipeline.partition import CostTable
+    from tessera.parallel.pipeline.cost_table import CostTable
     from tessera.parallel.pipeline.cost import DeviceRates
 
     with torch.device("meta"):

@@ -33,8 +33,8 @@ from tessera.parallel.pipeline.head import head_slices_for, slice_head, sliced_h
 from tessera.parallel.pipeline.kept import measured_under
 from tessera.parallel.pipeline.module import (GradSync, StageModule, local_shard,
                                               persistent_buffers)
-from tessera.parallel.pipeline.partition import (CostTable, Partition, PartitionError,
-                                                candidate_cuts, partition)
+from tessera.parallel.pipeline.cost_table import CostTable, candidate_cuts
+from tessera.parallel.pipeline.partition import Partition, PartitionError, partition
 from tessera.parallel.pipeline.program import (PipelineProgram, capture_for_partition,
                                               nominal_seq_len)
 from tessera.parallel.pipeline.recompute import stage_aware_ratios, strategy_text

@@ -18,7 +18,8 @@ from torch import nn
 from tessera.models.materialize import shapes_on_meta
 from tessera.parallel.pipeline.capture import ProxyGraph, capture, module_of, retarget
 from tessera.parallel.pipeline.comm import TensorSpec
-from tessera.parallel.pipeline.partition import CostTable, Partition, candidate_cuts
+from tessera.parallel.pipeline.cost_table import CostTable, candidate_cuts
+from tessera.parallel.pipeline.partition import Partition
 from tessera.parallel.pipeline.shard_casts import shared_shard_casts
 from tessera.parallel.pipeline.cost import DeviceRates
 from tessera.parallel.pipeline.split import boundaries, spec_of, split_graph

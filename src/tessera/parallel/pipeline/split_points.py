@@ -3,7 +3,7 @@
 ``train.pipeline_split_points: [blocks.4, blocks.8]`` starts a stage at each named module:
 the cut goes before the first graph node the module computes (torch.export records each
 node's module path). The cuts must be places where the partitioner's search may cut (the
-fewest activations cross, partition.candidate_cuts; not its finer cuts inside attention and
+fewest activations cross, cost_table.candidate_cuts; not its finer cuts inside attention and
 the MLP), so that stages exchange what they exchange under the automatic partition; a name
 that lands elsewhere is refused with the nearest modules that would do. Stages named this
 way hold whole modules: the LM head is not sliced over the last stages (head.py).
@@ -32,7 +32,7 @@ def cuts_at(graph: ProxyGraph, names: list[str], allowed: list[int], stages: int
     Args:
         graph: the captured model (the partition's graph).
         names: module paths, in model order, e.g. ``["blocks.4"]`` or ``["transformer.h.6"]``.
-        allowed: cut positions the partitioner accepts (partition.candidate_cuts).
+        allowed: cut positions the partitioner accepts (cost_table.candidate_cuts).
         stages: stages of the run (pp, times 2 under interleaving).
 
     Raises:
