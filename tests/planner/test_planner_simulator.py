@@ -155,7 +155,7 @@ def test_pipeline_dp_average_overlaps_the_last_backward_except_a_row_home():
     # and launches them during the last backward (pipeline/overlap.py).
     from tessera.planner import comm
     from tessera.planner.memory import pipeline_stage_params
-    from tessera.planner.simulator import _held_back
+    from tessera.planner.step_outside import held_back
 
     model = preset("gpt2")
     cluster = parse_cluster("a100-80gb:8x4")
@@ -164,14 +164,14 @@ def test_pipeline_dp_average_overlaps_the_last_backward_except_a_row_home():
     exposed = estimate(model, cluster, pp_tp, SimOptions(dp_overlap=False)).breakdown["dp_comm"]
     assert overlapped < exposed
     stages = pipeline_stage_params(model, pp_tp)  # tp: no rows, nothing held back
-    assert [_held_back(model, pp_tp, stages, st) for st in stages] == [0, 0]
+    assert [held_back(model, pp_tp, stages, st) for st in stages] == [0, 0]
     # Without tp a sliced head's rows are held by other stages: the home (stage 0, where
     # GPT-2's tied table lives) averages the table only after the drain, exposed.
     rows = Strategy.parse("dp=4,pp=4,mbs=1,gbs=64,precision=bf16")
     row_stages = pipeline_stage_params(model, rows)
     assert any(st.head_rows for st in row_stages)
     table = model.vocab_size * model.d_model
-    held = [_held_back(model, rows, row_stages, st) for st in row_stages]
+    held = [held_back(model, rows, row_stages, st) for st in row_stages]
     assert held == [table, 0, 0, 0]
     dp_group = comm.mesh_groups(1, 1, 4, 4)["dp_sp"]
     assert (estimate(model, cluster, rows).breakdown["dp_comm"]

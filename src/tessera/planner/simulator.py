@@ -15,8 +15,8 @@ communication that compute cannot hide (comm.py). With m micro-batches:
 
 Then the step adds what the pipeline does not contain: pipeline p2p on the critical path,
 data-parallel gradient synchronisation not hidden under the last backward, the optimizer update,
-the Trainer's own host work and offload transfers. The :class:`Estimate` breakdown sums to the
-step time.
+the Trainer's own host work and offload transfers (step_outside.py). The :class:`Estimate`
+breakdown sums to the step time.
 """
 
 from __future__ import annotations
@@ -31,19 +31,14 @@ from tessera.planner import comm
 from tessera.planner.activations import layout, matrix_params, stages_read_shards
 from tessera.planner.cluster import Cluster
 from tessera.planner.compute import (LayerTime, bytes_per_element, embedding_time, head_time,
-                                     layer_time, optimizer_time, weight_cast_time)
-from tessera.planner.memory import (INTERLEAVE_CHUNKS, MemoryBreakdown, StageParams,
-                                    device_memory, local_params, pipeline_stage_params,
-                                    recomputed_layers, scp_kept, shares_weight_casts,
-                                    state_bytes)
+                                     layer_time, weight_cast_time)
+from tessera.planner.memory import (INTERLEAVE_CHUNKS, MemoryBreakdown, device_memory,
+                                    pipeline_stage_params, recomputed_layers, scp_kept,
+                                    shares_weight_casts)
 from tessera.planner.memory import in_flight as stage_in_flight
 from tessera.planner.split import head_is_sliced
+from tessera.planner.step_outside import outside_pipeline, straggler_time
 from tessera.strategy import Strategy, StrategyError
-
-DDP_BUCKET_BYTES = 25 * 2**20
-DDP_FIRST_BUCKET_BYTES = 2**20
-HOST_ADAM_BANDWIDTH = 20e9  # bytes/s per device of a CPU Adam (ZeRO-Offload's is memory-bound)
-
 
 @dataclass(frozen=True)
 class SimOptions:
@@ -127,9 +122,10 @@ def estimate(model: ModelConfig, cluster: Cluster, strategy: Strategy,
                     opt.tessera_runtime, host_is_device=cl.device.is_host
                     ) if s.schedule == "scp" else []
     pipe, parts = _pipeline(s, stages, m, cl, model, groups, kept)
-    dp_parts = _data_parallel(model, cl, s, groups, stages, opt)
+    dp_parts = outside_pipeline(model, cl, s, groups, stages, _stage_params(model, s, opt),
+                                opt.dp_overlap)
     step = pipe + sum(dp_parts.values())
-    straggle = _straggler(cl, s, step)
+    straggle = straggler_time(cl, s, step)
     step += straggle
     breakdown = {**parts, **dp_parts, "step_sync": dp_parts["step_sync"] + straggle}
     tokens = s.global_batch_size * seq
@@ -383,162 +379,6 @@ def _schedule(stages: list[_Stage], recs: list[float], m: int, v: int, share: fl
              "tp_comm": m * sum(st.tp_comm for st in stages) / n,
              "sp_comm": m * sum(st.sp_comm for st in stages) / n, "bubble": 0.0}
     return sum(parts.values()), parts
-
-
-def _held_back(model: ModelConfig, s: Strategy, stage_params: list[StageParams],
-               stage: StageParams) -> float:
-    """Parameters of ``stage`` the pipeline averages over dp only after the drain
-    (pipeline/module.py): a sliced head's home weight, whose rows' gradients arrive then."""
-    if s.pp == 1 or not any(st.head_rows for st in stage_params):
-        return 0.0
-    return stage.head_params if not model.tie_embeddings else min(
-        stage.embed_params, model.vocab_size * model.d_model)  # tied: the home is stage 0
-
-
-def _data_parallel(model: ModelConfig, cl: Cluster, s: Strategy, groups, stages: list[_Stage],
-                   opt: SimOptions) -> dict[str, float]:
-    """Exposed gradient sync, optimizer and offload seconds of the critical stage."""
-    w_b, g_b, o_b = state_bytes(s.precision)
-    stage_params = _stage_params(model, s, opt)
-    params = [local_params(model, p, s.tp) for p in stage_params]
-    worst = max(range(s.pp), key=params.__getitem__)
-    p = params[worst]
-    st = stages[worst]
-    m = s.grad_accum_steps
-    group = groups["dp_sp"]
-    ovl = cl.device.overlap_efficiency if opt.dp_overlap else 0.0
-    bw = cl.device.memory_bandwidth * cl.device.memory_efficiency
-    sync = 0.0
-    if group.size > 1:
-        if s.memory == "ddp":
-            # torch DDP, or the buckets of pipeline/overlap.py (under pp, and tensor-parallel
-            # shards at pp = 1, tensor/data_parallel.py): a first bucket of 1 MiB, then
-            # 25 MiB buckets, one all-reduce each, overlapping the last backward. A sliced
-            # head's home weight is averaged after the drain (its rows' gradients arrive
-            # then), exposed.
-            held = _held_back(model, s, stage_params, stage_params[worst]) / s.tp
-            free = max(0.0, p - held) * g_b
-            rest = max(0.0, free - DDP_FIRST_BUCKET_BYTES)
-            buckets = 1 + math.ceil(rest / DDP_BUCKET_BYTES)
-            ar = (comm.collective_time(cl, "all_reduce", free, group)
-                  + (buckets - 1) * comm.call_time(cl, group))
-            last = comm.collective_time(cl, "all_reduce", min(free, DDP_BUCKET_BYTES), group)
-            sync = max(last, ar - ovl * st.bwd) + 2 * p * g_b / bw  # bucket copies
-            if held:
-                sync += comm.collective_time(cl, "all_reduce", held * g_b, group)
-        elif s.memory in ("zero1", "zero2"):
-            rs = comm.collective_time(cl, "reduce_scatter", p * g_b, group)
-            ag = comm.collective_time(cl, "all_gather", p * w_b, group)
-            sync = max(0.0, rs - ovl * st.bwd) + max(0.0, ag - ovl * st.fwd)
-        elif s.memory == "chunk":
-            sync = _chunk_collectives(model, cl, s, p, group, s.stage_recompute(worst))
-        else:  # zero3: gather weights for forward and backward of every micro-batch
-            ag = comm.collective_time(cl, "all_gather", p * w_b, group)
-            rs = comm.collective_time(cl, "reduce_scatter", p * g_b, group)
-            sync = m * max(0.0, 2 * ag - ovl * (st.fwd + st.bwd)) + max(0.0, rs - ovl * st.bwd)
-    head_rows = sum(stage.head_rows for stage in stage_params)
-    pp_pair = comm.Group(2, groups["pp"].stride)
-    if head_rows:
-        # Rows of a sliced head (pipeline/rows.py): the home sends them before the step and
-        # receives their gradients after it, one message each way per holder, in series.
-        sync += (comm.collective_time(cl, "p2p", head_rows * w_b, pp_pair)
-                 + comm.collective_time(cl, "p2p", head_rows * g_b, pp_pair))
-    elif s.pp > 1 and model.tie_embeddings:
-        tied = model.vocab_size * model.d_model / s.tp * g_b
-        sync += comm.collective_time(cl, "all_reduce", tied, pp_pair)
-    shard = group.size if s.memory != "ddp" else 1
-    n_tensors = 12 * max(1, model.n_layers // s.pp)
-    offload = _offload_time(cl, s, p / shard, st.bwd) if s.offload else 0.0
-    if s.offload and not cl.device.is_host:
-        optim = (p / shard) * cl.device.optimizer_bytes_per_param / HOST_ADAM_BANDWIDTH
-    else:  # a CPU worker's offloaded update runs on its own cores, as profiled
-        optim = optimizer_time(cl, p / shard, n_tensors)
-    if s.tp > 1 and s.memory == "ddp":  # clip + AdamW over DTensors (chunks step their own)
-        key = "tp_optim_layer" if s.tp_mode == "1d" else "tp2d_optim_layer"
-        optim += (cl.device.overheads.get(key, 0.0) * stage_params[worst].layers
-                  / cl.compute_share())
-    return {"dp_comm": sync, "optimizer": optim, "offload": offload,
-            "chunk_runtime": _chunk_runtime(cl, s, model), "trainer": _trainer_runtime(cl, s),
-            "step_sync": _step_sync(cl, s)}
-
-
-def _step_sync(cl: Cluster, s: Strategy) -> float:
-    """With workers sharing cores, a step ends when its last worker has been scheduled
-    through its optimizer update, and the next step's first collective waits for it: one
-    more blocking call of the whole job, at the measured (loaded) latency, when the cluster
-    has no measured straggler fraction (:func:`_straggler` then prices it). With a core per
-    worker (every GPU cluster) ranks finish together and this is 0."""
-    if (s.world_size == 1 or cl.compute_share() >= 1.0
-            or cl.straggler_fraction(s.world_size) is not None):
-        return 0.0
-    return comm.call_time(cl, comm.Group(s.world_size, 1))
-
-
-def _straggler(cl: Cluster, s: Strategy, step: float) -> float:
-    """Seconds a synchronous step waits for its slowest worker when workers share cores:
-    the profile's measured straggler fraction of the step (0 without one, or with a core
-    per worker)."""
-    fraction = cl.straggler_fraction(s.world_size)
-    if s.world_size == 1 or fraction is None or cl.compute_share() >= 1.0:
-        return 0.0
-    return fraction * step
-
-
-def _chunk_collectives(model: ModelConfig, cl: Cluster, s: Strategy, p: float, group,
-                       recompute: float = 0.0) -> float:
-    """ZeRO collectives of the memory=chunk runtime over a step. It gathers each group of dp
-    chunks before the forward and again before the backward of every micro-batch, and
-    reduce-scatters each group's gradients once, after the last micro-batch's backward (the
-    others accumulate locally under no_sync), all blocking (nothing to overlap with).
-    The chunk size search lands near the largest tensor, so a rank holds about
-    ``p / largest`` chunks, in ``ceil(chunks / dp)`` groups. Under pp a stage's recomputed
-    head is a piece of its own, gathered a third time for its recomputation (memory/stages.py);
-    ``recompute`` is that stage's ratio."""
-    w_b, g_b, _ = state_bytes(s.precision)
-    h, f = model.d_model, model.d_ff
-    largest = max(model.vocab_size * h, h * f, h * (h + 2 * model.n_kv_heads * model.head_dim))
-    groups = math.ceil(math.ceil(p / (largest / s.tp)) / group.size)
-    extra_calls = (groups - 1) * comm.call_time(cl, group)
-    ag = comm.collective_time(cl, "all_gather", p * w_b, group) + extra_calls
-    rs = comm.collective_time(cl, "reduce_scatter", p * g_b, group) + extra_calls
-    head = recompute if s.pp > 1 else 0.0
-    return s.grad_accum_steps * (2 + head) * ag + rs
-
-
-def _chunk_runtime(cl: Cluster, s: Strategy, model: ModelConfig) -> float:
-    """Profiled cost of the memory=chunk runtime over a step: hooks and chunk copies every
-    micro-batch, gradient reduction and the chunked optimizer once."""
-    fixed = cl.device.overheads
-    per_layer = s.grad_accum_steps * fixed.get("chunk_layer", 0.0)
-    per_layer += fixed.get("chunk_step_layer", 0.0)
-    if s.memory != "chunk" or not per_layer:
-        return 0.0
-    layers = max(1, model.n_layers // s.pp)
-    return per_layer * layers / cl.compute_share()
-
-
-def _trainer_runtime(cl: Cluster, s: Strategy) -> float:
-    """Profiled cost of the tessera Trainer beyond a bare training loop: collating each
-    micro-batch, the loss bookkeeping, clipping through the parallel plan and the learning-rate
-    schedule (0 on a cluster without a profile: on an accelerator this host work runs ahead
-    of the kernels)."""
-    fixed = cl.device.overheads
-    seconds = (fixed.get("trainer_step", 0.0)
-               + s.grad_accum_steps * fixed.get("trainer_micro_batch", 0.0))
-    return seconds / cl.compute_share()
-
-
-def _offload_time(cl: Cluster, s: Strategy, p_shard: float, bwd: float) -> float:
-    """Host transfers of an offloaded step (ZeRO-Offload style): gradients down during the
-    last backward, updated weights back up; with disk, optimizer states in and out of NVMe."""
-    w_b, g_b, o_b = state_bytes(s.precision)
-    disk = 2 * p_shard * o_b / cl.device.disk_bandwidth if "disk" in s.offload else 0.0
-    if cl.device.is_host:  # a CPU worker: device and host memory are one
-        return disk
-    host = cl.device.host_bandwidth
-    down = max(0.0, p_shard * g_b / host - cl.device.overlap_efficiency * bwd)
-    up = p_shard * w_b / host
-    return down + up + disk
 
 
 def with_precision(strategy: Strategy, precision: str) -> Strategy:
