@@ -59,7 +59,7 @@ def test_bad_input_is_refused_with_the_rule():
 def test_a_direct_call_after_forward_loss_is_refused_not_run_on_stale_metadata():
     # forward_loss leaves the metadata set (recomputation in backward reads it): a later
     # direct call of the model on other tokens ran on it, giving wrong logits silently.
-    from tessera.parallel.sequence.policy import SequenceParallel
+    from tessera.parallel.sequence.data_path import SequenceParallel
 
     sp = SequenceParallel.__new__(SequenceParallel)  # no process group: refused before any
     sp.size, sp.exportable, sp._meta = 2, False, None

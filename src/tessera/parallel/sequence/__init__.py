@@ -8,8 +8,8 @@ Modes (``Strategy.sp_mode``):
   with compute and the zigzag layout for causal balance (layout.py); O(L/sp) memory.
 - ``ulysses``: all-to-all between sequence and head splits (ulysses.py).
 
-Numerics are in blocks.py, communication in comm.py, the data path and model policies in
-policy.py, the composition with tensor parallelism in compose.py and with pipeline stages in
+Numerics are in blocks.py, communication in comm.py, the data path in data_path.py, the model
+policies in policy.py, the composition with tensor parallelism in compose.py and with pipeline stages in
 staged.py. :func:`apply_sequence_parallel` is the step `tessera.parallel.parallelize` runs.
 """
 
@@ -17,7 +17,8 @@ from __future__ import annotations
 
 from tessera.parallel.sequence.compose import check_tensor_parallel, vocab_parallel_loss_sum
 from tessera.parallel.sequence.layout import SequenceParallelError
-from tessera.parallel.sequence.policy import SequenceParallel, apply_policy
+from tessera.parallel.sequence.data_path import SequenceParallel
+from tessera.parallel.sequence.policy import apply_policy
 from tessera.parallel.sequence.ring import ring_attention
 from tessera.parallel.sequence.rsa import rsa_attention
 from tessera.parallel.sequence.ulysses import ulysses_attention
