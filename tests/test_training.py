@@ -312,10 +312,12 @@ def test_hugging_face_models_train(runs, arch):
 
 
 @pytest.mark.slow
-def test_a_pause_file_checkpoints_and_stops_at_the_next_logging_step(runs):
+def test_a_pause_file_checkpoints_and_stops_at_the_first_check(runs):
+    # Present before the run: seen after its first step (a check runs there, at logging,
+    # evaluation and saving steps), with that step's loss logged although logging_steps=2.
     paused = runs["paused"]
-    assert paused.paused and paused.step == 2 and len(paused.losses) == 2
-    assert paused.checkpoint.endswith("step_00000002")
+    assert paused.paused and paused.step == 1 and len(paused.losses) == 1
+    assert paused.checkpoint.endswith("step_00000001")
     assert not runs["pause_file_left"]  # consumed, so a resume runs on
 
 

@@ -197,7 +197,7 @@ class RealExecutor:
         node = devices[0] // self.launcher.devices_per_node
         self.ledger.acquire(j, devices)
         run.out.mkdir(parents=True, exist_ok=True)
-        # A stale pause request would stop the new launch at its first logging step.
+        # A stale pause request would stop the new launch after its first step.
         (run.out / PAUSE_FILE).unlink(missing_ok=True)
         local = [d % self.launcher.devices_per_node for d in devices]
         env = {"OMP_NUM_THREADS": str(self.threads)}

@@ -117,7 +117,7 @@ class Trainer:
         self.train_dataset, self.eval_dataset = train_dataset, eval_dataset
         self.data_collator = data_collator or collate
         self._row_length: int | None = None  # tokens per batch row, read once (_seq_len)
-        self.stop_requested = False  # set on rank 0 (e.g. by a callback) to pause like PAUSE
+        self.stop_requested = False  # set on any rank (e.g. by a callback) to pause like PAUSE
         self.run_info, self.callbacks = run_info or {}, list(callbacks)
         # Every rank: with each metrics record (all ranks hold the same), after each save.
         self.record_hooks: list[Callable[[dict[str, Any]], None]] = []
@@ -204,25 +204,32 @@ class Trainer:
         throughput = self._throughput()
         tokens_per_step = self.strategy.global_batch_size * self._seq_len()
         window: list[torch.Tensor] = []
+        first = True  # a stop asked for before this call's first step is seen after it
         try:
             while self.step < stop:
                 self.phase = "forward/backward with the data-parallel gradient all-reduce"
                 window.append(self._train_step())
                 self.step += 1
                 throughput.add(tokens_per_step)
-                if self.step % self.args.logging_steps == 0 or self.step == stop:
-                    record = self._log(window, throughput, result)
+                logged = self.step % self.args.logging_steps == 0 or self.step == stop
+                if logged:
+                    self._emit(self._log(window, throughput, result), writer, progress)
                     window = []
-                    self._emit(record, writer, progress)
-                    result.paused = self.step < stop and self._pause_requested()
                 progress.update(self.step)
-                if self._maybe_evaluate(result, writer, progress) and self.step < stop:
-                    # a callback may have asked to stop on the evaluation: agree on it now
-                    result.paused = result.paused or self._pause_requested()
-                if self.args.save_steps and self.step % self.args.save_steps == 0:
+                evaluated = self._maybe_evaluate(result, writer, progress)
+                saved = bool(self.args.save_steps and self.step % self.args.save_steps == 0)
+                if saved:
                     result.checkpoint = str(self.save())
+                # A stop can be asked for where callbacks run (a log, an evaluation, a save,
+                # the start of train()): agreed there, so other steps stay free of syncs.
+                if (first or logged or evaluated or saved) and self.step < stop:
+                    result.paused = self._pause_requested()
+                first = False
                 if result.paused:
-                    progress.message(f"pausing at step {self.step}: {PAUSE_FILE} found")
+                    if window:  # the steps since the last log: their losses are not lost
+                        self._emit(self._log(window, throughput, result), writer, progress)
+                    progress.message(f"pausing at step {self.step}: {PAUSE_FILE} found or "
+                                     "a stop requested")
                     break
             saved = (result.checkpoint or "").endswith(ckpt.step_dirname(self.step))
             if not saved and (self.args.save_final or self.step < self.args.max_steps):
@@ -250,18 +257,17 @@ class Trainer:
             share_trained_weights(self.model, pipe.module, pipe.pp_group, self.strategy.memory)
 
     def _pause_requested(self) -> bool:
-        """Whether ``<output_dir>/PAUSE`` exists or a callback asked to stop, agreed by all
-        ranks (rank 0 decides).
+        """Whether ``<output_dir>/PAUSE`` exists (rank 0 looks) or a callback on any rank
+        asked to stop (``stop_requested``), agreed by all ranks.
 
-        Checked at logging and evaluation steps only, where the step already synchronises, so
-        that a pause costs nothing on the other steps. The file is consumed so a resume runs
-        on.
+        Checked after the first step of each ``train()`` call and at logging, evaluation and
+        saving steps, where callbacks run and the step already synchronises, so that a pause
+        costs nothing on the other steps. The file is consumed so a resume runs on.
         """
-        self.phase = "the pause-flag all-reduce of a logging step"
+        self.phase = "the pause-flag all-reduce of a logging, evaluation or saving step"
         pause_file = Path(self.args.output_dir) / PAUSE_FILE
-        wanted = self.stop_requested or pause_file.exists()
-        flag = torch.tensor([float(self.ctx.is_main and wanted)],
-                            device=self.ctx.device)
+        wanted = self.stop_requested or (self.ctx.is_main and pause_file.exists())
+        flag = torch.tensor([float(wanted)], device=self.ctx.device)
         dist.all_reduce(flag, op=dist.ReduceOp.MAX)
         if flag.item() and self.ctx.is_main:
             pause_file.unlink(missing_ok=True)
