@@ -26,3 +26,17 @@ def pytest_collection_modifyitems(config, items):
     for item in items:
         if "gpu" in item.keywords:
             item.add_marker(skip)
+
+
+@pytest.fixture
+def own_process_group(monkeypatch):
+    """A Trainer built here starts a one-rank process group: released after the test, so
+    later tests do not read its world size (and its port, set here, is dropped too)."""
+    from tessera.testing import free_port
+
+    monkeypatch.setenv("MASTER_PORT", str(free_port()))
+    yield
+    import torch
+
+    if torch.distributed.is_initialized():
+        torch.distributed.destroy_process_group()

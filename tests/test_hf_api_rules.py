@@ -18,18 +18,6 @@ from tessera.train.hf_callbacks import TrainerControl, check_callback_events
 from tessera.train.hf_data import hf_collator, labels_shifted, model_columns, shift_for_next_token
 
 
-@pytest.fixture
-def own_process_group(monkeypatch):
-    """A Trainer built here starts a one-rank process group: released after the test, so
-    later tests do not read its world size (and its port, set here, is dropped too)."""
-    from tessera.testing import free_port
-
-    monkeypatch.setenv("MASTER_PORT", str(free_port()))
-    yield
-    if torch.distributed.is_initialized():
-        torch.distributed.destroy_process_group()
-
-
 class OnStepEnd(TrainerCallback):
     def on_step_end(self, args, state, control, **kwargs):
         control.should_save = True

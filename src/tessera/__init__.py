@@ -19,6 +19,7 @@ _EXPORTS = {
     "Transformer": "tessera.models.transformer",
     "Trainer": "tessera.train.hf_api",
     "TrainingArguments": "tessera.train.hf_api",
+    "HfArgumentParser": "tessera.train.hf_parser",  # needs transformers
     "TrainResult": "tessera.train.trainer",
     "RunConfig": "tessera.config",
     "load_config": "tessera.config",

@@ -3,6 +3,7 @@
 A Hugging Face training script changes in two lines::
 
     from tessera import Trainer, TrainingArguments      # was: from transformers import ...
+                                                        # (HfArgumentParser too: hf_parser.py)
     args = TrainingArguments(output_dir="out", per_device_train_batch_size=8,
                              strategy="auto")           # added: how to lay the job out
     trainer = Trainer(model=model, args=args, train_dataset=train, eval_dataset=val,
@@ -79,7 +80,7 @@ class Trainer:
     def __init__(self, model: nn.Module, args: TrainingArguments | None = None, *,
                  train_dataset: Dataset | None = None, eval_dataset: Dataset | None = None,
                  data_collator: Callable[[list], dict] | None = None,
-                 callbacks: Sequence[Any] = (), processing_class: Any = None,
+                 callbacks: Sequence[Any] | None = None, processing_class: Any = None,
                  compute_metrics: Callable | None = None,
                  preprocess_logits_for_metrics: Callable | None = None,
                  optimizers: tuple[Any, Any] = (None, None)) -> None:
@@ -89,7 +90,7 @@ class Trainer:
         refuse_unsupported(compute_metrics=compute_metrics,
                            preprocess_logits_for_metrics=preprocess_logits_for_metrics,
                            optimizers=None if optimizers == (None, None) else optimizers)
-        self.args = args or TrainingArguments()
+        self.args = check_arguments_type(args) or TrainingArguments()
         check_overrides(type(self), Trainer, self.args)
         seed_everything(self.args.seed)
         self.state = TrainerState()
@@ -97,7 +98,7 @@ class Trainer:
         self._trained = False  # train() has run (args.resume_from_checkpoint is spent)
         self.processing_class = processing_class
         # A callback class is instantiated, as Hugging Face does.
-        callbacks = [c() if isinstance(c, type) else c for c in callbacks]
+        callbacks = [c() if isinstance(c, type) else c for c in callbacks or ()]
         self._hf_callbacks: list[Any] = []
         for callback in (c for c in callbacks if not callable(c)):
             check_callback_events(callback)
@@ -109,6 +110,7 @@ class Trainer:
         eval_dataset = named if named is not None else readable("eval_dataset", eval_dataset)
         single = first_set(eval_dataset)  # shapes the job when there is no train_dataset
         self._core_args, strategy = self._translate(model, train_dataset, single)
+        self._translated = self.args.model_dump()  # what the layout and core were built from
         self.state.describe(self._core_args, self.args, self._steps_per_epoch,
                             strategy.micro_batch_size)
         reference = train_dataset if train_dataset is not None else single
@@ -144,6 +146,7 @@ class Trainer:
         if self._core.train_dataset is None:
             raise ValueError("Trainer: training requires a train_dataset (this one was built "
                              "with eval_dataset only)")
+        self._check_args_unchanged("train()")
         # args.resume_from_checkpoint is for the first call: a later train() (after a
         # callback's stop) goes on from the steps trained, not from that checkpoint again.
         # False asks for no resume, as in Hugging Face; None falls back on the arguments.
@@ -156,6 +159,7 @@ class Trainer:
             self._core.args = self._core.args.model_copy(update={
                 "resume_from": None if resume is True else str(resume)})
             self._core.resume()
+        self._check_steps_left()
         self._trained = True
         # What was asked of this call only: the core trainer resumes nothing by itself.
         self._core.args = self._core.args.model_copy(update={"resume": False,
@@ -188,6 +192,7 @@ class Trainer:
         Face's. ``ignore_keys`` (output keys to leave out of predictions) has nothing to act
         on: only the loss is computed.
         """
+        self._check_args_unchanged("evaluate()")
         metrics: dict[str, float] = {}
         for prefix, dataset in self._evaluations.plan(eval_dataset, metric_key_prefix):
             these = self._evaluations.metrics(dataset, prefix)
@@ -360,6 +365,33 @@ class Trainer:
                                       else a.report_to or []))
         return core, strategy
 
+    def _check_args_unchanged(self, call: str) -> None:
+        """Refuse ``trainer.args`` changed after the Trainer was built: the layout, optimizer,
+        schedule and intervals were made from them then, so a change would be ignored
+        (``resume_from_checkpoint`` is read by each ``train()``, and the script flags
+        ``do_*`` by no one)."""
+        now = self.args.model_dump()
+        changed = [k for k, v in now.items() if v != self._translated.get(k)
+                   and k not in _READ_LATER]
+        if changed:
+            was = ", ".join(f"{k}={self._translated.get(k)!r} -> {now[k]!r}" for k in changed)
+            raise ValueError(
+                f"{call}: trainer.args changed after the Trainer was built ({was}); tessera "
+                "lays out the job from the arguments once, when the Trainer is built: build a "
+                "new Trainer with them (resume_from_checkpoint=True goes on from this one's "
+                "checkpoints)")
+
+    def _check_steps_left(self) -> None:
+        """Refuse a ``train()`` with no step left: where Hugging Face's Trainer would start a
+        new run of ``max_steps`` with a fresh optimizer and schedule, tessera's goes on with
+        the run it has (after a callback's stop), so a finished one would train nothing."""
+        if self._core.step >= self._core_args.max_steps:
+            raise ValueError(
+                f"train(): this Trainer has trained all its {self._core_args.max_steps} steps "
+                "(max_steps, or num_train_epochs); to train on, build a new Trainer with a "
+                "larger max_steps and resume_from_checkpoint=True (the schedule then spans "
+                "the new total), or with the model as it is now for a fresh run")
+
     def _saved(self, _path: Path) -> None:
         self.state.global_step = self._core.step  # saves need not fall on logging steps
         self.state.epoch = self._epoch_at(self._core.step)
@@ -378,8 +410,6 @@ class Trainer:
         self.log(logs)  # evaluations too, then on_evaluate, as HF does
         if any(key.startswith("eval_") for key in record):  # an evaluation's metrics
             self._each("on_evaluate", metrics=logs)
-        if self.control.should_training_stop:
-            self._core.stop_requested = True
 
     def _each(self, hook: str, **kwargs: Any) -> None:
         # What Hugging Face's CallbackHandler passes with every event; tessera feeds batches
@@ -404,6 +434,29 @@ class Trainer:
                     "tracking, load_best_model_at_end, is not supported)") from err
             if isinstance(result, TrainerControl):
                 self.control = result
+        if self.control.should_training_stop and core is not None:
+            core.stop_requested = True  # seen at the next step the core agrees on a stop
+
+
+# TrainingArguments read when they are used, not when the Trainer is built: changing them
+# on trainer.args between calls is taken (resume_from_checkpoint) or acts on nothing here.
+_READ_LATER = frozenset({"resume_from_checkpoint", "do_train", "do_eval", "do_predict",
+                         "overwrite_output_dir"})
+
+
+def check_arguments_type(args: Any) -> TrainingArguments | None:
+    """Refuse arguments of another class (a script half-migrated, still building
+    ``transformers.TrainingArguments``), naming the class to use.
+
+    Raises:
+        TypeError: for anything but tessera's TrainingArguments or None.
+    """
+    if args is None or isinstance(args, TrainingArguments):
+        return args
+    kind = f"{type(args).__module__}.{type(args).__name__}"
+    raise TypeError(f"args is a {kind}: tessera's Trainer takes tessera.TrainingArguments "
+                    "(Hugging Face's names, plus strategy): import TrainingArguments from "
+                    "tessera")
 
 
 # Why each Hugging Face Trainer argument tessera takes only at its default is not supported.

@@ -11,6 +11,7 @@ from pydantic import field_validator, model_validator
 
 from tessera.config import _Section, parse_budget
 from tessera.strategy import StrategyError
+from tessera.train.hf_process import ProcessView
 
 
 # Hugging Face arguments whose job is done elsewhere in tessera, and where.
@@ -48,9 +49,10 @@ AT_TESSERA_VALUE = {
 }
 
 
-class TrainingArguments(_Section):
+class TrainingArguments(_Section, ProcessView):
     """Hugging Face ``TrainingArguments`` names, plus ``strategy``, ``stage_memory_budget``,
-    ``pipeline_split_points`` and ``pipeline_leaf_modules``.
+    ``pipeline_split_points`` and ``pipeline_leaf_modules``; what scripts read about their
+    process (``device``, ``world_size``, ``main_process_first()``, ...: hf_process.py).
 
     Unknown names are refused (naming the key) rather than ignored. ``max_steps=-1`` trains
     for ``num_train_epochs``. ``strategy`` is Strategy text, "auto" (the planner picks the
@@ -117,12 +119,12 @@ class TrainingArguments(_Section):
         refused by name (unknown names get pydantic's message)."""
         if isinstance(values, Mapping):
             values = dict(values)
-            for name, hint in MOVED_ARGUMENTS.items():
+            for name in MOVED_ARGUMENTS:
                 # Hugging Face's own default (None, False, "") asks for nothing: dropped
                 if name in values and values[name] in (None, False, "", []):
                     del values[name]
                 elif name in values:
-                    raise ValueError(f"{name} is not a tessera TrainingArguments field: {hint}")
+                    raise ValueError(not_taken(name))
             for name, (accepted, what) in AT_TESSERA_VALUE.items():
                 if name not in values:
                     continue
@@ -236,19 +238,34 @@ def _either(values: tuple) -> str:
 def _refuse_other_hf_fields(values: Mapping, ours: Mapping) -> None:
     """Name a Hugging Face TrainingArguments field tessera does not take (pydantic would
     only say "extra inputs are not permitted")."""
+    for name in values:
+        if name not in ours and name in _hf_field_names():
+            raise ValueError(not_taken(name))
+
+
+def not_taken(name: str) -> str:
+    """Why the Hugging Face argument ``name`` is not one of tessera's."""
+    if name in MOVED_ARGUMENTS:
+        return f"{name} is not a tessera TrainingArguments field: {MOVED_ARGUMENTS[name]}"
+    return (f"{name} is a Hugging Face TrainingArguments field that tessera does not take "
+            "(docs/training.md lists the ones it does, and why the others are left out): "
+            "remove it")
+
+
+def hf_only_fields() -> set[str]:
+    """Hugging Face TrainingArguments fields tessera does not take (empty without
+    transformers)."""
+    return (_hf_field_names() | set(MOVED_ARGUMENTS)) - set(TrainingArguments.model_fields)
+
+
+def _hf_field_names() -> set[str]:
     try:
         import dataclasses
 
         from transformers import TrainingArguments as HfArguments
     except ImportError:  # without transformers, pydantic's message names the key
-        return
-    hf_fields = {f.name for f in dataclasses.fields(HfArguments)}
-    for name in values:
-        if name not in ours and name in hf_fields:
-            raise ValueError(
-                f"{name} is a Hugging Face TrainingArguments field that tessera does not "
-                "take (docs/training.md lists the ones it does, and why the others are "
-                "left out): remove it")
+        return set()
+    return {f.name for f in dataclasses.fields(HfArguments)}
 
 
 def check_some_training(args: TrainingArguments) -> None:
