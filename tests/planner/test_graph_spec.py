@@ -204,7 +204,13 @@ def test_auto_holds_tensor_and_sequence_parallelism_off_without_a_policy(monkeyp
         neox = hf.AutoModelForCausalLM.from_config(hf.GPTNeoXConfig(
             vocab_size=50432, hidden_size=4096, intermediate_size=16384, num_hidden_layers=4,
             num_attention_heads=32, max_position_embeddings=2048, use_cache=False))
+        gemma = hf.AutoModelForCausalLM.from_config(hf.GemmaConfig(
+            vocab_size=256, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+            num_attention_heads=4, num_key_value_heads=2, head_dim=16, use_cache=False))
     assert auto.layout_limits(neox) == {"tp": 1, "sp": 1} and auto.layout_limits(gpt2) == {}
+    # A policy (Gemma's): tensor parallelism may be planned, sequence parallelism is planned
+    # only for the classes the suite checks it on.
+    assert auto.layout_limits(gemma) == {"sp": 1}
     # GPT-2's default dropout (0.1): sequence parallelism trains it (each sp rank on its own
     # random stream, attention dropout by hashed masks), so auto may plan it.
     assert auto.layout_limits(dropping) == {}

@@ -49,6 +49,10 @@ def plan_strategy(model: nn.Module, world_size: int, global_batch_size: int,
                          layout_limits(model), device)
 
 
+# Model classes "auto" plans sequence parallelism for: those the suite checks it on.
+SP_PLANNED = frozenset({"Transformer", "GPT2LMHeadModel", "LlamaForCausalLM"})
+
+
 def layout_limits(model: nn.Module) -> dict[str, int]:
     """Strategy fields held at 1 for a model the runtime cannot split that way: tensor
     parallelism needs a policy for the model's class that styles every module holding
@@ -56,7 +60,7 @@ def layout_limits(model: nn.Module) -> dict[str, int]:
     planned only for the models the suite tests it on (the reference, GPT-2, Llama: its
     Hugging Face route, AttentionInterface, is generic, but models refuse it for their own
     attention variants). Pipeline and data parallelism need only a capture."""
-    from tessera.parallel.tensor.policy import LLAMA_LAYOUT, PolicyError, policy_for, style_of
+    from tessera.parallel.tensor.policy import PolicyError, policy_for, style_of
 
     try:
         policy = policy_for(model)
@@ -67,9 +71,10 @@ def layout_limits(model: nn.Module) -> dict[str, int]:
     covered = all(style_of(path, policy) is not None for path in holders)
     if not covered:
         return {"tp": 1, "sp": 1}
-    # Llama's policy under another class: tensor parallelism checked, sequence parallelism
-    # not planned for (Mistral's sliding window, for one, is refused under sp past it).
-    return {"sp": 1} if type(model).__name__ in LLAMA_LAYOUT else {}
+    # Other classes with a policy (Mistral, Gemma, Cohere, ...): tensor parallelism checked,
+    # sequence parallelism not planned for (Mistral's and Gemma 2's sliding windows, for
+    # two, are refused under sp past them).
+    return {} if type(model).__name__ in SP_PLANNED else {"sp": 1}
 
 
 def best_runnable(model_config, world_size: int, global_batch_size: int, precision: str,

@@ -26,8 +26,11 @@ import tp_checks
 TOL = 1e-5
 MESHES = ("1d_tp2", "1d_tp4", "2d_2x2")
 MODELS = ("ref-gpt", "ref-llama", "hf-gpt2", "hf-llama")
-# Hugging Face classes laid out with Llama's policy (policy.LLAMA_LAYOUT), at 1D tp=2.
-LLAMA_LAYOUT = ("hf-mistral", "hf-qwen2", "hf-granite", "hf-smollm3", "hf-arcee")
+# Hugging Face classes laid out with Llama's policy (policy.LLAMA_LAYOUT), and with policies
+# derived from it for other norms and a scaled embedding (Gemma 1-3, Cohere with and without
+# q/k norms), at 1D tp=2.
+LLAMA_LAYOUT = ("hf-mistral", "hf-qwen2", "hf-granite", "hf-smollm3", "hf-arcee", "hf-helium",
+                "hf-gemma", "hf-gemma2", "hf-gemma3_text", "hf-cohere", "hf-cohere_qk")
 # (mesh, model, exportable layers): tp=2 reference Llama (plain and as pipeline stages run
 # it), GPT-2's fused q|k|v, and tp=4 Llama whose 2 kv heads are replicated.
 ALL_REDUCE_CASES = (("1d_tp2", "ref-llama", False), ("1d_tp2", "ref-llama", True),
@@ -66,6 +69,7 @@ def _all_checks(rank, world_size, folder):
     out["refusals"]["no_block"] = tp_checks.refusal_without_block(meshes["1d_tp2"])
     out["refusals"]["megatron_sp_dropout"] = tp_checks.refusal_megatron_sp_dropout(
         meshes["1d_tp2"])
+    out["refusals"]["one_d_style"] = tp_checks.refusal_one_d_style(meshes["2d_2x2"])
     out["checkpoints"] = {(m, kind): tp_checks.checkpoint_roundtrip(meshes[m], kind,
                                                                      f"{folder}/{m}-{kind}")
                           for m in ("1d_tp4", "2d_2x2") for kind in ("ref-gpt", "hf-gpt2")}
@@ -141,6 +145,10 @@ def test_bad_input_is_refused_with_the_rule_named(results):
     # tp peers share a random stream, so they would drop their sequence chunks alike.
     assert "Megatron sequence parallelism with dropout=0.1 would drop every tp rank's " \
            "sequence chunk with the same mask" in got["megatron_sp_dropout"]
+    # Gemma's scaled embedding and (1 + w) norms are built by the 1D layers only.
+    assert got["one_d_style"].startswith("model.embed_tokens: GemmaTextScaledWordEmbedding "
+                                         "scales its embedding (Gemma's): built for "
+                                         "tp_mode=1d only")
 
 
 @pytest.mark.slow

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import re
+
 import pytest
 import torch
 from torch import nn
@@ -46,14 +48,62 @@ def test_reference_policy_styles():
     assert style_of("blocks.0.attn", policy) == "attention"
     assert style_of("lm_head", policy) == "vocab_head"
     assert style_of("blocks.0", policy) is None
-    # Llama's layout under other classes (each checked against one device in
-    # test_tp_layers.py), and nothing else.
+    # Llama's layout under other classes, and derived from it for other norms (each checked
+    # against one device in test_tp_layers.py), and nothing else.
     from tessera.parallel.tensor.policy import LLAMA_LAYOUT
 
+    derived = {"GemmaForCausalLM", "Gemma2ForCausalLM", "Gemma3ForCausalLM",
+               "CohereForCausalLM"}
     assert set(POLICIES) == {"Transformer", "GPT2LMHeadModel", "LlamaForCausalLM",
-                             *LLAMA_LAYOUT}
+                             *LLAMA_LAYOUT, *derived}
     assert all(POLICIES[name] == POLICIES["LlamaForCausalLM"]
                and POLICIES[name] is not POLICIES["LlamaForCausalLM"] for name in LLAMA_LAYOUT)
+    gemma3 = [(re.compile(p), s) for p, s in POLICIES["Gemma3ForCausalLM"]]
+    assert style_of("model.layers.3.pre_feedforward_layernorm", gemma3) == "rmsnorm_1p"
+    assert style_of("model.layers.0.self_attn.k_norm", gemma3) == "head_rmsnorm_1p"
+    assert style_of("model.norm", gemma3) == "rmsnorm_1p"
+    cohere = [(re.compile(p), s) for p, s in POLICIES["CohereForCausalLM"]]
+    assert style_of("model.layers.1.input_layernorm", cohere) == "layernorm"
+    assert style_of("model.layers.1.self_attn.q_norm", cohere) == "head_norm"
+
+
+def _tiny_hf(model_type: str, **extra):
+    import transformers
+
+    config = transformers.AutoConfig.for_model(
+        model_type, use_cache=False, pad_token_id=None, head_dim=16,
+        **{**hf_config_from_reference("llama", preset("tiny-llama")), **extra})
+    return transformers.AutoModelForCausalLM.from_config(config)
+
+
+def test_a_norm_or_embedding_computing_otherwise_than_its_style_is_refused():
+    from tessera.parallel.tensor.probe import check_embedding, check_norm
+
+    gemma = _tiny_hf("gemma")
+    norm = gemma.model.layers[0].input_layernorm  # x_hat * (1 + w), w starts at 0
+    with pytest.raises(PolicyError, match="GemmaRMSNorm under style 'norm' computes another "
+                                          "norm .* rmsnorm_1p"):
+        check_norm(norm, "norm", norm.eps, rms=True)
+    check_norm(norm, "rmsnorm_1p", norm.eps, rms=True, unit_offset=True)
+    embed = gemma.model.embed_tokens  # scaled by sqrt(hidden)
+    with pytest.raises(PolicyError, match="GemmaTextScaledWordEmbedding under style "
+                                          "'vocab_embed' computes another token embedding"):
+        check_embedding(embed, "vocab_embed", None)
+    check_embedding(embed, "vocab_embed", embed.scalar_embed_scale)
+    cohere = _tiny_hf("cohere", use_qk_norm=True)
+    layer = cohere.model.layers[0]
+    with torch.no_grad():
+        layer.input_layernorm.weight.uniform_(0.5, 1.5)
+    with pytest.raises(PolicyError, match="CohereLayerNorm under style 'norm'"):
+        check_norm(layer.input_layernorm, "norm", 1e-5, rms=True)  # not an nn.LayerNorm
+    check_norm(layer.input_layernorm, "layernorm", layer.input_layernorm.variance_epsilon,
+               rms=False)
+    q_norm = layer.self_attn.q_norm  # weight (heads, head_dim)
+    check_norm(q_norm, "head_norm", q_norm.variance_epsilon, rms=False)
+    llama = build_hf_model("llama", **hf_config_from_reference("llama", preset("tiny-llama")))
+    check_norm(llama.model.norm, "norm", llama.model.norm.variance_epsilon, rms=True)
+    with torch.device("meta"):  # no weights to run: not probed
+        check_norm(_tiny_hf("gemma").model.norm, "norm", 1e-6, rms=True)
 
 
 def test_shapes_not_divisible_are_refused():

@@ -98,18 +98,36 @@ def build(kind: str) -> nn.Module:
 LLAMA_LAYOUT_EXTRA = {"granite": dict(embedding_multiplier=3.0, residual_multiplier=0.5,
                                       attention_multiplier=0.2, logits_scaling=2.0),
                       # 4 layers: the 4th has no rotary embedding (SmolLM3's NoPE layers)
-                      "smollm3": dict(num_hidden_layers=4, no_rope_layer_interval=4)}
+                      "smollm3": dict(num_hidden_layers=4, no_rope_layer_interval=4),
+                      # Hugging Face's Helium needs heads * head_dim == hidden (its o_proj)
+                      "helium": dict(head_dim=16),
+                      # logits not scaled down 16x (Cohere's default 0.0625 hides differences)
+                      "cohere": dict(logit_scale=1.0),
+                      # a LayerNorm per head on q and k (policy style head_norm)
+                      "cohere_qk": dict(logit_scale=1.0, use_qk_norm=True)}
+# Test kinds that are a model type with other settings.
+MODEL_TYPE_OF = {"cohere_qk": "cohere"}
+# Classes whose norms are not Llama's (policy.py): their norm weights start at random values
+# so that a norm computed as another class's shows in the outputs, not only in gradients
+# (Gemma's start at 0, where x_hat * (1 + w) and x_hat * w differ anyway).
+OTHER_NORMS = ("gemma", "gemma2", "gemma3_text", "cohere", "cohere_qk")
 
 
-def _llama_layout(model_type: str, llama: dict) -> nn.Module:
-    """A class that tensor parallelism lays out with Llama's policy (policy.LLAMA_LAYOUT),
-    at tiny Llama's shape."""
+def _llama_layout(kind: str, llama: dict) -> nn.Module:
+    """A class that tensor parallelism lays out with Llama's policy or one derived from it
+    (policy.LLAMA_LAYOUT, Gemma, Cohere), at tiny Llama's shape."""
     import transformers
 
     config = transformers.AutoConfig.for_model(
-        model_type, use_cache=False, pad_token_id=None,
-        **{**llama, **LLAMA_LAYOUT_EXTRA.get(model_type, {})})
-    return transformers.AutoModelForCausalLM.from_config(config)
+        MODEL_TYPE_OF.get(kind, kind), use_cache=False, pad_token_id=None,
+        **{**llama, **LLAMA_LAYOUT_EXTRA.get(kind, {})})
+    model = transformers.AutoModelForCausalLM.from_config(config)
+    if kind in OTHER_NORMS:
+        with torch.no_grad():
+            for name, param in model.named_parameters():
+                if "norm" in name:
+                    param.uniform_(-0.5, 0.5)
+    return model
 
 
 def batch() -> dict[str, torch.Tensor]:
@@ -264,6 +282,16 @@ def refusals(mesh: Mesh) -> dict[str, str]:
         except ValueError as err:
             out[name] = str(err)
     return out
+
+
+def refusal_one_d_style(mesh: Mesh) -> str:
+    """The message refusing Gemma (its norms' style rmsnorm_1p is 1D only) on the 2D grid."""
+    model = build("hf-gemma")
+    try:
+        apply_tensor_parallel(Parallelized(model, model, None), mesh.strategy, mesh)
+    except ValueError as err:
+        return str(err)
+    return ""
 
 
 def refusal_megatron_sp_dropout(mesh: Mesh) -> str:

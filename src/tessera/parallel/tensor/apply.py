@@ -25,8 +25,9 @@ from tessera.parallel.tensor.modules import (BlockInput, ColumnLinear, Embedding
                                              Norm1D, Norm2D, ReplicatedEmbedding, RowLinear,
                                              VocabEmbedding)
 from tessera.parallel.tensor.ops import register_group
+from tessera.parallel.tensor.probe import check_embedding, check_norm
 from tessera.parallel.tensor.ops2d import register_grid
-from tessera.parallel.tensor.policy import (ModelDims, PolicyError, check_divisible,
+from tessera.parallel.tensor.policy import (ONE_D_STYLES, ModelDims, PolicyError, check_divisible,
                                             model_dims, policy_for, style_of)
 from tessera.parallel.tensor.shard import (accept_full_tensors, add_optimizer_unpermute_hooks,
                                            add_unpermute_hooks, fused_perm, make_param,
@@ -122,7 +123,7 @@ def _make_exportable(model: nn.Module, builder: "_Builder1D | _Builder2D") -> No
         return
     name = register_group(builder.group)
     for module in model.modules():
-        if isinstance(module, (ColumnLinear, RowLinear, VocabEmbedding)):
+        if isinstance(module, (ColumnLinear, RowLinear, VocabEmbedding, Norm1D)):
             module.export_group = name
     for hook in builder.block_inputs.values():
         hook.export_group = name
@@ -170,7 +171,10 @@ def _replace_modules(model: nn.Module, policy, builder) -> None:
         if style is None:
             continue
         builder.fetch_wholes(model, path)
-        new = builder.build(style, module)
+        try:
+            new = builder.build(style, module)
+        except PolicyError as err:
+            raise PolicyError(f"{path}: {err}") from None
         if new is not None:
             accept_full_tensors(new)
             parent, _, name = path.rpartition(".")
@@ -298,16 +302,33 @@ class _Builder1D(_Builder):
         if style == "rowwise":
             return RowLinear(self.param(m.weight, in_dim), self.param(m.bias, rep), g, sp, conv)
         if style == "vocab_embed":
-            return VocabEmbedding(self.param(m.weight, s0), g, sp)
+            scale = getattr(m, "scalar_embed_scale", None)  # Gemma's sqrt(hidden)
+            check_embedding(m, style, scale)
+            return VocabEmbedding(self.param(m.weight, s0), g, sp, scale)
         if style == "vocab_head":
             head_mode = "gather" if sp else "replicated"
             return ColumnLinear(self.param(m.weight, s0), self.param(m.bias, s0), g, head_mode,
                                 False)
         if style == "position":
             return ReplicatedEmbedding(self.param(m.weight, rep), g, sp)
-        if style == "norm":
+        if style in ("norm", "layernorm", "rmsnorm_1p"):
+            rms = style == "rmsnorm_1p" or (style == "norm" and not isinstance(m, nn.LayerNorm))
+            unit = style == "rmsnorm_1p"
+            check_norm(m, style, _eps(m), rms, unit)
             return Norm1D(self.param(m.weight, rep), self.param(getattr(m, "bias", None), rep),
-                          _eps(m), not isinstance(m, nn.LayerNorm), g, sp)
+                          _eps(m), rms, g, sp, unit_offset=unit)
+        # Norms over each head's features, after the column projections: their input holds
+        # this rank's heads over the whole sequence (no Megatron sequence split there).
+        if style == "head_rmsnorm_1p":  # Gemma 3's q/k norms: (head_dim,) shared by heads
+            check_norm(m, style, _eps(m), True, True)
+            return Norm1D(self.param(m.weight, rep), None, _eps(m), True, g, False,
+                          unit_offset=True, sum_grad=True)
+        if style == "head_norm":  # Cohere's q/k LayerNorm, weight (heads, head_dim): by heads
+            if m.weight.shape[0] % g.size:
+                raise PolicyError(f"{style}: {m.weight.shape[0]} heads of a per-head norm are "
+                                  f"not divisible by tp={g.size}")
+            check_norm(m, style, _eps(m), False)
+            return Norm1D(self.param(m.weight, s0), None, _eps(m), False, g, False)
         if style in ("attention", "mlp"):
             if style == "attention":
                 kv = self.dims.n_kv_heads
@@ -344,15 +365,22 @@ class _Builder2D(_Builder):
                            self.param(m.bias, vec, perm, 0), self.grid, conv)
             _unpermute(new, perm, dim)
             return new
+        if style == "vocab_embed" and getattr(m, "scalar_embed_scale", None) not in (None, 1.0):
+            raise PolicyError(f"{type(m).__name__} scales its embedding (Gemma's): built for "
+                              "tp_mode=1d only")
         if style in ("vocab_embed", "position"):
             return Embedding2D(self.param(m.weight, block), self.grid)
         if style == "norm":
+            check_norm(m, style, _eps(m), not isinstance(m, nn.LayerNorm))
             return Norm2D(self.param(m.weight, vec), self.param(getattr(m, "bias", None), vec),
                           _eps(m), not isinstance(m, nn.LayerNorm), self.dims.d_model, self.grid)
         if style == "attention":
             self.attention(m, self.grid.q, self.dims.n_kv_heads // self.grid.q)
         if style in ("attention", "mlp"):
             return None
+        if style in ONE_D_STYLES:
+            raise PolicyError(f"style {style!r} ({type(m).__name__}) is built for tp_mode=1d "
+                              "only: use tp_mode=1d")
         raise PolicyError(f"unknown tensor-parallel style {style!r}")
 
 

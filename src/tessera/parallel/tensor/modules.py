@@ -126,12 +126,23 @@ class RowLinear(nn.Module):
 class VocabEmbedding(nn.Module):
     """1D vocabulary-parallel embedding."""
 
-    def __init__(self, weight, group: TPGroup, seq_parallel: bool) -> None:
+    def __init__(self, weight, group: TPGroup, seq_parallel: bool,
+                 scale: float | None = None) -> None:
         super().__init__()
         self.weight, self.group, self.seq_parallel = weight, group, seq_parallel
+        self.scale = scale  # Gemma's embedding multiplier sqrt(hidden), None for none
         self.export_group: str | None = None
 
     def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        out = self._lookup(ids)
+        if self.scale is None:
+            return out
+        # As Gemma's ScaledWordEmbedding: the scale held in fp32, then rounded to the
+        # weight's dtype (directly from the Python float it could round differently).
+        scale = torch.tensor(self.scale, dtype=torch.float32, device=out.device)
+        return out * scale.to(self.weight.dtype)
+
+    def _lookup(self, ids: torch.Tensor) -> torch.Tensor:
         if self.export_group is not None:
             w = local(self.weight)  # (V/tp, C): rows [start, start + V/tp)
             local_ids = ids - self.group.rank * w.shape[0]
@@ -157,24 +168,51 @@ class ReplicatedEmbedding(nn.Module):
 
 
 class Norm1D(nn.Module):
-    """LayerNorm or RMSNorm with replicated parameters; under SP on a sequence slice."""
+    """LayerNorm or RMSNorm (also Gemma's ``x_hat * (1 + w)``, and per-head weights) with
+    replicated parameters; under SP on a sequence slice. The math is :func:`normalize`."""
 
     def __init__(self, weight, bias, eps: float, rms: bool, group: TPGroup,
-                 seq_parallel: bool) -> None:
+                 seq_parallel: bool, unit_offset: bool = False, sum_grad: bool = False) -> None:
         super().__init__()
         self.weight, self.bias = weight, bias
         self.eps, self.rms, self.group, self.seq_parallel = eps, rms, group, seq_parallel
+        self.unit_offset = unit_offset  # Gemma: x_hat * (1 + weight), in fp32
+        # A weight shared by all heads applied to this rank's heads only (Gemma 3's q/k norms):
+        # each rank's weight gradient is a partial sum over heads.
+        self.sum_grad = sum_grad
+        self.export_group: str | None = None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         w, b = local(self.weight), _opt(self.bias)
-        if self.seq_parallel:  # each rank normalised different tokens: sum their gradients
-            w = CopyToTP.apply(w, self.group)
-            b = None if b is None else CopyToTP.apply(b, self.group)
-        if not self.rms:
-            return F.layer_norm(x, (x.shape[-1],), w, b, self.eps)
-        x32 = x.float()
-        normed = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
-        return normed.type_as(x) * w
+        # Each rank normalised different tokens (SP) or heads: sum their gradients.
+        if self.seq_parallel or self.sum_grad:
+            w = self._summed_grad(w)
+            b = None if b is None else self._summed_grad(b)
+        return normalize(x, w, b, self.eps, self.rms, self.unit_offset)
+
+    def _summed_grad(self, t: torch.Tensor) -> torch.Tensor:
+        if self.export_group is not None:  # pipeline stages: the collective as a graph node
+            return tp_copy(t, self.export_group)
+        return CopyToTP.apply(t, self.group)
+
+
+def normalize(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None, eps: float, rms: bool,
+              unit_offset: bool = False) -> torch.Tensor:
+    """The norms tensor parallelism builds, over ``x``'s last dimension.
+
+    LayerNorm (``rms`` False) as ``nn.LayerNorm``, or with a per-head weight ``w`` (H, D) over
+    ``x`` (..., H, D) in fp32 (Cohere's q/k norms); RMSNorm in fp32, times ``w`` in ``x``'s
+    dtype (Llama), or times ``1 + w`` in fp32 (``unit_offset``: Gemma).
+    """
+    if not rms and w.dim() > 1:
+        return (F.layer_norm(x.float(), (x.shape[-1],), None, None, eps) * w.float()).type_as(x)
+    if not rms:
+        return F.layer_norm(x, (x.shape[-1],), w, b, eps)
+    x32 = x.float()
+    normed = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + eps)
+    if unit_offset:
+        return (normed * (1.0 + w.float())).type_as(x)
+    return normed.type_as(x) * w
 
 
 class Linear2D(nn.Module):

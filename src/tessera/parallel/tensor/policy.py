@@ -11,14 +11,22 @@ pattern that matches a module's full path decides its style. Styles:
     vocab_embed  token embedding split by vocabulary (1D) / 2D blocks (2D)
     vocab_head   output layer, logits stay split by vocabulary
     position     learned position table: replicated (1D) / 2D blocks (2D)
-    norm         layernorm / rmsnorm: replicated (1D) / statistics along grid rows (2D)
+    norm         nn.LayerNorm, or RMSNorm as Llama's (x_hat * w): replicated (1D) /
+                 statistics along grid rows (2D)
+    layernorm    a LayerNorm of another class (Cohere's): replicated (1D only)
+    rmsnorm_1p   Gemma's RMSNorm, x_hat * (1 + w) in fp32: replicated (1D only)
+    head_norm    a LayerNorm with a weight per head (Cohere's q/k norms): split by heads
+                 (1D only)
+    head_rmsnorm_1p  Gemma 3's q/k norms, one (head_dim,) weight for all heads: replicated,
+                 its gradient summed over the ranks' heads (1D only)
     attention    the attention module itself: its head counts become the local ones; (1D)
                  its input gets Megatron's f once for all its column layers (under
                  sequence parallelism: is gathered along the sequence)
     mlp          the MLP module: (1D) its input gets f once (under SP: is gathered)
 
 Adding an architecture means adding one entry to ``POLICIES`` (keyed by model class name) and,
-if its config names differ, to ``model_dims``.
+if its config names differ, to ``model_dims``. A norm or token embedding whose forward is not
+what its style builds is refused when replaced (probe.py): a name alike is not enough.
 """
 
 from __future__ import annotations
@@ -78,14 +86,38 @@ POLICIES: dict[str, list[tuple[str, str]]] = {
 # Hugging Face classes whose modules are Llama's, name for name and role for role (RMSNorm,
 # rotary q/k/v/o attention, a gated MLP, embeddings and head): Llama's policy, each checked
 # against one device (tests/parallel/tensor/test_tp_layers.py; Granite with its embedding,
-# residual, attention and logit multipliers). Matching names are not enough: Gemma's and
-# Cohere's modules are named as Llama's, but at tp=2 their losses left one device's (7e-3
-# and 3e-5 relative at the first steps, 2026-11-28), and Helium's failed with a head size
-# other than hidden / heads (its default), so they have no entry.
+# residual, attention and logit multipliers). Helium is one too: its o_proj takes hidden_size
+# inputs, so Hugging Face itself needs heads * head_dim == hidden_size (a config with another
+# head_dim fails on one device as well).
 LLAMA_LAYOUT = ("MistralForCausalLM", "Qwen2ForCausalLM", "GraniteForCausalLM",
-                "SmolLM3ForCausalLM", "ArceeForCausalLM")
+                "SmolLM3ForCausalLM", "ArceeForCausalLM", "HeliumForCausalLM")
 for _name in LLAMA_LAYOUT:
     POLICIES[_name] = list(POLICIES["LlamaForCausalLM"])  # each its own, to extend alone
+
+
+def _llama_with_norm(style: str, norms: str = r"input|post_attention") -> list:
+    """Llama's policy with its norms given ``style`` (``norms``: the layer norms' prefixes)."""
+    return [(rf"({_L}\.({norms})_layernorm|model\.norm)", style) if s == "norm" else (p, s)
+            for p, s in POLICIES["LlamaForCausalLM"]]
+
+
+# Named as Llama's, computing otherwise (each checked against one device in the same test).
+# Gemma 1-3: RMSNorm times (1 + weight), the embedding scaled by sqrt(hidden) (read off the
+# module's scalar_embed_scale by vocab_embed); Gemma 2 and 3 have norms before and after the
+# MLP too, Gemma 3 q/k norms. Cohere: a LayerNorm (mean subtracted, no bias) that is not an
+# nn.LayerNorm, one per layer feeding attention and MLP in parallel, and with use_qk_norm a
+# LayerNorm per head on q and k. Until 2026-11-28 they had no entry: built with Llama's,
+# Gemma's norms computed x_hat * w (its tp=2 loss 7e-3 from one device) and Cohere's were
+# taken for RMSNorms (3e-5 in the loss, 34% in gradients).
+_GEMMA2_NORMS = r"input|post_attention|pre_feedforward|post_feedforward"
+POLICIES["GemmaForCausalLM"] = _llama_with_norm("rmsnorm_1p")
+POLICIES["Gemma2ForCausalLM"] = _llama_with_norm("rmsnorm_1p", _GEMMA2_NORMS)
+POLICIES["Gemma3ForCausalLM"] = [(rf"{_L}\.self_attn\.(q|k)_norm", "head_rmsnorm_1p"),
+                                 *_llama_with_norm("rmsnorm_1p", _GEMMA2_NORMS)]
+POLICIES["CohereForCausalLM"] = [(rf"{_L}\.self_attn\.(q|k)_norm", "head_norm"),
+                                 *_llama_with_norm("layernorm", "input")]
+# Styles the 2D builder does not build (refused there by name).
+ONE_D_STYLES = ("layernorm", "rmsnorm_1p", "head_norm", "head_rmsnorm_1p")
 
 
 class PolicyError(StrategyError):
@@ -119,7 +151,8 @@ def policy_for(model: nn.Module) -> list[tuple[re.Pattern, str]]:
             "parallelism need no policy), or register one in your script before the "
             f"Trainer is built: tessera.parallel.tensor.policy.POLICIES[{name!r}] = "
             "[(module-path regex, style), ...] (styles: colwise, colwise_kv, colwise_qkv, "
-            "rowwise, vocab_embed, vocab_head, position, norm, attention, mlp; "
+            "rowwise, vocab_embed, vocab_head, position, norm, layernorm, rmsnorm_1p, "
+            "head_norm, head_rmsnorm_1p, attention, mlp; "
             "docs/tensor_parallel.md), and check its losses against tp=1")
     return [(re.compile(pattern), style) for pattern, style in POLICIES[name]]
 
