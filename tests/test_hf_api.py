@@ -432,7 +432,7 @@ def test_hugging_face_defaults_that_describe_tessera_are_taken():
     (dict(gradient_accumulation_steps=3), "gradient_accumulation_steps=3 disagrees"),
 ])
 def test_batch_arguments_the_strategy_overrides_are_refused(kwargs, fragment):
-    from tessera.train.hf_api import check_batch_arguments
+    from tessera.train.hf_strategy import check_batch_arguments
 
     strategy = Strategy.parse("pp=2,mbs=2,gbs=8")
     args = TrainingArguments(strategy="pp=2,mbs=2,gbs=8", **kwargs)
@@ -444,7 +444,7 @@ def test_batch_arguments_the_strategy_overrides_are_refused(kwargs, fragment):
 
 
 def test_strategy_text_without_a_batch_takes_the_hugging_face_arguments():
-    from tessera.train.hf_api import resolve_strategy
+    from tessera.train.hf_strategy import resolve_strategy
 
     # Left out, mbs and gbs were the Strategy's defaults, 1 and 1: one sample a step.
     # (per_device_train_batch_size=4, gradient_accumulation_steps=2, dp=2 of 4 workers)
@@ -483,7 +483,7 @@ def test_evaluation_without_an_eval_dataset_is_refused():
 
 
 def test_conflicting_precision_is_refused():
-    from tessera.train.hf_api import resolve_strategy
+    from tessera.train.hf_strategy import resolve_strategy
 
     with pytest.raises(StrategyError, match="precision"):
         resolve_strategy("dp=1,mbs=1,gbs=1", _tiny_gpt2(), 1, 1, 1, "bf16")
@@ -494,7 +494,7 @@ def test_conflicting_precision_is_refused():
 def test_auto_strategy_asks_the_planner_for_a_runnable_layout():
     from tessera.models import Transformer, preset
     from tessera.strategy import AVAILABLE
-    from tessera.train.hf_api import resolve_strategy
+    from tessera.train.hf_strategy import resolve_strategy
 
     strategy = resolve_strategy("auto", Transformer(preset("tiny")), 2, 4, 2, "fp32")
     assert strategy.world_size == 2 and strategy.global_batch_size == 16

@@ -181,7 +181,7 @@ def test_plan_cli_takes_a_config_json(tmp_path):
 
 def test_auto_strategy_plans_an_architecture_it_has_no_config_reader_for():
     from tessera.strategy import AVAILABLE
-    from tessera.train.hf_api import resolve_strategy
+    from tessera.train.hf_strategy import resolve_strategy
 
     config, _ = _arch("gpt_neox")
     config.use_cache = True  # as users build them: switched off for the capture only
@@ -247,7 +247,7 @@ def test_auto_plans_for_the_host_when_training_is_told_to_run_there(monkeypatch)
     import tessera.train.auto as auto
     from tessera.config import load_config
     from tessera.strategy import StrategyError
-    from tessera.train.hf_api import resolve_strategy
+    from tessera.train.hf_strategy import resolve_strategy
 
     # A GPU host: auto plans for its card, unless the job is to run on the CPU (use_cpu,
     # train.device=cpu), when planning for the card would pick a layout sized for it.

@@ -22,29 +22,22 @@ a Hugging Face model computes internally.
 
 from __future__ import annotations
 
-import math
 import time
 from pathlib import Path
 from typing import Any, Callable, Sequence
 
-import torch
-import torch.distributed as dist
 from torch import nn
 from torch.utils.data import Dataset
 
-from tessera.config import TrainingArguments as CoreArguments
-from tessera.data.stream import StreamSamples
-from tessera.strategy import Strategy, StrategyError
 from tessera.train.checkpoint import checkpoint_root, find_latest
 from tessera.train.trainer import Trainer as CoreTrainer
-from tessera.train.evaluation import check_eval_micro_batch
 from tessera.train.hf_card import model_card, write_model_card
 from tessera.train.hf_callbacks import TrainerControl, TrainerState, check_callback_events
 from tessera.train.hf_data import hf_collator, labels_shifted, model_columns, readable
-from tessera.train.hf_arguments import TrainingArguments, check_some_training
+from tessera.train.hf_arguments import TrainingArguments
 from tessera.train.hf_eval import Evaluations, eval_sets, first_set
 from tessera.train.hf_overrides import check_overrides
-from tessera.train.hf_strategy import check_batch_arguments, resolve_strategy, sample_length
+from tessera.train.hf_translate import seed_everything, translate
 from tessera.train.hf_reports import (TrainOutput, format_metrics, train_output,
                                       write_metrics, write_state)
 
@@ -109,7 +102,8 @@ class Trainer:
         named = eval_sets(eval_dataset)  # a dict: each set evaluated under eval_<name>
         eval_dataset = named if named is not None else readable("eval_dataset", eval_dataset)
         single = first_set(eval_dataset)  # shapes the job when there is no train_dataset
-        self._core_args, strategy = self._translate(model, train_dataset, single)
+        self._core_args, strategy, self._steps_per_epoch = translate(self.args, model,
+                                                                     train_dataset, single)
         self._translated = self.args.model_dump()  # what the layout and core were built from
         self.state.describe(self._core_args, self.args, self._steps_per_epoch,
                             strategy.micro_batch_size)
@@ -293,78 +287,6 @@ class Trainer:
             write_state(self.args.output_dir, self.state)
 
     # --------------------------------------------------------------------------- helpers
-    def _translate(self, model: nn.Module, train_dataset: Dataset | None,
-                   eval_dataset: Dataset | None) -> tuple[CoreArguments, Strategy]:
-        a = self.args
-        if a.eval_strategy != "no" and eval_dataset is None:
-            raise ValueError(f"eval_strategy={a.eval_strategy!r} needs an eval_dataset "
-                             "(or set eval_strategy='no')")
-        check_some_training(a)  # before any planning
-        world = dist.get_world_size() if dist.is_initialized() else _env_world_size()
-        shaping = train_dataset if train_dataset is not None else eval_dataset
-        planned = a.strategy is not None and a.strategy.strip() == "auto"
-        strategy = resolve_strategy(a.strategy, model, world, a.per_device_train_batch_size,
-                                    a.gradient_accumulation_steps, a.precision,
-                                    seq_len=sample_length(shaping) if planned else None,
-                                    device="cpu" if a.use_cpu else "auto")
-        check_batch_arguments(a, strategy)
-        if "per_device_eval_batch_size" in a.model_fields_set:
-            check_eval_micro_batch(a.per_device_eval_batch_size, strategy,
-                                   "per_device_eval_batch_size",
-                                   "leave it unset (evaluation then runs the training "
-                                   f"micro-batch, {strategy.micro_batch_size} samples)")
-        for key in ("pipeline_split_points", "pipeline_leaf_modules"):
-            if planned and getattr(a, key):
-                raise StrategyError(f"{key} shapes the pipeline of a pp the strategy fixes: "
-                                    "give strategy text with pp > 1, not 'auto'")
-        strategy.check_split_points(a.pipeline_split_points)
-        strategy.check_leaf_modules(a.pipeline_leaf_modules)
-        # Global batches are whole (no short last batch), so an epoch is the full batches
-        # that fit: len // gbs steps (docs/training.md). A stream has no length: its epoch
-        # is max_steps, as Hugging Face counts it.
-        if isinstance(shaping, StreamSamples):
-            if a.max_steps <= 0:
-                raise ValueError("train_dataset is iterable (no length), so the number of "
-                                 "training steps cannot be inferred: set max_steps > 0")
-            steps_per_epoch = a.max_steps
-        else:
-            steps_per_epoch = max(1, len(shaping) // strategy.global_batch_size)
-        self._steps_per_epoch = steps_per_epoch
-        max_steps = a.max_steps if a.max_steps > 0 else math.ceil(
-            a.num_train_epochs * steps_per_epoch)
-        every = {"no": 0, "steps": None, "epoch": steps_per_epoch}
-        eval_steps = every[a.eval_strategy]
-        save_steps = every[a.save_strategy]
-        core = CoreArguments(
-            output_dir=a.output_dir, max_steps=max_steps, learning_rate=a.learning_rate,
-            min_lr_ratio=0.0,
-            # Hugging Face's "constant" ignores warmup; "constant_with_warmup" is tessera's
-            # constant schedule (a linear warmup, then the peak).
-            lr_scheduler_type=a.lr_scheduler_type.removesuffix("_with_warmup"),
-            warmup_steps=(0 if a.lr_scheduler_type == "constant" else
-                          a.warmup_steps_of(max_steps)),
-            weight_decay=a.weight_decay, adam_beta1=a.adam_beta1, adam_beta2=a.adam_beta2,
-            adam_epsilon=a.adam_epsilon, max_grad_norm=a.max_grad_norm,
-            average_tokens_across_devices=a.average_tokens_across_devices,
-            warmup_from_zero=True,  # Hugging Face's schedules start the warm-up at lr 0
-            logging_steps=a.steps_of(a.logging_steps, max_steps),
-            eval_steps=(a.steps_of(a.eval_steps or a.logging_steps, max_steps)
-                        if eval_steps is None else eval_steps),
-            save_steps=(a.steps_of(a.save_steps, max_steps) if save_steps is None
-                        else save_steps), seed=a.seed,
-            progress="off" if a.disable_tqdm else "auto",
-            device="cpu" if a.use_cpu else "auto",
-            stage_memory_budget=a.stage_memory_budget,
-            pipeline_split_points=a.pipeline_split_points,
-            pipeline_leaf_modules=a.pipeline_leaf_modules,
-            eval_batches=0,  # Hugging Face evaluates the whole set
-            eval_micro_batch_size=(a.per_device_eval_batch_size
-                                   if "per_device_eval_batch_size" in a.model_fields_set else 0),
-            save_total_limit=a.save_total_limit or 0, save_final=a.save_strategy != "no",
-            write_metrics="jsonl" in ([a.report_to] if isinstance(a.report_to, str)
-                                      else a.report_to or []))
-        return core, strategy
-
     def _check_args_unchanged(self, call: str) -> None:
         """Refuse ``trainer.args`` changed after the Trainer was built: the layout, optimizer,
         schedule and intervals were made from them then, so a change would be ignored
@@ -479,22 +401,3 @@ def refuse_unsupported(**given: Any) -> None:
     for name, value in given.items():
         if value is not None:
             raise ValueError(f"{name} is not supported by tessera's Trainer: {_UNSUPPORTED[name]}")
-
-
-def seed_everything(seed: int) -> None:
-    """Seed torch (every device), numpy and random, as Hugging Face's ``set_seed``."""
-    import random
-
-    random.seed(seed)
-    torch.manual_seed(seed)  # all devices, CUDA included
-    try:
-        import numpy
-    except ImportError:
-        return
-    numpy.random.seed(seed)
-
-
-def _env_world_size() -> int:
-    import os
-
-    return int(os.environ.get("WORLD_SIZE", "1"))
