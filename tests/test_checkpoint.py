@@ -54,3 +54,25 @@ def test_a_checkpoint_path_that_does_not_exist_is_named_so(tmp_path):
     (tmp_path / "half").mkdir()
     with pytest.raises(ckpt.CheckpointError, match="is not a complete checkpoint"):
         ckpt.read_meta(tmp_path / "half")
+
+
+def test_pruning_keeps_the_checkpoint_just_written_and_drops_an_abandoned_continuation(
+        tmp_path):
+    from tessera.train.checkpoint import META, _prune, list_complete, step_dirname
+
+    def save(step):
+        (tmp_path / step_dirname(step)).mkdir()
+        (tmp_path / step_dirname(step) / META).write_text("{}")
+        return tmp_path / step_dirname(step)
+
+    # A run saved steps 2 and 4, resumed from step 2 and saved step 3: step 4 belongs to the
+    # continuation it abandoned. Pruning by number alone deleted step 3, the one just written.
+    save(2), save(4)
+    _prune(tmp_path, 2, save(3))
+    assert [p.name for p in list_complete(tmp_path)] == [step_dirname(2), step_dirname(3)]
+    _prune(tmp_path, 1, tmp_path / step_dirname(3))
+    assert [p.name for p in list_complete(tmp_path)] == [step_dirname(3)]
+    # A run going forward: the oldest go.
+    save(5), save(6)
+    _prune(tmp_path, 2, save(7))
+    assert [p.name for p in list_complete(tmp_path)] == [step_dirname(6), step_dirname(7)]

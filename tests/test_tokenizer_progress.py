@@ -41,3 +41,27 @@ def test_progress_lines_and_bar(capsys):
     assert "loss 1.2500" in bar._progress.tasks[0].fields["stats"]
     bar.close()
     assert format_record({"eval_loss": 1.5}) == "eval 1.5000"
+
+
+def test_a_saved_bpe_tokenizer_of_other_settings_is_refused_not_reused(tmp_path):
+    import pytest
+
+    from tessera.config import load_config
+    from tessera.data import DataError
+    from tessera.run import build_tokenizer
+
+    corpus = tmp_path / "corpus"
+    corpus.mkdir()
+    (corpus / "a.txt").write_text("def main():\n    return 42\n" * 50)
+
+    def config(vocab):
+        return load_config(None, [f"train.output_dir={tmp_path / 'out'}",
+                                  f"data.corpus={corpus}", "data.tokenizer=bpe",
+                                  f"data.bpe_vocab_size={vocab}"])
+
+    first = build_tokenizer(config(300))
+    assert build_tokenizer(config(300)).vocab_size == first.vocab_size  # reused as trained
+    # Until 2026-11-28 the 300-token tokenizer was reused for a run asking for 600, while
+    # the run's config said 600.
+    with pytest.raises(DataError, match="data.bpe_vocab_size: saved 300 vs now 600"):
+        build_tokenizer(config(600))

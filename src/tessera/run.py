@@ -6,6 +6,7 @@ This is what each worker does under ``tessera train``, and what the Python API c
 from __future__ import annotations
 
 import contextlib
+import json
 
 import os
 from pathlib import Path
@@ -42,14 +43,46 @@ def tokenizer_path(config: RunConfig) -> Path:
 
 
 def build_tokenizer(config: RunConfig, files: list[Path] | None = None):
-    """Bytes, or the run's BPE tokenizer (trained on the corpus once, then reused)."""
+    """Bytes, or the run's BPE tokenizer (trained on the corpus once, then reused).
+
+    The recipe it was trained by (vocabulary size, corpus, extensions) is written beside it;
+    a run asking for another is refused rather than given the old tokenizer.
+
+    Raises:
+        DataError: naming the settings that differ from the saved tokenizer's.
+    """
     if config.data.tokenizer == "byte":
         return ByteTokenizer()
     path = tokenizer_path(config)
+    recipe = _tokenizer_recipe(config)
+    recipe_file = path.with_name("tokenizer_recipe.json")
     if path.is_file():
+        _check_recipe(recipe_file, recipe, path)
         return BPETokenizer.load(path)
     files = files or list_text_files(resolve_corpus(config.data.corpus), config.data.extensions)
-    return BPETokenizer.train(files, config.data.bpe_vocab_size, save_to=path)
+    tokenizer = BPETokenizer.train(files, config.data.bpe_vocab_size, save_to=path)
+    recipe_file.write_text(json.dumps(recipe, indent=2, sort_keys=True))
+    return tokenizer
+
+
+def _tokenizer_recipe(config: RunConfig) -> dict:
+    return {"bpe_vocab_size": config.data.bpe_vocab_size,
+            "corpus": str(resolve_corpus(config.data.corpus).resolve()),
+            "extensions": sorted(config.data.extensions)}
+
+
+def _check_recipe(recipe_file: Path, recipe: dict, path: Path) -> None:
+    """Refuse a saved tokenizer trained by another recipe (one saved before recipes were
+    written, 2026-11-28, is taken as it is)."""
+    if not recipe_file.is_file():
+        return
+    saved = json.loads(recipe_file.read_text())
+    diffs = [f"data.{k}: saved {saved.get(k)!r} vs now {v!r}" for k, v in recipe.items()
+             if saved.get(k) != v]
+    if diffs:
+        raise DataError(f"{path} was trained with other settings ({'; '.join(diffs)}): a run "
+                        "in this output_dir uses its tokenizer (a checkpoint's vocabulary "
+                        "depends on it); set them back, or use another train.output_dir")
 
 
 def build_datasets(config: RunConfig, tokenizer) -> tuple[Subset, Subset | None]:

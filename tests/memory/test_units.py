@@ -162,3 +162,27 @@ def test_reduce_scatter_reads_back_a_gradient_chunk_evicted_to_disk(tmp_path):
     assert torch.equal(chunk.payload[Kind.GRAD],
                        torch.arange(chunk.capacity, dtype=grad.dtype))
     assert chunk.tier[Kind.GRAD] == "host"  # read back, not a fresh zeroed payload
+
+
+def test_a_full_host_with_a_disk_tier_names_the_bytes_in_use_not_a_missing_tier(tmp_path):
+    from tessera.memory.manager import HOST
+
+    manager = ChunkManager(nn.Sequential(nn.Linear(8, 16), nn.Linear(16, 4)),
+                           MemoryOptions(chunk_size=256, host_budget=4096,
+                                         disk_dir=str(tmp_path)),
+                           torch.device("cpu"), offload=("cpu", "disk"))
+    chunk = manager.chunks[0]
+    manager.place(chunk, Kind.PARAM, HOST, set())
+    held = manager.host.used
+    in_use = {(chunk.index, Kind.PARAM)}  # being computed: it may not spill
+    with pytest.raises(MemoryBudgetError, match=rf"host_budget=4096 bytes is full: its {held} "
+                                                rf"bytes of chunks in use now cannot spill to "
+                                                rf"disk and 4000 more are needed; raise it to "
+                                                rf"at least {held + 4000}"):
+        manager._make_room(HOST, 4000, in_use)
+    manager._make_room(HOST, 4000, set())  # not in use: it spills to disk
+    assert chunk.tier[Kind.PARAM] == "disk"
+    without_disk = ChunkManager(nn.Linear(8, 16), MemoryOptions(host_budget=64),
+                                torch.device("cpu"), offload=("cpu",))
+    with pytest.raises(MemoryBudgetError, match="no disk tier to spill to"):
+        without_disk._make_room(HOST, 4000, set())

@@ -371,10 +371,7 @@ class ChunkManager:
         elif tier == HOST and self.host is not None and self.host.budget is not None:
             while self.host.room() < nbytes:
                 if self.disk is None or not self._evict_one(HOST, protect):
-                    raise MemoryBudgetError(
-                        f"memory.host_budget={self.host.budget} bytes is full "
-                        f"({self.host.used} used, {nbytes} more needed) and there is no disk "
-                        f"tier to spill to (offload=cpu+disk with memory.disk_dir)")
+                    raise self._host_full(nbytes, protect)
 
     def _evict_one(self, tier: str, protect: set) -> bool:
         candidates = [(c, k) for c in self.chunks for k, t in list(c.tier.items())
@@ -413,6 +410,23 @@ class ChunkManager:
             f"memory.device_budget={self.device.budget} bytes is too small: this step needs at "
             f"least {need} bytes on the device ({in_use + nbytes} of chunks in use, {nonmodel} "
             f"non-model); raise the budget to at least {need} or lower the micro-batch size")
+
+    def _host_full(self, nbytes: int, protect: set) -> MemoryBudgetError:
+        budget = f"memory.host_budget={self.host.budget} bytes is full"
+        if self.disk is None:
+            return MemoryBudgetError(
+                f"{budget} ({self.host.used} used, {nbytes} more needed) and there is no disk "
+                "tier to spill to (offload=cpu+disk with memory.disk_dir)")
+        # With a disk tier: what is left on the host is in use now (being computed or
+        # reduced, or another rank's), so nothing more can spill.
+        in_use = self.host.used - sum(
+            c.payload[k].numel() * c.payload[k].element_size() for c in self.chunks
+            for k, t in c.tier.items()
+            if t == HOST and (c.index, k) not in protect and self._evictable(c, k))
+        need = in_use + nbytes
+        return MemoryBudgetError(
+            f"{budget}: its {in_use} bytes of chunks in use now cannot spill to disk and "
+            f"{nbytes} more are needed; raise it to at least {need}")
 
     # ------------------------------------------------------------------ non-model memory
     def nonmodel_changed(self) -> None:

@@ -80,7 +80,7 @@ def save_checkpoint(root: Path, step: int, model: nn.Module, optimizer: torch.op
         shutil.rmtree(final, ignore_errors=True)
         os.replace(partial, final)
         _write_text_durably(root / LATEST, final.name)
-        _prune(root, keep)
+        _prune(root, keep, final)
     dist.barrier()
     return final
 
@@ -298,8 +298,21 @@ def _write_json_durably(path: Path, data: dict[str, Any]) -> None:
     _write_text_durably(path, json.dumps(data, indent=2, sort_keys=True))
 
 
-def _prune(root: Path, keep: int) -> None:
+def _prune(root: Path, keep: int, saved: Path) -> None:
+    """Keep ``saved`` (just written) and the newest others of its run, ``keep`` in all.
+
+    Checkpoints numbered above ``saved`` are an abandoned continuation (the run resumed from
+    an earlier step): they go first. Pruning by number alone deleted the checkpoint just
+    written, and a later resume took the abandoned one (until 2026-11-28)."""
     if keep <= 0:
         return
-    for old in list_complete(root)[:-keep]:
+    step = _step_of(saved)
+    others = [c for c in list_complete(root) if c.name != saved.name]
+    # Abandoned ones first (step above), then the run's own oldest first.
+    order = sorted(others, key=lambda c: (_step_of(c) < step, _step_of(c)))
+    for old in order[:max(0, len(others) - (keep - 1))]:
         shutil.rmtree(old, ignore_errors=True)
+
+
+def _step_of(folder: Path) -> int:
+    return int(folder.name.removeprefix("step_"))
