@@ -76,3 +76,27 @@ def test_pruning_keeps_the_checkpoint_just_written_and_drops_an_abandoned_contin
     save(5), save(6)
     _prune(tmp_path, 2, save(7))
     assert [p.name for p in list_complete(tmp_path)] == [step_dirname(6), step_dirname(7)]
+
+
+def test_a_hugging_face_checkpoint_of_other_heads_is_refused_naming_them(tmp_path):
+    from tessera.models.config import preset
+    from tessera.models.hf import build_hf_model, hf_config_from_reference
+    from tessera.train.trainer import describe_model
+
+    def gpt2(**fields):
+        return build_hf_model("gpt2", **{**hf_config_from_reference("gpt2", preset("tiny")),
+                                         **fields})
+
+    saved = {"model": describe_model(gpt2())}
+    ckpt.check_compatible(saved, describe_model(gpt2()), tmp_path)
+    # Same parameter shapes, another model: until 2026-11-28 a Hugging Face model's
+    # checkpoint recorded class and shapes only, and this resumed without a word.
+    with pytest.raises(ckpt.CheckpointError, match="n_head: checkpoint 4 vs run 2"):
+        ckpt.check_compatible(saved, describe_model(gpt2(n_head=2)), tmp_path)
+    # Names, token ids and output switches are not the model's computation.
+    ckpt.check_compatible(saved, describe_model(gpt2(eos_token_id=7, output_attentions=True)),
+                          tmp_path)
+    # A checkpoint that recorded no config fields (before then) is compared on shapes.
+    shapes_only = {"model": {k: saved["model"][k] for k in
+                             ("class", "num_params", "parameter_shapes_sha256")}}
+    ckpt.check_compatible(shapes_only, describe_model(gpt2(n_head=2)), tmp_path)

@@ -45,6 +45,18 @@ def parallelize(model: nn.Module, strategy: Strategy, mesh: Mesh,
     (names or patterns) captured as one opaque node each and run eagerly, for models
     torch.export cannot capture whole (pipeline/leaves.py).
     """
+    plan = _lay_out(model, strategy, mesh, memory, deferred, stage_budget, seq_len,
+                    split_points, leaf_modules)
+    if strategy.tp > 1:  # the model holds shards: a direct call would give a logits slice
+        from tessera.parallel.tensor.guard import guard_direct_calls
+
+        guard_direct_calls(plan, strategy)
+    return plan
+
+
+def _lay_out(model: nn.Module, strategy: Strategy, mesh: Mesh, memory: Any,
+             deferred: DeferredInit | None, stage_budget: int | None, seq_len: int | None,
+             split_points: list[str] | None, leaf_modules: list[str] | None) -> Parallelized:
     strategy.require_available()
     refuse_extra_losses(model)  # a term no layout would add: refused, not dropped
     if stage_budget is not None and strategy.pp == 1:

@@ -186,10 +186,12 @@ def read_meta(path: Path) -> dict[str, Any]:
 
 
 def check_compatible(meta: dict[str, Any], model_meta: dict[str, Any], path: Path) -> None:
-    """Refuse a checkpoint of another model, naming the fields that differ."""
+    """Refuse a checkpoint of another model, naming the fields that differ. Fields the
+    checkpoint does not record (a Hugging Face config field added by a newer transformers,
+    or any before 2026-11-28, when those were first recorded) are not compared."""
     saved = meta.get("model", {})
     diffs = [f"{k}: checkpoint {saved.get(k)!r} vs run {v!r}"
-             for k, v in model_meta.items() if saved.get(k) != v]
+             for k, v in model_meta.items() if k in saved and saved[k] != v]
     if diffs:
         raise CheckpointError(f"checkpoint {path} is from another model ({'; '.join(diffs)})")
 

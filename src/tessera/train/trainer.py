@@ -10,6 +10,7 @@ torchrun); with no launcher it runs as a world of one.
 from __future__ import annotations
 
 import hashlib
+import json
 import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -497,4 +498,19 @@ def describe_model(model: nn.Module) -> dict[str, Any]:
     config = getattr(model, "config", None)
     if hasattr(config, "to_dict") and type(config).__module__.startswith("tessera"):
         info.update({k: v for k, v in config.to_dict().items() if k not in ("init_std",)})
+    elif hasattr(config, "to_dict") and type(config).__module__.startswith("transformers"):
+        # A Hugging Face config: what shapes the computation (a model of other heads,
+        # rope_theta or eps has the same parameter shapes), not names, token ids, output
+        # switches or the initialisation; under JSON's types, as meta.json reads back.
+        info.update({k: v for k, v in json.loads(json.dumps(config.to_dict(), default=str))
+                     .items() if not k.startswith("_") and k not in HF_CONFIG_IGNORED})
     return info
+
+
+# Hugging Face config keys that do not change what a trained model computes.
+HF_CONFIG_IGNORED = frozenset({
+    "transformers_version", "dtype", "torch_dtype", "use_cache", "architectures",
+    "output_attentions", "output_hidden_states", "return_dict", "id2label", "label2id",
+    "problem_type", "pad_token_id", "bos_token_id", "eos_token_id", "initializer_range",
+    "chunk_size_feed_forward", "name_or_path", "tokenizer_class", "prefix",
+    "attn_implementation"})

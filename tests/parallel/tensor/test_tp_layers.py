@@ -70,6 +70,7 @@ def _all_checks(rank, world_size, folder):
     out["refusals"]["megatron_sp_dropout"] = tp_checks.refusal_megatron_sp_dropout(
         meshes["1d_tp2"])
     out["refusals"]["one_d_style"] = tp_checks.refusal_one_d_style(meshes["2d_2x2"])
+    out["direct_call"] = tp_checks.refusal_direct_call(meshes["1d_tp2"])
     out["checkpoints"] = {(m, kind): tp_checks.checkpoint_roundtrip(meshes[m], kind,
                                                                      f"{folder}/{m}-{kind}")
                           for m in ("1d_tp4", "2d_2x2") for kind in ("ref-gpt", "hf-gpt2")}
@@ -145,6 +146,12 @@ def test_bad_input_is_refused_with_the_rule_named(results):
     # tp peers share a random stream, so they would drop their sequence chunks alike.
     assert "Megatron sequence parallelism with dropout=0.1 would drop every tp rank's " \
            "sequence chunk with the same mask" in got["megatron_sp_dropout"]
+    # The model called directly after parallelize would give each rank its vocabulary
+    # slice of the logits (until 2026-11-28 it did, generate disagreeing across ranks).
+    for rank, res in enumerate(results):
+        assert 5.0 < res["direct_call"]["loss"] < 6.0, rank  # tessera's own call: ln 256
+        assert res["direct_call"]["message"].startswith(
+            "this model is laid out over tp=2 tensor-parallel ranks (tp_mode=1d)"), rank
     # Gemma's scaled embedding and (1 + w) norms are built by the 1D layers only.
     assert got["one_d_style"].startswith("model.embed_tokens: GemmaTextScaledWordEmbedding "
                                          "scales its embedding (Gemma's): built for "

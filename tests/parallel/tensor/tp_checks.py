@@ -294,6 +294,22 @@ def refusal_one_d_style(mesh: Mesh) -> str:
     return ""
 
 
+def refusal_direct_call(mesh: Mesh) -> dict[str, str | float]:
+    """After parallelize: the plan's loss runs; the model called directly is refused (each
+    rank would get its vocabulary slice of the logits as the whole)."""
+    from tessera.parallel import parallelize
+
+    model = build("hf-gpt2")
+    plan = parallelize(model, mesh.strategy, mesh)
+    out: dict[str, str | float] = {"loss": float(plan.loss(batch()))}
+    try:
+        model(batch()["input_ids"])
+        out["message"] = ""
+    except RuntimeError as err:
+        out["message"] = str(err)
+    return out
+
+
 def refusal_megatron_sp_dropout(mesh: Mesh) -> str:
     """The message refusing Megatron sequence parallelism on a model with dropout (1D)."""
     model = Transformer(preset("tiny", dropout=0.1))
