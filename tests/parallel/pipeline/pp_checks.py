@@ -59,6 +59,17 @@ OTHER_HF = {
 }
 
 
+# Classes with tensor-parallel policies of their own norms (parallel/tensor/policy.py), for
+# tp x pp: Gemma 3's q/k norms share one weight over the heads (its gradient summed over the
+# tp ranks inside the captured stages), Cohere's hold one per head (split by heads).
+POLICY_HF = {
+    "gemma3_text": _hf_config("gemma3_text", intermediate_size=64, num_key_value_heads=2,
+                              head_dim=8),
+    "cohere_qk": _hf_config("cohere", intermediate_size=64, num_key_value_heads=2,
+                            use_qk_norm=True, logit_scale=1.0),
+}
+
+
 def split_arch(arch: str) -> tuple[str, int]:
     """"gpt2-bigvocab" -> ("gpt2", 4096); plain names keep the tiny presets' 256 tokens."""
     base, _, variant = arch.removesuffix("-meta").partition("-")
@@ -73,10 +84,11 @@ def make_model(arch: str, n_layers: int = 4) -> torch.nn.Module:
         with torch.device("meta"):
             return make_model(arch.removesuffix("-meta"), n_layers)
     arch, vocab = split_arch(arch)
-    if arch in OTHER_HF:
+    if arch in OTHER_HF or arch in POLICY_HF:
         import transformers
 
-        return transformers.AutoModelForCausalLM.from_config(OTHER_HF[arch](n_layers, vocab))
+        make = OTHER_HF.get(arch) or POLICY_HF[arch]
+        return transformers.AutoModelForCausalLM.from_config(make(n_layers, vocab))
     if arch == "ref":
         return Transformer(preset("tiny", n_layers=n_layers, vocab_size=vocab))
     base = preset("tiny-llama" if arch == "llama" else "tiny", n_layers=n_layers,

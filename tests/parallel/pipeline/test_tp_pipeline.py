@@ -2,7 +2,8 @@
 
 One launch of 8 ranks runs every check: the reference model (1f1b, and 1f1b sub-pipelined),
 Hugging Face GPT-2 (scp with recomputation, fused q|k|v, tied embedding across stages; also
-sub-pipelined) and Llama (gpipe), then the checkpoint round trip, and Llama in bf16 with
+sub-pipelined), Llama (gpipe), Gemma 3 and Cohere with their own q/k norms, then the
+checkpoint round trip, and Llama in bf16 with
 and without the shared 16-bit shard copies.
 
 Each dp rank trains on its own micro-batches, one device on all of them (tp_pp_checks.parity),
@@ -45,6 +46,10 @@ CASES = {  # name: (model, strategy); dp=2 x tp=2 x pp=2, 2 micro-batches per dp
     # embedding across stages and the vocabulary-parallel loss.
     "gpt2_scp_subpipe": ("gpt2", "dp=2,tp=2,pp=2,mbs=2,gbs=8,schedule=scp,recompute=full,"
                                  "tp_overlap=subpipe"),
+    # Norms of their own (pp_checks.POLICY_HF): Gemma 3's q/k norm gradient summed over tp
+    # inside the captured stages, Cohere's per-head q/k norms split by heads.
+    "gemma3_1f1b": ("gemma3_text", "dp=2,tp=2,pp=2,mbs=2,gbs=8,schedule=1f1b"),
+    "cohere_qk_gpipe": ("cohere_qk", "dp=2,tp=2,pp=2,mbs=2,gbs=8,schedule=gpipe"),
 }
 
 # bf16, 4 micro-batches per dp rank: 2 in flight on stage 0 (1f1b), 1 on stage 1.
