@@ -100,3 +100,27 @@ def test_a_hugging_face_checkpoint_of_other_heads_is_refused_naming_them(tmp_pat
     shapes_only = {"model": {k: saved["model"][k] for k in
                              ("class", "num_params", "parameter_shapes_sha256")}}
     ckpt.check_compatible(shapes_only, describe_model(gpt2(n_head=2)), tmp_path)
+
+
+def test_a_copied_checkpoint_folder_is_neither_listed_nor_pruned(tmp_path):
+    from tessera.train.checkpoint import META, _prune, list_complete, step_dirname
+
+    for name in (step_dirname(2), step_dirname(4) + "_backup", step_dirname(5)):
+        (tmp_path / name).mkdir()
+        (tmp_path / name / META).write_text("{}")
+    # Until 2026-11-28 the copy was listed, and pruning failed on its name (on rank 0 only,
+    # inside a save: the other ranks waited in the next barrier).
+    assert [p.name for p in list_complete(tmp_path)] == [step_dirname(2), step_dirname(5)]
+    _prune(tmp_path, 1, tmp_path / step_dirname(5))
+    assert sorted(p.name for p in tmp_path.iterdir()) == [step_dirname(4) + "_backup",
+                                                          step_dirname(5)]
+
+
+def test_config_fields_that_do_not_change_the_model_are_left_out_inside_sub_configs_too():
+    from tessera.train.trainer import _functional
+
+    # A multimodal model's text_config: its dtype or use_cache no more its identity than the
+    # top level's (before, a resume of such a model could be refused over them).
+    fields = {"hidden_size": 8, "dtype": "float32", "_commit_hash": "x",
+              "text_config": {"dtype": "bfloat16", "use_cache": True, "num_heads": 2}}
+    assert _functional(fields) == {"hidden_size": 8, "text_config": {"num_heads": 2}}

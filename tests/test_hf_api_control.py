@@ -143,6 +143,17 @@ def test_a_finished_trainer_trained_again_is_refused_not_run_for_nothing(own_pro
         trainer.train()
 
 
+def test_a_finished_run_resumed_by_a_new_trainer_returns_as_hugging_face_s(
+        own_process_group, tmp_path):
+    # A finished script run again (or restarted after its final save) resumes at the last
+    # step: it trains nothing and returns, with Hugging Face's loss of 0 (0 / 0.001).
+    args = _args(tmp_path, max_steps=2, save_strategy="steps", save_steps=2)
+    Trainer(model=Transformer(preset("tiny")), args=args, train_dataset=_data()).train()
+    again = Trainer(model=Transformer(preset("tiny")), args=args, train_dataset=_data())
+    output = again.train(resume_from_checkpoint=True)
+    assert output.global_step == 2 and output.metrics["train_loss"] == 0.0
+
+
 @dataclass
 class ModelArguments:
     model_name_or_path: str | None = field(default=None)
@@ -183,6 +194,45 @@ def test_run_clm_style_parsing_gives_tessera_arguments_with_what_was_given_as_se
 def test_parsed_arguments_tessera_does_not_take_are_refused_by_name(flags, fragment):
     with pytest.raises(ValueError, match=fragment):
         HfArgumentParser(TrainingArguments).parse_args_into_dataclasses(flags)
+
+
+def test_hugging_face_defaults_pass_and_other_values_are_refused_in_every_form(tmp_path):
+    parser = HfArgumentParser(TrainingArguments)
+    # At Hugging Face's default, an argument done elsewhere asks for nothing (as in the
+    # constructor); on the command line, in a dict and in a JSON file alike.
+    (args,) = parser.parse_args_into_dataclasses(["--gradient_checkpointing", "false",
+                                                  "--deepspeed=", "--max_steps", "3"])
+    assert args.max_steps == 3
+    (args,) = parser.parse_dict({"gradient_checkpointing": False, "max_steps": 4})
+    assert args.max_steps == 4 and args.model_fields_set == {"max_steps"}
+    config = tmp_path / "args.json"
+    config.write_text('{"gradient_checkpointing": true, "max_steps": 5}')
+    # Until 2026-11-28 a file (and allow_extra_keys) dropped it without a word.
+    with pytest.raises(ValueError, match="gradient_checkpointing is not a tessera "
+                                         "TrainingArguments field: .*recompute=full"):
+        parser.parse_json_file(str(config))
+    with pytest.raises(ValueError, match="load_best_model_at_end is a Hugging Face"):
+        parser.parse_dict({"load_best_model_at_end": True}, allow_extra_keys=True)
+    # A script's own dataclass may declare a Hugging Face name: it is the script's.
+    @dataclass
+    class Own:
+        hub_model_id: str | None = None
+
+    own, _ = HfArgumentParser((Own, TrainingArguments)).parse_args_into_dataclasses(
+        ["--hub_model_id", "me/model"])
+    assert own.hub_model_id == "me/model"
+
+
+def test_flags_that_default_to_true_have_their_negation_as_in_transformers():
+    parser = HfArgumentParser(TrainingArguments)
+    (args,) = parser.parse_args_into_dataclasses(["--no-average-tokens-across-devices"])
+    assert args.average_tokens_across_devices is False
+    assert "average_tokens_across_devices" in args.model_fields_set
+    (args,) = parser.parse_args_into_dataclasses([])
+    assert args.average_tokens_across_devices is True and not args.model_fields_set
+    # Taken at its Hugging Face default only: the negation parses, then is refused by name.
+    with pytest.raises(ValueError, match="remove_unused_columns: only True"):
+        parser.parse_args_into_dataclasses(["--no_remove_unused_columns"])
 
 
 def test_a_wrong_choice_on_the_command_line_is_an_argparse_error(capsys):

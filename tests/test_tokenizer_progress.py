@@ -65,3 +65,11 @@ def test_a_saved_bpe_tokenizer_of_other_settings_is_refused_not_reused(tmp_path)
     # the run's config said 600.
     with pytest.raises(DataError, match="data.bpe_vocab_size: saved 300 vs now 600"):
         build_tokenizer(config(600))
+
+
+def test_the_stdlib_corpus_is_recorded_by_name_not_by_the_interpreter_s_path():
+    from tessera.config import load_config
+    from tessera.run import _tokenizer_recipe
+
+    recipe = _tokenizer_recipe(load_config(None, ["data.corpus=stdlib"]))
+    assert recipe["corpus"] == "stdlib"  # a new venv or Python patch release moves the path

@@ -17,7 +17,7 @@ from torch import nn
 from tessera.config import RunConfig
 from tessera.data import (BPETokenizer, ByteTokenizer, TokenDataset, iter_text_files,
                           list_text_files, read_corpus_bytes, resolve_corpus)
-from tessera.data.corpus import DataError, tokenize_corpus
+from tessera.data.corpus import STDLIB, DataError, tokenize_corpus
 from tessera.data.dataset import Subset
 from tessera.models import Transformer
 from tessera.models.hf import build_hf_model, hf_config_from_reference
@@ -66,8 +66,10 @@ def build_tokenizer(config: RunConfig, files: list[Path] | None = None):
 
 
 def _tokenizer_recipe(config: RunConfig) -> dict:
+    corpus = config.data.corpus
+    # A named corpus by its name: "stdlib" moves with the interpreter, its text does not.
     return {"bpe_vocab_size": config.data.bpe_vocab_size,
-            "corpus": str(resolve_corpus(config.data.corpus).resolve()),
+            "corpus": corpus if corpus == STDLIB else str(resolve_corpus(corpus).resolve()),
             "extensions": sorted(config.data.extensions)}
 
 

@@ -21,6 +21,7 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import re
 import shutil
 from pathlib import Path
 from typing import Any
@@ -104,7 +105,9 @@ def _forget_state_init_step(optimizer: torch.optim.Optimizer) -> None:
 
 def list_complete(root: Path) -> list[Path]:
     """Complete checkpoints under ``root`` (those with a meta.json), oldest first."""
-    return sorted(p for p in Path(root).glob("step_*") if (p / META).is_file())
+    # Only names a save writes: a copy named step_..._backup is neither listed nor pruned.
+    return sorted(p for p in Path(root).glob("step_*")
+                  if re.fullmatch(r"step_\d+", p.name) and (p / META).is_file())
 
 
 def verify_checkpoint(path: Path, hashes: bool = True) -> dict[str, Any]:

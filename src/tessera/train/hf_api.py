@@ -304,10 +304,12 @@ class Trainer:
                 "checkpoints)")
 
     def _check_steps_left(self) -> None:
-        """Refuse a ``train()`` with no step left: where Hugging Face's Trainer would start a
-        new run of ``max_steps`` with a fresh optimizer and schedule, tessera's goes on with
-        the run it has (after a callback's stop), so a finished one would train nothing."""
-        if self._core.step >= self._core_args.max_steps:
+        """Refuse a second ``train()`` with no step left: where Hugging Face's Trainer would
+        start a new run of ``max_steps`` with a fresh optimizer and schedule, tessera's goes
+        on with the run it has (after a callback's stop), so a finished one would train
+        nothing. A first call resuming at the last step trains nothing and returns, as
+        Hugging Face's (a finished script run again, a restart after the final save)."""
+        if self._trained and self._core.step >= self._core_args.max_steps:
             raise ValueError(
                 f"train(): this Trainer has trained all its {self._core_args.max_steps} steps "
                 "(max_steps, or num_train_epochs); to train on, build a new Trainer with a "

@@ -252,6 +252,19 @@ def not_taken(name: str) -> str:
             "remove it")
 
 
+def screen_hf_values(values: Mapping) -> None:
+    """Refuse Hugging Face arguments tessera does not take, as the constructor does: those
+    done elsewhere (``MOVED_ARGUMENTS``) pass at Hugging Face's defaults (None, False, "",
+    []), every other is refused by name.
+
+    Raises:
+        ValueError: naming the first refused, and what to do instead.
+    """
+    for name, value in values.items():
+        if not (name in MOVED_ARGUMENTS and value in (None, False, "", [])):
+            raise ValueError(not_taken(name))
+
+
 def hf_only_fields() -> set[str]:
     """Hugging Face TrainingArguments fields tessera does not take (empty without
     transformers)."""

@@ -20,7 +20,7 @@ from typing import Any, Iterable, Literal, Union
 from pydantic import BaseModel
 from transformers import HfArgumentParser as _HfArgumentParser
 
-from tessera.train.hf_arguments import hf_only_fields, not_taken
+from tessera.train.hf_arguments import hf_only_fields, screen_hf_values
 
 # Fields read as text on the command line, where pydantic parses the text: byte budgets
 # such as "12GiB" (parse_budget).
@@ -51,9 +51,33 @@ class HfArgumentParser(_HfArgumentParser):
             dataclass_types = []
         elif isinstance(dataclass_types, type) or not isinstance(dataclass_types, Iterable):
             dataclass_types = [dataclass_types]
-        self._takes_tessera = any(_is_model(t) for t in dataclass_types)
+        models = [t for t in dataclass_types if _is_model(t)]
+        # Hugging Face names the script's own dataclasses declare are theirs, not refused.
+        self._screened = hf_only_fields() - {
+            f.name for t in dataclass_types if not _is_model(t) for f in dataclasses.fields(t)
+        } if models else set()
         super().__init__([stand_in(t) if _is_model(t) else t for t in dataclass_types],
                          **kwargs)
+        for model in models:
+            self._add_negations(model)
+
+    def _add_negations(self, model: type[BaseModel]) -> None:
+        """``--no_<flag>`` for a flag that defaults to True, as transformers' parser adds
+        (it adds them from the dataclass defaults, which are UNSET in the stand-in)."""
+        for name, info in model.model_fields.items():
+            if info.annotation is bool and info.default is True:
+                self.add_argument(f"--no_{name}", f"--no-{name.replace('_', '-')}",
+                                  action="store_false", dest=name, default=UNSET,
+                                  help=f"set {name} to False")
+
+    def parse_dict(self, args: dict[str, Any], allow_extra_keys: bool = False) -> tuple:
+        """As transformers' (JSON and YAML files come through here), with Hugging Face
+        arguments tessera does not take screened as its constructor screens them: refused by
+        name, or at Hugging Face's default dropped (``--gradient_checkpointing false``)."""
+        screened = {k: v for k, v in args.items() if k in self._screened}
+        screen_hf_values(screened)
+        return super().parse_dict({k: v for k, v in args.items() if k not in screened},
+                                  allow_extra_keys)
 
     def parse_args_into_dataclasses(self, args: Any = None, return_remaining_strings: bool = False,
                                     **kwargs: Any) -> tuple:
@@ -62,8 +86,7 @@ class HfArgumentParser(_HfArgumentParser):
         unused."""
         *outputs, remaining = super().parse_args_into_dataclasses(
             args, return_remaining_strings=True, **kwargs)
-        if self._takes_tessera:
-            refuse_hf_flags(remaining)
+        remaining = screen_hf_flags(remaining, self._screened)
         if return_remaining_strings:
             return (*outputs, remaining)
         if remaining:
@@ -72,17 +95,39 @@ class HfArgumentParser(_HfArgumentParser):
         return tuple(outputs)
 
 
-def refuse_hf_flags(remaining: list[str]) -> None:
-    """Refuse ``--name`` flags that are Hugging Face arguments tessera does not take.
+def screen_hf_flags(remaining: list[str], screened: set[str]) -> list[str]:
+    """``remaining`` without the ``--name [value]`` flags of Hugging Face arguments
+    tessera does not take, each screened as its constructor screens it.
 
     Raises:
-        ValueError: naming the first, and what to do instead.
+        ValueError: naming the first refused, and what to do instead.
     """
-    others = hf_only_fields()
-    for token in remaining:
-        name = token.removeprefix("--").split("=")[0].replace("-", "_")
-        if token.startswith("--") and name in others:
-            raise ValueError(f"--{name}: {not_taken(name)}")
+    kept, i = [], 0
+    while i < len(remaining):
+        token = remaining[i]
+        name, has_value, value = token.removeprefix("--").partition("=")
+        name = name.replace("-", "_")
+        if not token.startswith("--") or name not in screened:
+            kept.append(token)
+            i += 1
+            continue
+        if not has_value and i + 1 < len(remaining) and not remaining[i + 1].startswith("--"):
+            value, has_value, i = remaining[i + 1], "=", i + 1
+        # A bare flag asks for True; a value as text, Hugging Face's defaults among them.
+        given = _flag_value(value) if has_value else True
+        try:
+            screen_hf_values({name: given})
+        except ValueError as err:
+            raise ValueError(f"--{name}: {err}") from None
+        i += 1
+    return kept
+
+
+def _flag_value(text: str) -> Any:
+    lowered = text.strip().lower()
+    if lowered in ("false", "no", "0", "f", "n"):
+        return False
+    return None if lowered in ("", "none") else text
 
 
 def _is_model(cls: Any) -> bool:

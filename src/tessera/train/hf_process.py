@@ -21,6 +21,9 @@ from typing import Any, Iterator
 import torch
 
 
+PREPROCESS_TIMEOUT_S = 1800.0
+
+
 class ParallelMode(enum.Enum):
     """Hugging Face's names for how the processes of a run are laid out (tessera: one
     process per device, distributed when there are several)."""
@@ -120,13 +123,17 @@ class ProcessView:
         """Run the block on the main process first (dataset preprocessing that caches), the
         others after it, as Hugging Face's. ``local``: the first process of each machine
         goes first; else global rank 0. With several processes this starts the process group
-        (gloo on CPU, NCCL on CUDA) if nothing has yet."""
+        (gloo on CPU, NCCL on CUDA) if nothing has yet, its collectives timing out after
+        1800 s (Hugging Face's ``ddp_timeout``; the Trainer then runs on that group)."""
         if self.world_size == 1:
             yield
             return
         from tessera.distributed import init_distributed
 
-        init_distributed("cpu" if self.device.type == "cpu" else "cuda")
+        # The others wait in a barrier while the main process preprocesses: Hugging Face's
+        # ddp_timeout (1800 s), not tessera's 600 s for a training collective.
+        init_distributed("cpu" if self.device.type == "cpu" else "cuda",
+                         timeout_s=PREPROCESS_TIMEOUT_S)
         first = self.local_process_index == 0 if local else self.process_index == 0
         if not first:
             torch.distributed.barrier()  # wait for the main process's pass over ``desc``

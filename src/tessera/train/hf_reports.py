@@ -52,10 +52,10 @@ def train_output(result: TrainResult, runtime_s: float, global_batch: int,
                  steps_per_epoch: int) -> TrainOutput:
     """``result`` with Hugging Face's fields, for a call that ran from step
     ``result.first_step`` (after its resume) to ``result.step``, taking ``runtime_s`` seconds
-    in all, of ``global_batch`` samples a step. No step run: a NaN loss, as Hugging Face's
-    0/0."""
+    in all, of ``global_batch`` samples a step. No step run (a resume at the last step): a
+    loss of 0, as Hugging Face's 0 / max(steps, 0.001)."""
     steps_run = result.step - result.first_step
-    loss = sum(result.losses) / len(result.losses) if result.losses else math.nan
+    loss = sum(result.losses) / len(result.losses) if result.losses else 0.0
     runtime = max(runtime_s, 1e-9)
     metrics = {"train_runtime": round(runtime_s, 4),
                "train_samples_per_second": round(steps_run * global_batch / runtime, 3),

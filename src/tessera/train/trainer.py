@@ -502,9 +502,15 @@ def describe_model(model: nn.Module) -> dict[str, Any]:
         # A Hugging Face config: what shapes the computation (a model of other heads,
         # rope_theta or eps has the same parameter shapes), not names, token ids, output
         # switches or the initialisation; under JSON's types, as meta.json reads back.
-        info.update({k: v for k, v in json.loads(json.dumps(config.to_dict(), default=str))
-                     .items() if not k.startswith("_") and k not in HF_CONFIG_IGNORED})
+        info.update(_functional(json.loads(json.dumps(config.to_dict(), default=str))))
     return info
+
+
+def _functional(fields: dict[str, Any]) -> dict[str, Any]:
+    """A Hugging Face config's fields less HF_CONFIG_IGNORED and private ones, also inside
+    sub-configs (a multimodal model's ``text_config``)."""
+    return {k: _functional(v) if isinstance(v, dict) else v for k, v in fields.items()
+            if not k.startswith("_") and k not in HF_CONFIG_IGNORED}
 
 
 # Hugging Face config keys that do not change what a trained model computes.
