@@ -124,3 +124,9 @@ def test_config_fields_that_do_not_change_the_model_are_left_out_inside_sub_conf
     fields = {"hidden_size": 8, "dtype": "float32", "_commit_hash": "x",
               "text_config": {"dtype": "bfloat16", "use_cache": True, "num_heads": 2}}
     assert _functional(fields) == {"hidden_size": 8, "text_config": {"num_heads": 2}}
+    # Compared field by field there too: a field the checkpoint lacks is not compared.
+    saved = {"model": {"text_config": {"num_heads": 2}}}
+    ckpt.check_compatible(saved, {"text_config": {"num_heads": 2, "new": 1}}, Path("c"))
+    with pytest.raises(ckpt.CheckpointError, match="text_config.num_heads: checkpoint 2 vs "
+                                                   "run 4"):
+        ckpt.check_compatible(saved, {"text_config": {"num_heads": 4}}, Path("c"))

@@ -149,9 +149,16 @@ def test_a_finished_run_resumed_by_a_new_trainer_returns_as_hugging_face_s(
     # step: it trains nothing and returns, with Hugging Face's loss of 0 (0 / 0.001).
     args = _args(tmp_path, max_steps=2, save_strategy="steps", save_steps=2)
     Trainer(model=Transformer(preset("tiny")), args=args, train_dataset=_data()).train()
-    again = Trainer(model=Transformer(preset("tiny")), args=args, train_dataset=_data())
+    final = tmp_path / "checkpoints" / step_dirname(2)
+    written = (final / "meta.json").stat().st_mtime_ns
+    saves = StopIn("on_log")  # records on_save events too
+    again = Trainer(model=Transformer(preset("tiny")), args=args, train_dataset=_data(),
+                    callbacks=[saves])
     output = again.train(resume_from_checkpoint=True)
     assert output.global_step == 2 and output.metrics["train_loss"] == 0.0
+    # Nothing trained, nothing saved (Hugging Face saves nothing there either).
+    assert (final / "meta.json").stat().st_mtime_ns == written
+    assert not any(event == "on_save" for event, _ in saves.events)
 
 
 @dataclass
@@ -187,7 +194,12 @@ def test_run_clm_style_parsing_gives_tessera_arguments_with_what_was_given_as_se
     (["--load_best_model_at_end"], "--load_best_model_at_end: load_best_model_at_end is a "
                                    "Hugging Face TrainingArguments field that tessera does "
                                    "not take"),
-    (["--gradient-checkpointing"], "--gradient_checkpointing: .*add recompute=full"),
+    (["--gradient-checkpointing"], "--gradient-checkpointing: .*add recompute=full"),
+    # Text is a flag's value only for flags: "no" is a strategy name here, as in a dict.
+    (["--evaluation_strategy", "no"], "--evaluation_strategy: .*renamed eval_strategy"),
+    # transformers' negation of a flag defaulting to True, refused by its name.
+    (["--no_dataloader_pin_memory"], "--no_dataloader_pin_memory: dataloader_pin_memory is "
+                                     "a Hugging Face TrainingArguments field"),
     (["--no_such_flag", "1"], "not used by the HfArgumentParser: \\['--no_such_flag', '1'\\]"),
     (["--optim", "sgd"], "optim: only 'adamw_torch' or 'adamw_torch_fused'"),
 ])
@@ -213,6 +225,8 @@ def test_hugging_face_defaults_pass_and_other_values_are_refused_in_every_form(t
         parser.parse_json_file(str(config))
     with pytest.raises(ValueError, match="load_best_model_at_end is a Hugging Face"):
         parser.parse_dict({"load_best_model_at_end": True}, allow_extra_keys=True)
+    with pytest.raises(ValueError, match="deepspeed is not a tessera"):  # 0 == False, but
+        parser.parse_dict({"deepspeed": 0})  # not Hugging Face's default
     # A script's own dataclass may declare a Hugging Face name: it is the script's.
     @dataclass
     class Own:

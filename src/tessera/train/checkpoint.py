@@ -192,11 +192,22 @@ def check_compatible(meta: dict[str, Any], model_meta: dict[str, Any], path: Pat
     """Refuse a checkpoint of another model, naming the fields that differ. Fields the
     checkpoint does not record (a Hugging Face config field added by a newer transformers,
     or any before 2026-11-28, when those were first recorded) are not compared."""
-    saved = meta.get("model", {})
-    diffs = [f"{k}: checkpoint {saved.get(k)!r} vs run {v!r}"
-             for k, v in model_meta.items() if k in saved and saved[k] != v]
+    diffs = _differences(meta.get("model", {}), model_meta)
     if diffs:
         raise CheckpointError(f"checkpoint {path} is from another model ({'; '.join(diffs)})")
+
+
+def _differences(saved: dict[str, Any], run: dict[str, Any], prefix: str = "") -> list[str]:
+    """Fields both record that differ, sub-configs (dicts) field by field."""
+    out = []
+    for key, value in run.items():
+        if key not in saved:
+            continue
+        if isinstance(value, dict) and isinstance(saved[key], dict):
+            out += _differences(saved[key], value, f"{prefix}{key}.")
+        elif saved[key] != value:
+            out.append(f"{prefix}{key}: checkpoint {saved[key]!r} vs run {value!r}")
+    return out
 
 
 def load_checkpoint(path: Path, model: nn.Module, optimizer: torch.optim.Optimizer

@@ -305,8 +305,8 @@ class Trainer:
 
     def _check_steps_left(self) -> None:
         """Refuse a second ``train()`` with no step left: where Hugging Face's Trainer would
-        start a new run of ``max_steps`` with a fresh optimizer and schedule, tessera's goes
-        on with the run it has (after a callback's stop), so a finished one would train
+        run ``max_steps`` again with a fresh schedule (its optimizer kept), tessera's goes on
+        with the run it has (after a callback's stop), so a finished one would train
         nothing. A first call resuming at the last step trains nothing and returns, as
         Hugging Face's (a finished script run again, a restart after the final save)."""
         if self._trained and self._core.step >= self._core_args.max_steps:

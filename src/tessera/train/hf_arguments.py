@@ -121,7 +121,7 @@ class TrainingArguments(_Section, ProcessView):
             values = dict(values)
             for name in MOVED_ARGUMENTS:
                 # Hugging Face's own default (None, False, "") asks for nothing: dropped
-                if name in values and values[name] in (None, False, "", []):
+                if name in values and is_hf_default(values[name]):
                     del values[name]
                 elif name in values:
                     raise ValueError(not_taken(name))
@@ -261,8 +261,27 @@ def screen_hf_values(values: Mapping) -> None:
         ValueError: naming the first refused, and what to do instead.
     """
     for name, value in values.items():
-        if not (name in MOVED_ARGUMENTS and value in (None, False, "", [])):
+        if not (name in MOVED_ARGUMENTS and is_hf_default(value)):
             raise ValueError(not_taken(name))
+
+
+def is_hf_default(value: Any) -> bool:
+    """Whether ``value`` is a Hugging Face default that asks for nothing: None, False, ""
+    or [] (not 0, which equals False)."""
+    return value is None or value is False or (isinstance(value, (str, list)) and not value)
+
+
+def hf_bool_fields() -> set[str]:
+    """Hugging Face TrainingArguments fields that are flags (``bool`` or ``bool | None``)."""
+    try:
+        import dataclasses
+        import typing
+
+        from transformers import TrainingArguments as HfArguments
+    except ImportError:
+        return set()
+    return {f.name for f in dataclasses.fields(HfArguments)
+            if f.type is bool or bool in typing.get_args(f.type)}
 
 
 def hf_only_fields() -> set[str]:

@@ -20,7 +20,7 @@ from typing import Any, Iterable, Literal, Union
 from pydantic import BaseModel
 from transformers import HfArgumentParser as _HfArgumentParser
 
-from tessera.train.hf_arguments import hf_only_fields, screen_hf_values
+from tessera.train.hf_arguments import hf_bool_fields, hf_only_fields, screen_hf_values
 
 # Fields read as text on the command line, where pydantic parses the text: byte budgets
 # such as "12GiB" (parse_budget).
@@ -96,38 +96,46 @@ class HfArgumentParser(_HfArgumentParser):
 
 
 def screen_hf_flags(remaining: list[str], screened: set[str]) -> list[str]:
-    """``remaining`` without the ``--name [value]`` flags of Hugging Face arguments
-    tessera does not take, each screened as its constructor screens it.
+    """``remaining`` without the ``--name [value]`` (and ``--no_name``) flags of Hugging
+    Face arguments tessera does not take, each screened as its constructor screens it.
 
     Raises:
         ValueError: naming the first refused, and what to do instead.
     """
+    flags = hf_bool_fields()
     kept, i = [], 0
     while i < len(remaining):
         token = remaining[i]
         name, has_value, value = token.removeprefix("--").partition("=")
         name = name.replace("-", "_")
-        if not token.startswith("--") or name not in screened:
+        negated = name.startswith("no_") and name[3:] in screened and name[3:] in flags
+        if not token.startswith("--") or not (name in screened or negated):
             kept.append(token)
             i += 1
             continue
-        if not has_value and i + 1 < len(remaining) and not remaining[i + 1].startswith("--"):
-            value, has_value, i = remaining[i + 1], "=", i + 1
-        # A bare flag asks for True; a value as text, Hugging Face's defaults among them.
-        given = _flag_value(value) if has_value else True
+        if negated:  # transformers' --no_<flag>: the flag at False
+            name, given = name[3:], False
+        else:
+            if not has_value and i + 1 < len(remaining) and \
+                    not remaining[i + 1].startswith("--"):
+                value, has_value, i = remaining[i + 1], "=", i + 1
+            # A bare flag asks for True; a value is text, read as a flag's only for flags.
+            given = (True if not has_value else
+                     _flag_value(value) if name in flags else value)
         try:
             screen_hf_values({name: given})
         except ValueError as err:
-            raise ValueError(f"--{name}: {err}") from None
+            raise ValueError(f"--{token.removeprefix('--').split('=')[0]}: {err}") from None
         i += 1
     return kept
 
 
 def _flag_value(text: str) -> Any:
+    """A flag's value as transformers' parser reads it (string_to_bool), None for none."""
     lowered = text.strip().lower()
-    if lowered in ("false", "no", "0", "f", "n"):
-        return False
-    return None if lowered in ("", "none") else text
+    if lowered in ("", "none"):
+        return None
+    return lowered not in ("false", "no", "0", "f", "n")
 
 
 def _is_model(cls: Any) -> bool:

@@ -233,7 +233,8 @@ class Trainer:
                                      "a stop requested")
                     break
             saved = (result.checkpoint or "").endswith(ckpt.step_dirname(self.step))
-            if not saved and (self.args.save_final or self.step < self.args.max_steps):
+            ran = self.step > result.first_step  # a resume at max_steps trains nothing
+            if ran and not saved and (self.args.save_final or self.step < self.args.max_steps):
                 result.checkpoint = str(self.save())
             self._share_trained_weights()
         except RuntimeError as err:
