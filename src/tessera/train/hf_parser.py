@@ -51,6 +51,7 @@ class HfArgumentParser(_HfArgumentParser):
             dataclass_types = []
         elif isinstance(dataclass_types, type) or not isinstance(dataclass_types, Iterable):
             dataclass_types = [dataclass_types]
+        dataclass_types = list(dataclass_types)  # read more than once below
         models = [t for t in dataclass_types if _is_model(t)]
         # Hugging Face names the script's own dataclasses declare are theirs, not refused.
         self._screened = hf_only_fields() - {
