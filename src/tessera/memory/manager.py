@@ -396,14 +396,17 @@ class ChunkManager:
             return not chunk.in_compute()
         return True
 
+    def _evictable_bytes(self, tier: str, protect: set) -> int:
+        """Payload bytes on ``tier`` that could leave it now (not in use, pinned or remote)."""
+        return sum(c.payload[k].numel() * c.payload[k].element_size() for c in self.chunks
+                   for k, t in c.tier.items()
+                   if t == tier and (c.index, k) not in protect and self._evictable(c, k))
+
     def _too_small(self, nbytes: int, reserve: int, protect: set = frozenset()
                    ) -> MemoryBudgetError:
         # Payloads that cannot leave the device now: in use (protected by the caller, e.g.
         # a pipeline piece's chunks), pinned (static) or remote.
-        in_use = self.device.used - sum(
-            c.payload[k].numel() * c.payload[k].element_size() for c in self.chunks
-            for k, t in c.tier.items()
-            if t == DEVICE and (c.index, k) not in protect and self._evictable(c, k))
+        in_use = self.device.used - self._evictable_bytes(DEVICE, protect)
         nonmodel = max(reserve, self.device.nonmodel)
         need = in_use + nbytes + nonmodel
         return MemoryBudgetError(
@@ -419,10 +422,7 @@ class ChunkManager:
                 "tier to spill to (offload=cpu+disk with memory.disk_dir)")
         # With a disk tier: what is left on the host is in use now (being computed or
         # reduced, or another rank's), so nothing more can spill.
-        in_use = self.host.used - sum(
-            c.payload[k].numel() * c.payload[k].element_size() for c in self.chunks
-            for k, t in c.tier.items()
-            if t == HOST and (c.index, k) not in protect and self._evictable(c, k))
+        in_use = self.host.used - self._evictable_bytes(HOST, protect)
         need = in_use + nbytes
         return MemoryBudgetError(
             f"{budget}: its {in_use} bytes of chunks in use now cannot spill to disk and "
