@@ -273,15 +273,9 @@ def is_hf_default(value: Any) -> bool:
 
 def hf_bool_fields() -> set[str]:
     """Hugging Face TrainingArguments fields that are flags (``bool`` or ``bool | None``)."""
-    try:
-        import dataclasses
-        import typing
+    import typing
 
-        from transformers import TrainingArguments as HfArguments
-    except ImportError:
-        return set()
-    return {f.name for f in dataclasses.fields(HfArguments)
-            if f.type is bool or bool in typing.get_args(f.type)}
+    return {f.name for f in _hf_fields() if f.type is bool or bool in typing.get_args(f.type)}
 
 
 def hf_only_fields() -> set[str]:
@@ -291,13 +285,19 @@ def hf_only_fields() -> set[str]:
 
 
 def _hf_field_names() -> set[str]:
-    try:
-        import dataclasses
+    return {f.name for f in _hf_fields()}
 
+
+def _hf_fields() -> tuple:
+    """transformers' TrainingArguments fields; none without transformers (pydantic's message
+    then names an unknown key)."""
+    import dataclasses
+
+    try:
         from transformers import TrainingArguments as HfArguments
-    except ImportError:  # without transformers, pydantic's message names the key
-        return set()
-    return {f.name for f in dataclasses.fields(HfArguments)}
+    except ImportError:
+        return ()
+    return dataclasses.fields(HfArguments)
 
 
 def check_some_training(args: TrainingArguments) -> None:
