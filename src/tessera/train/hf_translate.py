@@ -8,7 +8,6 @@ from __future__ import annotations
 import math
 
 import torch
-import torch.distributed as dist
 from torch import nn
 from torch.utils.data import Dataset
 
@@ -54,7 +53,7 @@ def translate(a: TrainingArguments, model: nn.Module, train_dataset: Dataset | N
 
 def _strategy(a: TrainingArguments, model: nn.Module, shaping: Dataset) -> Strategy:
     """The run's Strategy, checked against the batch and pipeline arguments."""
-    world = dist.get_world_size() if dist.is_initialized() else _env_world_size()
+    world = a.world_size  # the process group's, else torchrun's WORLD_SIZE (hf_process.py)
     planned = a.strategy is not None and a.strategy.strip() == "auto"
     strategy = resolve_strategy(a.strategy, model, world, a.per_device_train_batch_size,
                                 a.gradient_accumulation_steps, a.precision,
@@ -122,9 +121,3 @@ def seed_everything(seed: int) -> None:
     except ImportError:
         return
     numpy.random.seed(seed)
-
-
-def _env_world_size() -> int:
-    import os
-
-    return int(os.environ.get("WORLD_SIZE", "1"))
