@@ -81,7 +81,7 @@ def test_pruning_keeps_the_checkpoint_just_written_and_drops_an_abandoned_contin
 def test_a_hugging_face_checkpoint_of_other_heads_is_refused_naming_them(tmp_path):
     from tessera.models.config import preset
     from tessera.models.hf import build_hf_model, hf_config_from_reference
-    from tessera.train.trainer import describe_model
+    from tessera.train.model_identity import describe_model
 
     def gpt2(**fields):
         return build_hf_model("gpt2", **{**hf_config_from_reference("gpt2", preset("tiny")),
@@ -117,7 +117,7 @@ def test_a_copied_checkpoint_folder_is_neither_listed_nor_pruned(tmp_path):
 
 
 def test_config_fields_that_do_not_change_the_model_are_left_out_inside_sub_configs_too():
-    from tessera.train.trainer import _functional
+    from tessera.train.model_identity import _functional
 
     # A multimodal model's text_config: its dtype or use_cache no more its identity than the
     # top level's (before, a resume of such a model could be refused over them).

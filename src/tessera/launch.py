@@ -25,7 +25,7 @@ from tessera.distributed import resolve_device_type
 from tessera.run import build_model, build_tokenizer
 from tessera.train import checkpoint as ckpt
 from tessera.train.export import check_importable
-from tessera.train.trainer import describe_model
+from tessera.train.model_identity import describe_model
 
 
 @dataclass(frozen=True)
