@@ -269,7 +269,14 @@ def test_what_scripts_read_about_their_process_alone(monkeypatch):
     assert args.should_log and args.should_save
     assert args.device == torch.device("cpu") and args.n_gpu == 0
     assert args.parallel_mode is ParallelMode.NOT_PARALLEL  # transformers' own enum
-    assert args.train_batch_size == 4 and args.eval_batch_size == 8
+    # Evaluation runs the training micro-batch unless per_device_eval_batch_size is given.
+    assert args.train_batch_size == 4 and args.eval_batch_size == 4
+    assert TrainingArguments(per_device_eval_batch_size=8).eval_batch_size == 8
+    # Strategy text's micro-batch is what a process runs (not the untouched default 8).
+    assert TrainingArguments(strategy="dp=1,mbs=2,gbs=8").train_batch_size == 2
+    assert TrainingArguments(strategy="dp=2,gbs=8", gradient_accumulation_steps=2
+                             ).train_batch_size == 2  # gbs / (accumulation x dp)
+    assert TrainingArguments(strategy="auto").train_batch_size == 8  # planned later
     assert args.get_process_log_level() in (logging.DEBUG, logging.INFO, logging.WARNING,
                                             logging.ERROR, logging.CRITICAL)
     with args.main_process_first(desc="tokenizing"):  # alone: no process group needed

@@ -110,13 +110,30 @@ class ProcessView:
 
     @property
     def train_batch_size(self) -> int:
-        """Samples of one process's forward in training (one device per process)."""
-        return self.per_device_train_batch_size
+        """Samples of one process's forward in training (one device per process): the
+        strategy text's micro-batch (its ``mbs``, or its ``gbs`` over the accumulation steps
+        and dp), else ``per_device_train_batch_size``. Under ``strategy="auto"`` the planner
+        picks it when the Trainer is built: ``trainer.state.train_batch_size`` then says."""
+        text = self.strategy
+        if text is None or text.strip() == "auto":
+            return self.per_device_train_batch_size
+        # Imported here: hf_strategy imports the arguments class this mixin is part of.
+        from tessera.train.hf_strategy import batch_from_arguments
+
+        values = batch_from_arguments(text, self.per_device_train_batch_size,
+                                      self.gradient_accumulation_steps)
+        try:
+            return int(values.get("micro_batch_size", self.per_device_train_batch_size))
+        except ValueError:  # not a number: the Trainer refuses the text, naming the field
+            return self.per_device_train_batch_size
 
     @property
     def eval_batch_size(self) -> int:
-        """Samples of one process's forward in evaluation."""
-        return self.per_device_eval_batch_size
+        """Samples of one process's forward in evaluation: ``per_device_eval_batch_size``
+        when given, else the training micro-batch (what tessera's evaluation runs)."""
+        if "per_device_eval_batch_size" in self.model_fields_set:
+            return self.per_device_eval_batch_size
+        return self.train_batch_size
 
     @contextlib.contextmanager
     def main_process_first(self, local: bool = True, desc: str = "work") -> Iterator[None]:

@@ -52,7 +52,7 @@ def resolve_strategy(text: str | None, model: nn.Module, world: int, per_device:
 
         strategy = plan_strategy(model, world, gbs, precision, seq_len, device)
     else:
-        strategy = Strategy.from_mapping(_batch_from_arguments(text, per_device, accumulation))
+        strategy = Strategy.from_mapping(batch_from_arguments(text, per_device, accumulation))
         if precision != "fp32" and strategy.precision != precision:
             raise StrategyError(f"strategy says precision={strategy.precision} but the "
                                 f"arguments ask for {precision} (bf16/fp16 flags): add "
@@ -60,7 +60,7 @@ def resolve_strategy(text: str | None, model: nn.Module, world: int, per_device:
     return strategy.validate_for(world_size=world)
 
 
-def _batch_from_arguments(text: str, per_device: int, accumulation: int) -> dict[str, Any]:
+def batch_from_arguments(text: str, per_device: int, accumulation: int) -> dict[str, Any]:
     """Strategy ``text`` as fields, where a left-out ``mbs`` or ``gbs`` comes from Hugging
     Face's batch identity, gbs = mbs x ``gradient_accumulation_steps`` x dp, with mbs =
     ``per_device_train_batch_size`` when the text gives neither (the Strategy's own
