@@ -26,6 +26,20 @@ def test_plan_table():
     assert "dp=" in result.output and "MFU" in result.output
 
 
+def test_plan_says_which_strategies_train_runs():
+    args = ["--model", "llama-70b", "--cluster", "h100-80gb:8x16", "--gbs", "1024", "--top",
+            "5", "--json"]
+    ranked = json.loads(CliRunner().invoke(plan_group, args).output)["results"]
+    # The fastest strategies for this model shard with memory=zero*, which train refuses.
+    assert [r["runnable"] for r in ranked] == [
+        "memory=zero" not in r["strategy"] for r in ranked]
+    assert not all(r["runnable"] for r in ranked)
+    runnable = json.loads(CliRunner().invoke(plan_group, args + ["--available-only"]).output)
+    assert all(r["runnable"] for r in runnable["results"])
+    table = CliRunner().invoke(plan_group, args[:-1])
+    assert "not yet" in table.output and "--available-only" in table.output
+
+
 def test_estimate_json_has_the_figures():
     result = CliRunner().invoke(plan_group, [
         "estimate", "--model", "gpt3-175b", "--cluster", "a100-80gb:8x64", "--strategy",

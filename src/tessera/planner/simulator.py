@@ -82,6 +82,8 @@ class Estimate:
                 "tokens_per_s": self.tokens_per_s, "tflops_per_device": self.tflops_per_device,
                 "mfu": self.mfu, "memory_per_device_bytes": self.memory.total,
                 "memory_capacity_bytes": self.capacity, "fits": self.fits,
+                # whether this build's runtime runs it (the planner also prices zero1-3)
+                "runnable": self.strategy.is_runnable(),
                 "memory": self.memory.to_dict(), "breakdown": dict(self.breakdown)}
 
 
