@@ -233,8 +233,11 @@ def test_memory_limit_is_respected_and_moves_the_cuts(uniform):
     capped = partition(uniform, 4, micro_batches=8, memory_limit=limit)
     assert max(capped.stage_memory) <= limit
     assert capped.bounds != free.bounds
-    with pytest.raises(PartitionError, match="fits memory_limit"):
+    with pytest.raises(PartitionError, match="fits memory_limit.*recompute more"):
         partition(uniform, 4, micro_batches=8, memory_limit=limit / 20)
+    # Stage-aware choice tried full recomputation: the message does not suggest it.
+    with pytest.raises(PartitionError, match="full recomputation does not fit either"):
+        partition(uniform, 4, micro_batches=8, memory_limit=limit / 20, recompute=None)
 
 
 def test_stage_aware_recomputation_recomputes_more_on_earlier_stages(uniform):

@@ -233,9 +233,11 @@ def _search(table, points, stages, micro_batches, schedule, limit, recompute) ->
                 if cand[:2] < best[s][j][:2]:
                     best[s][j] = cand
     if math.isinf(best[stages - 1][k - 1][0]):
+        # Stage-aware choice (recompute=None) has tried full recomputation already.
+        fix = ("raise the limit or use more stages (full recomputation does not fit either)"
+               if recompute is None else "raise the limit, recompute more, or use more stages")
         raise PartitionError(f"no split into pp={stages} stages fits memory_limit="
-                             f"{limit:.3g} bytes per stage; raise the limit, recompute more, "
-                             "or use more stages")
+                             f"{limit:.3g} bytes per stage; {fix}")
     chosen, j = [], k - 1
     for s in range(stages - 1, -1, -1):
         chosen.append(points[j])
