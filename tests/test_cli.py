@@ -225,3 +225,15 @@ def test_every_command_has_help():
         result = CliRunner().invoke(main, [*path, "--help"])
         assert result.exit_code == 0, (path, result.output)
         assert "Usage:" in result.output and len(result.output) > 80, path
+
+
+def test_torchrun_gets_the_node_rank_only_where_its_rendezvous_reads_it():
+    from tessera.launch import LaunchOptions, torchrun_command
+
+    def command(backend: str) -> list[str]:
+        options = LaunchOptions(2, 2, 1, "127.0.0.1:29500", backend)
+        return torchrun_command(options, Path("config.yaml"), "run")
+
+    # c10d numbers nodes as they join and warns that --node-rank is ignored; static reads it.
+    assert not any(arg.startswith("--node-rank") for arg in command("c10d"))
+    assert "--node-rank=1" in command("static")

@@ -36,7 +36,7 @@ def main() -> None:
 @click.option("--nproc", type=int, default=None,
               help="Workers on this node [default: the strategy's world size / nnodes].")
 @click.option("--nnodes", type=int, default=1, show_default=True, help="Nodes in the job.")
-@click.option("--node-rank", type=int, default=0, show_default=True, help="This node's rank.")
+@click.option("--node-rank", type=int, default=0, show_default=True, help="This node's rank (rdzv-backend static; c10d numbers nodes as they join).")
 @click.option("--rdzv-endpoint", default=None, help="HOST:PORT of the multi-node rendezvous.")
 @click.option("--rdzv-backend", default="c10d", show_default=True,
               help="torchrun rendezvous backend for multi-node jobs.")
@@ -95,7 +95,10 @@ def strategy() -> None:
 @click.option("--json", "as_json", is_flag=True, help="Print JSON.")
 def strategy_check(text: str, world_size: int | None, model_name: str | None,
                    seq_len: int | None, as_json: bool) -> None:
-    """Validate TEXT (e.g. "dp=2,tp=1,pp=1,mbs=2,gbs=16") and print its fields."""
+    """Validate strategy TEXT and print its fields.
+
+    Example: tessera strategy check "dp=2,tp=1,pp=1,mbs=2,gbs=16" --world-size 2
+    """
     try:
         parsed = Strategy.parse(text)
         model = preset(model_name) if model_name else None

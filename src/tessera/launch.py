@@ -68,9 +68,10 @@ def torchrun_command(options: LaunchOptions, config_file: Path, run_id: str) -> 
     if options.rdzv_endpoint is None:
         cmd.append("--standalone")
     else:
-        cmd += [f"--nnodes={options.nnodes}", f"--node-rank={options.node_rank}",
-                f"--rdzv-backend={options.rdzv_backend}",
+        cmd += [f"--nnodes={options.nnodes}", f"--rdzv-backend={options.rdzv_backend}",
                 f"--rdzv-endpoint={options.rdzv_endpoint}", f"--rdzv-id={run_id}"]
+        if options.rdzv_backend == "static":  # c10d assigns node ranks as nodes join
+            cmd.append(f"--node-rank={options.node_rank}")
     return cmd + ["-m", "tessera.worker", str(config_file)]
 
 
