@@ -1,6 +1,7 @@
 # Set-up commands (the README's first two lines). Both install into .venv first:
-# torch==2.13.0 (the CPU build on machines without a GPU) before anything that depends on it,
-# so pip never pulls CUDA packages; then tessera with its test extras.
+# torch==2.13.0, unless .venv already has a torch (a user's own CUDA build, kept), before
+# anything that depends on it, so pip never pulls another build; then tessera with its test
+# extras.
 PY ?= python3
 VENV ?= .venv
 BIN := $(VENV)/bin
@@ -11,7 +12,7 @@ $(BIN)/python:
 	$(PY) -m venv $(VENV)
 
 $(VENV)/.installed: pyproject.toml | $(BIN)/python
-	$(BIN)/python -m pip install -q torch==2.13.0
+	$(BIN)/python -c "import torch" 2>/dev/null || $(BIN)/python -m pip install -q torch==2.13.0
 	$(BIN)/python -m pip install -q -e ".[test]"
 	touch $@
 

@@ -15,7 +15,7 @@ from tessera.cluster.simulator import SimConfig, Simulator
 from tessera.cluster.traces import TraceError, assign_philly_apps, load_trace
 
 cluster_group = click.Group("cluster", help="Elastic cluster scheduling: simulate policies on "
-                            "job traces.")
+                            "job traces, or run real training jobs under one.")
 
 
 def _policies(text: str) -> list[str]:
@@ -44,7 +44,7 @@ def _policies(text: str) -> list[str]:
 @click.option("--restart-s", default=30.0, show_default=True, type=click.FloatRange(0.0))
 @click.option("--profiles", type=click.Path(file_okay=False, path_type=Path), default=None,
               help="Folder of application profiles (default: $TESSERA_CLUSTER_PROFILES or "
-              "../shared/data/pollux/traces).")
+              "the copy shipped in the package, tessera/cluster/data/pollux/traces).")
 @click.option("--json", "as_json", is_flag=True, help="Print JSON lines instead of a table.")
 @click.option("--plots", type=click.Path(file_okay=False, path_type=Path), default=None,
               help="Write jct_cdf.png and utilization.png here (needs matplotlib).")
