@@ -485,8 +485,13 @@ def test_evaluation_without_an_eval_dataset_is_refused():
 def test_conflicting_precision_is_refused():
     from tessera.train.hf_strategy import resolve_strategy
 
-    with pytest.raises(StrategyError, match="precision"):
-        resolve_strategy("dp=1,mbs=1,gbs=1", _tiny_gpt2(), 1, 1, 1, "bf16")
+    # Text that says another precision than the bf16/fp16 flags is refused...
+    for text in ("dp=1,mbs=1,gbs=1,precision=fp32", "dp=1,mbs=1,gbs=1,precision=fp16"):
+        with pytest.raises(StrategyError, match="strategy says precision=fp"):
+            resolve_strategy(text, _tiny_gpt2(), 1, 1, 1, "bf16")
+    # ...text that says none takes the flags, as it takes the batch arguments.
+    assert resolve_strategy("dp=1,mbs=1,gbs=1", _tiny_gpt2(), 1, 1, 1, "bf16").precision == \
+        "bf16"
     assert resolve_strategy(None, _tiny_gpt2(), 2, 4, 2, "bf16").to_text() == \
         "dp=2,tp=1,pp=1,mbs=4,gbs=16,precision=bf16"
 

@@ -259,6 +259,16 @@ def test_steps_longer_than_the_stage_budget_was_planned_at_are_warned_of(runs):
 
 
 @pytest.mark.slow
+def test_pipeline_captures_of_new_training_lengths_are_warned_of(runs):
+    # Each new length is captured and split again: said at the 2nd, 4th, ... shape, naming
+    # the way out; a run of one length (the dp run has no pipeline) says nothing.
+    again = [w for w in runs["ragged_pp2"][2] if "captured again" in w]
+    assert again and len(again) <= 3, runs["ragged_pp2"][2]
+    assert "2 training shapes so far" in again[0] and "padding='max_length'" in again[0]
+    assert not [w for w in runs["ragged_dp1"][2] if "captured again" in w]
+
+
+@pytest.mark.slow
 def test_evaluation_leaves_out_micro_batches_without_labels(runs):
     got, want = runs["eval_unlabelled"]
     assert abs(got - want) < 1e-5, (got, want)  # fp32, the same forward: rounding only

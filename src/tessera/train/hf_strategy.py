@@ -52,7 +52,10 @@ def resolve_strategy(text: str | None, model: nn.Module, world: int, per_device:
 
         strategy = plan_strategy(model, world, gbs, precision, seq_len, device)
     else:
-        strategy = Strategy.from_mapping(batch_from_arguments(text, per_device, accumulation))
+        values = batch_from_arguments(text, per_device, accumulation)
+        # Text that leaves precision out takes the bf16/fp16 flags, as it takes mbs and gbs.
+        values.setdefault("precision", precision)
+        strategy = Strategy.from_mapping(values)
         if precision != "fp32" and strategy.precision != precision:
             raise StrategyError(f"strategy says precision={strategy.precision} but the "
                                 f"arguments ask for {precision} (bf16/fp16 flags): add "

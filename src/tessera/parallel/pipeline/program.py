@@ -9,6 +9,8 @@ first time each micro-batch shape or train/eval mode is met, and cached.
 from __future__ import annotations
 
 import contextlib
+import time
+import warnings
 from dataclasses import dataclass
 from typing import Callable
 
@@ -215,8 +217,24 @@ class PipelineProgram:
         """Stages for micro-batches of ``shape`` (batch, seq) in train or eval mode."""
         key = (tuple(shape), training)
         if key not in self._cache:
+            start = time.perf_counter()
             self._cache[key] = self._build(shape, training)
+            if training:
+                self._warn_recapture(key[0], time.perf_counter() - start)
         return self._cache[key]
+
+    def _warn_recapture(self, shape: tuple[int, ...], seconds: float) -> None:
+        """Warn when training shapes keep changing (a collator padding each batch to its own
+        longest sample): each costs a capture and split, and the cache keeps them all. At the
+        2nd, 4th, 8th, ... shape, so a run that keeps changing hears of it a few times."""
+        shapes = sum(1 for _, training in self._cache if training)
+        if shapes < 2 or shapes & (shapes - 1):
+            return
+        warnings.warn(
+            f"tessera: the pipeline was captured again for training micro-batches of shape "
+            f"{tuple(shape)} ({seconds:.1f} s; {shapes} training shapes so far): each new "
+            "length costs a torch.export capture and split. Pad samples to a fixed length "
+            "(padding='max_length') to capture once (docs/pipeline.md)", stacklevel=3)
 
     def _build(self, shape: tuple[int, int], training: bool) -> Built:
         seed = self._seed_graph
