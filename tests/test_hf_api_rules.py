@@ -137,6 +137,18 @@ def test_right_padding_is_run_exactly_left_padding_and_unread_keys_are_refused()
                    "document_ids": ids}, frozenset())
 
 
+def test_a_collator_returning_python_numbers_is_refused_naming_them():
+    # DataCollatorWithFlattening(return_flash_attn_kwargs=True) adds max_length_q/k as ints:
+    # they failed as an AttributeError ('int' object has no attribute 'dim').
+    from transformers import DataCollatorWithFlattening
+
+    samples = [{"input_ids": list(range(1, n + 1))} for n in (5, 7)]
+    batch = DataCollatorWithFlattening(return_flash_attn_kwargs=True)(samples)
+    with pytest.raises(ValueError, match=r"\['max_length_k', 'max_length_q'\] as \['int', "
+                                         r"'int'\], not tensors.*return_flash_attn_kwargs"):
+        shift_for_next_token(batch)
+
+
 def test_a_callback_reading_a_field_tessera_lacks_fails_naming_it():
     from tessera.train.hf_callbacks import TrainerState
 

@@ -21,7 +21,19 @@ def shift_for_next_token(batch: dict[str, torch.Tensor]) -> dict[str, torch.Tens
     labels one position later; positions masked out by ``attention_mask`` are ignored (-100).
     Other per-token keys (the mask, position ids) keep the inputs' positions; the layout then
     reads them or refuses them (``plan.fit_batch``), never drops them silently.
+
+    Raises:
+        ValueError: naming batch values that are not tensors (a collator's Python numbers,
+            such as DataCollatorWithFlattening's flash-attention lengths).
     """
+    loose = sorted(k for k, v in batch.items() if not isinstance(v, torch.Tensor))
+    if loose:
+        raise ValueError(
+            f"the collator's batch holds {loose} as {[type(batch[k]).__name__ for k in loose]}"
+            ", not tensors: tessera batches are tensors of input_ids, labels and what marks "
+            "padding and documents. Drop those keys (DataCollatorWithFlattening: leave "
+            "return_flash_attn_kwargs and return_seq_idx off; packed documents are kept apart "
+            "from position_ids or document_ids, docs/sequence_parallel.md)")
     input_ids = batch["input_ids"]
     labels = batch.get("labels", input_ids).clone()
     if "attention_mask" in batch:

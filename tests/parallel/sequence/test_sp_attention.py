@@ -407,6 +407,29 @@ def _hf_left_padding(group, mode, kind, _real=None):
                       {"input_ids": inputs, "labels": labels, "attention_mask": mask})
 
 
+def _hf_packed(group, mode, kind, _real=None):
+    """A Hugging Face Llama on rows packed as DataCollatorWithFlattening packs them: position
+    ids restarting at each document, no attention mask. Its own one-device forward keeps each
+    document to itself with use_cache=False (transformers' masking reads the restarts; until
+    2026-11-28 sequence parallelism let every document attend to the ones before it in the
+    row), and attends across them with a cache ("hf-packed-cache"), as sp does then too."""
+    import transformers as T
+
+    torch.manual_seed(6)
+    model = T.LlamaForCausalLM(T.LlamaConfig(
+        vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+        num_attention_heads=4, num_key_value_heads=2, use_cache=kind.endswith("cache")))
+    ref_model = copy.deepcopy(model)
+    ids = torch.randint(2, 64, (2, 14))
+    inputs, labels = ids[:, :-1], ids[:, 1:].clone()
+    # (2, 13): row 0 documents of 5, 4 and 4 tokens, row 1 of 9 and 4
+    positions = torch.tensor([[*range(5), *range(4), *range(4)], [*range(9), *range(4)]])
+    labels[positions.roll(-1, dims=1) == 0] = -100  # no label across a document's end
+    ref = lm_loss(ref_model(inputs, position_ids=positions).logits, labels)
+    return _sp_errors(group, mode, model, ref, ref_model,
+                      {"input_ids": inputs, "labels": labels, "position_ids": positions})
+
+
 # The custom ops of pipeline stages (sequence/staged.py), on the harder inputs.
 OP_CASES = [("ring", True, torch.float32, 14, "padding", "zigzag"),
             ("ring", False, torch.float32, 16, "documents", "contiguous"),
@@ -435,6 +458,8 @@ MODEL_CASES += [(2, "ring", "tiny", 13), (2, "ulysses", "tiny", 5)]
 # under sp, its own forward counts them over the mask)
 MODEL_CASES += [(2, m, kind, None) for m in ("ring", "ulysses") for kind in ("hf-opt",
                                                                            "hf-llama")]
+MODEL_CASES += [(2, "ring", "hf-packed", None), (4, "rsa", "hf-packed", None),
+                (2, "ring", "hf-packed-cache", None)]
 
 
 def _all_cases(rank, world_size):
@@ -451,8 +476,10 @@ def _all_cases(rank, world_size):
             results[(sp,) + case] = _case(group, *case)
     ops = {(sp,) + case: _case(groups[sp], *case, exportable=True)
            for sp in (2, 4) for case in OP_CASES}
-    models = {case: (_hf_left_padding if case[2].startswith("hf-") else _model_case)(
-        groups[case[0]], *case[1:]) for case in MODEL_CASES}
+    model_cases = {"hf-packed": _hf_packed, "hf-packed-cache": _hf_packed,
+                   "hf-opt": _hf_left_padding, "hf-llama": _hf_left_padding}
+    models = {case: model_cases.get(case[2], _model_case)(groups[case[0]], *case[1:])
+              for case in MODEL_CASES}
     dropout = {(sp,) + case: _case(groups[sp], *case, dropout_p=0.2)
                for sp in (1, 2, 4) for case in DROPOUT_CASES}
     dropout_ops = {(sp,) + case: _case(groups[sp], *case, exportable=True, dropout_p=0.2)

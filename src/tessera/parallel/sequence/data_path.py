@@ -13,6 +13,8 @@ Embeddings, norms and MLPs are local; only attention talks to the other ranks.
 
 from __future__ import annotations
 
+import warnings
+
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
@@ -75,6 +77,10 @@ class SequenceParallel:
         self.dropouts: list[str] = []  # what draws dropout masks in the model (apply_policy)
         # position ids from the attention mask, as the model numbers them (POSITIONS_FROM_MASK)
         self.positions_from_mask = False
+        # A Hugging Face model's config, where its masking reads packed documents from
+        # restarting position_ids (_documents_from_positions); None: it does not
+        self.packed_rows_config = None
+        self._warned_packed = False
         # The model's limit on tokens per row (set by the policies): (limit, what sets it,
         # whether it bounds rows with their own position ids too)
         self.max_len: tuple[int, str, bool] | None = None
@@ -110,9 +116,7 @@ class SequenceParallel:
                 f"sequence length {T} must be divisible by {self._multiple()} "
                 f"(sp={self.size}, layout={self.layout}) when padding is disabled")
         index = torch.arange(padded, device=ids.device).expand(B, padded)  # (B, T')
-        segment = batch.get("document_ids", torch.zeros_like(ids))
-        if "attention_mask" in batch:
-            segment = segment.masked_fill(batch["attention_mask"] == 0, -1)
+        segment = self._documents(batch)
         positions = batch.get("position_ids", self._default_positions(batch, index[:, :T]))
         cols = local_indices(padded, self.size, self.rank, self.layout).to(ids.device)
 
@@ -139,6 +143,45 @@ class SequenceParallel:
                 f"sequence length {length} exceeds the model's {limit} positions ({source}): "
                 "shorten the rows (or their position_ids), build the model with more "
                 "positions, or train it with sp=1")
+
+    def _documents(self, batch: dict[str, torch.Tensor]) -> torch.Tensor:
+        """Each token's document (B, T), -1 on padding: ``document_ids`` when given; else,
+        where the model is a Hugging Face one whose masking reads packed rows from their
+        position ids (:meth:`_documents_from_positions`) and the batch has them without an
+        attention_mask, those documents; else one document a row."""
+        ids = batch["input_ids"]
+        if "document_ids" in batch:
+            segment = batch["document_ids"]
+        elif "position_ids" in batch and "attention_mask" not in batch:
+            segment = self._documents_from_positions(batch["position_ids"])
+        else:
+            segment = torch.zeros_like(ids)
+        if "attention_mask" in batch:
+            segment = segment.masked_fill(batch["attention_mask"] == 0, -1)
+        return segment
+
+    def _documents_from_positions(self, positions: torch.Tensor) -> torch.Tensor:
+        """Documents (B, T) of rows packed as DataCollatorWithFlattening packs them: a new one
+        wherever the position ids do not go up by one. Read as transformers' masking reads
+        them on one device: only without a cache (``use_cache=False``: with a cache it masks
+        causally across the whole row, and so does this, saying so once)."""
+        steps = torch.diff(positions, prepend=positions[:, :1] - 1, dim=-1)
+        documents = (steps != 1).long().cumsum(dim=-1)
+        config = self.packed_rows_config
+        if config is None or not bool((documents[:, -1] > 0).any()):
+            return torch.zeros_like(documents)  # one document a row
+        if not getattr(config, "use_cache", False):
+            return documents
+        if not self._warned_packed:
+            self._warned_packed = True
+            warnings.warn(
+                "tessera: position_ids restart inside a row (packed documents, as "
+                "DataCollatorWithFlattening makes them) but the model's config has "
+                "use_cache=True, under which transformers attends across the documents (its "
+                "masking reads them only without a cache); sequence parallelism does the "
+                "same. Set model.config.use_cache = False, or give document_ids, to keep "
+                "each document to itself", stacklevel=4)
+        return torch.zeros_like(documents)
 
     def _default_positions(self, batch: dict[str, torch.Tensor], index: torch.Tensor
                            ) -> torch.Tensor:

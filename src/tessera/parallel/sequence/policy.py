@@ -102,6 +102,17 @@ def _refuse_attention_variants(module: nn.Module, kwargs: dict, length: int) -> 
             "parallelism's Hugging Face policy covers causal language models only")
 
 
+def _reads_packed_positions() -> bool:
+    """Whether this transformers masks packed rows by their position ids when given no
+    attention_mask and no cache (5.x: ``masking_utils.find_packed_sequence_indices``); its
+    one-device run then keeps each document to itself, and so must sequence parallelism."""
+    try:
+        from transformers import masking_utils
+    except ImportError:
+        return False
+    return hasattr(masking_utils, "find_packed_sequence_indices")
+
+
 def _apply_hugging_face(model: nn.Module, sp: SequenceParallel) -> None:
     from transformers import AttentionInterface
 
@@ -118,6 +129,7 @@ def _apply_hugging_face(model: nn.Module, sp: SequenceParallel) -> None:
             "and MPT, a table in BART-style decoders): each sp rank would place its tokens "
             "at positions 0.. of its own shard. Train this model with sp=1")
     sp.positions_from_mask = getattr(config, "model_type", None) in POSITIONS_FROM_MASK
+    sp.packed_rows_config = config if _reads_packed_positions() else None
     sp.max_len = position_limit(model)
     AttentionInterface.register(HF_ATTENTION_NAME, hf_attention)
     tagged = 0
