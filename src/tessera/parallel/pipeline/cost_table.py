@@ -109,6 +109,8 @@ class CostTable:
         self.cross_count, self.cross_bytes, self.cross_non_tensor = _crossings(graph)
         self.block_bounds = _block_bounds(graph)
         self._activations: dict[tuple[int, int], float] = {}
+        self._bytes: dict[tuple[int, int], tuple[float, ...]] = {}  # _stage_bytes
+        self._spread_from: dict[int, tuple[list[int], list[float]]] = {}  # _spread_bytes
         self.logits_bytes = value_bytes(graph.nodes[graph.output].node.meta.get("val"))
         self.weights = [_WeightUse.of(graph, p, users)
                         for p, users in graph.param_users.items() if users]
@@ -165,10 +167,21 @@ class CostTable:
         if key not in self._activations:  # the search asks again for each ratio
             kept = self._kept
             self._activations[key] = (
-                kept.prefix[b] - kept.prefix[a]
-                + sum(nbytes for nbytes, at in kept.spread if _saved_within(at, a, b))
+                kept.prefix[b] - kept.prefix[a] + self._spread_bytes(a, b)
                 - kept.shared_cast_bytes(a, b))
         return self._activations[key]
+
+    def _spread_bytes(self, a: int, b: int) -> float:
+        """Bytes of the spread storages (saved on both sides of a cut) that some node of
+        [a, b) saves: those whose first saver at or after a comes before b."""
+        if a not in self._spread_from:
+            # (first saver at or after a, bytes) of each spread storage, by that saver
+            firsts = sorted((at[i], nbytes) for nbytes, at in self._kept.spread
+                            if (i := bisect.bisect_left(at, a)) < len(at))
+            self._spread_from[a] = ([f for f, _ in firsts],
+                                    _prefix_sums([nbytes for _, nbytes in firsts]))
+        firsts, total = self._spread_from[a]
+        return total[bisect.bisect_left(firsts, b)]
 
     def weight_copies(self, a: int, b: int) -> float:
         """Bytes of autocast's 16-bit weight copies among ``activations(a, b)``."""
@@ -204,18 +217,27 @@ class CostTable:
         rank), not one each; its inputs are then read as views, each reader casting its own
         copy of them (PipelineProgram.step_casts); not where it makes no weight copy
         (16-bit parameters)."""
-        full = self.activations(a, b)
-        dropped = full * (1 - ratio) + ratio * self.segment_inputs(a, b)
+        full, inputs, copies, shared_casts, largest, state = self._stage_bytes(a, b)
+        dropped = full * (1 - ratio) + ratio * inputs
         recomputing = in_flight - keep
         act = recomputing * dropped + keep * full
-        copies = self.weight_copies(a, b)
         if casts_shared and ratio <= 0 and in_flight > 1 and copies > 0:
-            act += in_flight * self._kept.shared_cast_bytes(a, b) - (in_flight - 1) * copies
+            act += in_flight * shared_casts - (in_flight - 1) * copies
         if recomputing > 0 and ratio > 0:  # one block at a time (stage.py's segments)
-            act += min(ratio * full, self.largest_block(a, b))
+            act += min(ratio * full, largest)
         if last:
             act += self.logits_bytes
-        return self.state_bytes(a, b) + act
+        return state + act
+
+    def _stage_bytes(self, a: int, b: int) -> tuple[float, ...]:
+        """What ``memory`` reads of stage [a, b), once per stage: the search asks again for
+        each stage position and recomputation ratio."""
+        key = (a, b)
+        if key not in self._bytes:
+            self._bytes[key] = (self.activations(a, b), self.segment_inputs(a, b),
+                                self.weight_copies(a, b), self._kept.shared_cast_bytes(a, b),
+                                self.largest_block(a, b), self.state_bytes(a, b))
+        return self._bytes[key]
 
 
     def largest_block(self, a: int, b: int) -> float:
@@ -224,9 +246,20 @@ class CostTable:
 
     def segment_inputs(self, a: int, b: int) -> float:
         """Bytes a fully recomputed stage [a, b) keeps per micro-batch: the input of each of
-        its blocks (program.head_segments recomputes block by block)."""
-        return sum(self.cross_bytes[max(lo, a)] for lo, hi in self.block_bounds
-                   if lo < b and hi > a)
+        its blocks (program.head_segments recomputes block by block): the stage's own input,
+        then the input of each block starting inside it."""
+        if a >= b:
+            return 0.0
+        starts, inputs = self._block_inputs
+        first = bisect.bisect_right(starts, a)  # blocks starting after a...
+        end = bisect.bisect_left(starts, b)  # ...and before b
+        return self.cross_bytes[a] + inputs[end] - inputs[first]
+
+    @functools.cached_property
+    def _block_inputs(self) -> tuple[list[int], list[float]]:
+        """(each block's first compute index, prefix sums of the bytes crossing into it)."""
+        starts = [lo for lo, _ in self.block_bounds]
+        return starts, _prefix_sums([float(self.cross_bytes[lo]) for lo in starts])
 
 
 def _prefix_sums(values: list[float]) -> list[float]:
@@ -234,12 +267,6 @@ def _prefix_sums(values: list[float]) -> list[float]:
     for i, v in enumerate(values):
         out[i + 1] = out[i] + v
     return out
-
-
-def _saved_within(savers: tuple[int, ...], a: int, b: int) -> bool:
-    """Whether any of the sorted saver indices lies in [a, b)."""
-    i = bisect.bisect_left(savers, a)
-    return i < len(savers) and savers[i] < b
 
 
 def _block_bounds(graph: ProxyGraph) -> list[tuple[int, int]]:

@@ -213,24 +213,43 @@ def _scp_keep(table: CostTable, a: int, b: int, s: int, stages: int, micro_batch
     return keep
 
 
+def _stage_time(table: CostTable, a: int, b: int, s: int, stages: int, micro_batches: int,
+                schedule: str, limit: float | None, recompute) -> float:
+    """``_stage_cost``'s time alone: without a memory limit, priced without the memory
+    estimate (which the choice then does not need)."""
+    if limit is not None:
+        return _stage_cost(table, a, b, s, stages, micro_batches, schedule, limit,
+                           recompute)[0]
+    ratio = recompute[0] if len(recompute) == 1 else recompute[s]
+    flight = in_flight(s, stages, micro_batches, schedule)
+    keep = _scp_keep(table, a, b, s, stages, micro_batches, schedule, None, ratio, flight)
+    return table.time(a, b, ratio * (micro_batches - keep) / micro_batches, s == stages - 1)
+
+
 def _search(table, points, stages, micro_batches, schedule, limit, recompute) -> Partition:
     k = len(points)
     # best[s][j]: (slowest stage, bytes crossed, previous point) covering points[0..j] in s+1
     best = [[(math.inf, math.inf, -1)] * k for _ in range(stages)]
     for j in range(1, k):
-        t = _stage_cost(table, 0, points[j], 0, stages, micro_batches, schedule, limit,
-                        recompute)[0]
+        t = _stage_time(table, 0, points[j], 0, stages, micro_batches, schedule, limit,
+                        recompute)
         best[0][j] = (t, 0, 0)
     for s in range(1, stages):
+        last = s == stages - 1
         for j in range(s + 1, k):
-            for i in range(s, j):
+            for i in range(j - 1, s - 1, -1):  # the last stage [points[i], points[j]) grows
+                # Its time without recomputation bounds it below and only grows as i falls:
+                # once over the best slowest stage, no earlier start can win (time is
+                # compared first; a tie of times is still priced, for its bytes).
+                if table.time(points[i], points[j], 0.0, last) > best[s][j][0]:
+                    break
                 prev = best[s - 1][i]
-                if math.isinf(prev[0]):
+                if math.isinf(prev[0]) or prev[0] > best[s][j][0]:  # no fit, or slower
                     continue
-                t = _stage_cost(table, points[i], points[j], s, stages, micro_batches,
-                                schedule, limit, recompute)[0]
+                t = _stage_time(table, points[i], points[j], s, stages, micro_batches,
+                                schedule, limit, recompute)
                 cand = (max(prev[0], t), prev[1] + table.cross_bytes[points[i]], i)
-                if cand[:2] < best[s][j][:2]:
+                if cand[:2] <= best[s][j][:2]:  # a full tie goes to the earliest cut
                     best[s][j] = cand
     if math.isinf(best[stages - 1][k - 1][0]):
         # Stage-aware choice (recompute=None) has tried full recomputation already.
