@@ -214,6 +214,17 @@ def test_auto_holds_tensor_and_sequence_parallelism_off_without_a_policy(monkeyp
     # GPT-2's default dropout (0.1): sequence parallelism trains it (each sp rank on its own
     # random stream, attention dropout by hashed masks), so auto may plan it.
     assert auto.layout_limits(dropping) == {}
+    # A vocabulary or MLP width some tp degree of the world cannot cut (GPT-2's 50257
+    # tokens): the planner checks heads only, so tp is held at 1 (it picked tp=2, refused).
+    with torch.device("meta"):
+        odd_vocab = hf.GPT2LMHeadModel(hf.GPT2Config(n_embd=64, n_layer=2, n_head=4,
+                                                     vocab_size=50257))
+        odd_ffn = hf.LlamaForCausalLM(hf.LlamaConfig(
+            vocab_size=256, hidden_size=64, intermediate_size=130, num_hidden_layers=2,
+            num_attention_heads=4, num_key_value_heads=1))
+    assert auto.layout_limits(odd_vocab, 2) == {"tp": 1}
+    assert auto.layout_limits(odd_ffn, 4) == {"tp": 1}  # 130 splits 2 ways, not 4
+    assert auto.layout_limits(odd_ffn, 2) == {} and auto.layout_limits(odd_vocab, 1) == {}
     # On 8 A100s (not this machine's CPU workers, so the pick does not depend on the host) the
     # planner, free to choose, would split this 1.2B model with tensor parallelism, which the
     # runtime cannot apply to GPT-NeoX (no policy); held to tp=1 it picks another layout.

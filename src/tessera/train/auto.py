@@ -46,20 +46,25 @@ def plan_strategy(model: nn.Module, world_size: int, global_batch_size: int,
         raise StrategyError(f"strategy=auto cannot describe the model to the planner: {err}; "
                             "give a Strategy explicitly") from None
     return best_runnable(config, world_size, global_batch_size, precision,
-                         layout_limits(model), device)
+                         layout_limits(model, world_size), device)
 
 
 # Model classes "auto" plans sequence parallelism for: those the suite checks it on.
 SP_PLANNED = frozenset({"Transformer", "GPT2LMHeadModel", "LlamaForCausalLM"})
 
 
-def layout_limits(model: nn.Module) -> dict[str, int]:
+def layout_limits(model: nn.Module, world_size: int | None = None) -> dict[str, int]:
     """Strategy fields held at 1 for a model the runtime cannot split that way: tensor
     parallelism needs a policy for the model's class that styles every module holding
     weights (a user's class named like a known one may not fit it); sequence parallelism is
     planned only for the models the suite tests it on (the reference, GPT-2, Llama: its
     Hugging Face route, AttentionInterface, is generic, but models refuse it for their own
-    attention variants). Pipeline and data parallelism need only a capture."""
+    attention variants). Pipeline and data parallelism need only a capture.
+
+    With ``world_size``, tensor parallelism is also held at 1 where some tp degree it could
+    take (a divisor of the world) would not cut heads, hidden size, vocabulary and MLP width
+    evenly (GPT-2's 50257 tokens): the planner checks heads only, and the runtime refuses
+    the rest. Held for every degree, as the planner takes no set of allowed values."""
     from tessera.parallel.tensor.policy import PolicyError, policy_for, style_of
 
     try:
@@ -69,12 +74,30 @@ def layout_limits(model: nn.Module) -> dict[str, int]:
     holders = [path for path, module in model.named_modules()
                if next(module.parameters(recurse=False), None) is not None]
     covered = all(style_of(path, policy) is not None for path in holders)
-    if not covered:
-        return {"tp": 1, "sp": 1}
+    if not covered or (world_size is not None and not _tp_cuts_evenly(model, world_size)):
+        return {"tp": 1, "sp": 1} if not covered else (
+            {"tp": 1} if type(model).__name__ in SP_PLANNED else {"tp": 1, "sp": 1})
     # Other classes with a policy (Mistral, Gemma, Cohere, ...): tensor parallelism checked,
     # sequence parallelism not planned for (Mistral's and Gemma 2's sliding windows, for
     # two, are refused under sp past them).
     return {} if type(model).__name__ in SP_PLANNED else {"sp": 1}
+
+
+def _tp_cuts_evenly(model: nn.Module, world_size: int) -> bool:
+    """Whether every tp degree above 1 that divides ``world_size`` cuts the model evenly
+    in 1D (heads, hidden size, vocabulary, MLP width; kv heads replicated). A 2D grid cuts
+    them by its q, which divides its tp; its kv-head rule the planner checks itself."""
+    from tessera.parallel.tensor.policy import PolicyError, check_divisible, model_dims
+
+    dims = model_dims(model)
+    for tp in range(2, world_size + 1):
+        if world_size % tp:
+            continue
+        try:
+            check_divisible(dims, tp, kv_ways_ok=True, what=f"tp={tp}")
+        except PolicyError:
+            return False
+    return True
 
 
 def best_runnable(model_config, world_size: int, global_batch_size: int, precision: str,
