@@ -492,6 +492,9 @@ def test_conflicting_precision_is_refused():
     # ...text that says none takes the flags, as it takes the batch arguments.
     assert resolve_strategy("dp=1,mbs=1,gbs=1", _tiny_gpt2(), 1, 1, 1, "bf16").precision == \
         "bf16"
+    with pytest.raises(StrategyError, match="fields held after 'auto' are read by tessera "
+                                            "train's config only"):
+        resolve_strategy("auto,sp=2", _tiny_gpt2(), 1, 1, 1, "fp32")
     assert resolve_strategy(None, _tiny_gpt2(), 2, 4, 2, "bf16").to_text() == \
         "dp=2,tp=1,pp=1,mbs=4,gbs=16,precision=bf16"
 

@@ -47,6 +47,11 @@ def resolve_strategy(text: str | None, model: nn.Module, world: int, per_device:
     if text is None:
         strategy = Strategy(dp=world, micro_batch_size=per_device, global_batch_size=gbs,
                             precision=precision)
+    elif text.strip().startswith("auto,"):
+        raise StrategyError(f"strategy {text!r}: fields held after 'auto' are read by "
+                            "tessera train's config only; here give 'auto' alone (the batch "
+                            "comes from the arguments, precision from the bf16/fp16 flags) "
+                            "or the whole strategy text")
     elif text.strip() == "auto":
         from tessera.train.auto import plan_strategy
 
