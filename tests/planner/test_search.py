@@ -52,6 +52,10 @@ def test_model_that_fits_nowhere_is_explained():
     assert result.infeasible.shortfall_bytes > 0
     text = result.infeasible.message()
     assert "short by" in text and "devices" in text
+    # Searching what this build runs, the advice names only such layouts (it named zero3).
+    runnable = search("gpt3-175b", "a100-40gb:8x1", 8, available_only=True).infeasible
+    tips = [t for t in runnable.suggestions if "devices, e.g." in t]
+    assert tips and all("memory=zero" not in t for t in tips), runnable.suggestions
 
 
 def test_no_offload_advice_where_the_host_is_the_device():

@@ -300,16 +300,18 @@ def _explain(state: _Search, model: ModelConfig, cluster: Cluster, gbs: int, n: 
             bigger = cluster.with_devices(cluster.devices_per_node,
                                           max(cluster.nodes * factor,
                                               -(-n * factor // cluster.devices_per_node)))
+            # As runnable as the search asked: no tip this build would refuse (zero3).
             found = search(model, bigger, gbs, devices=n * factor, top_k=1,
                            precision=precision, fixed=constraints, allow_disk=allow_disk,
-                           explain=False)
+                           explain=False, available_only=state.runnable_only)
             if found.results:
                 tips.append(f"use at least {n * factor} devices, e.g. "
                             f"{found.best.strategy.to_text()}")
                 break
         if not allow_disk and "offload" not in constraints:
             found = search(model, cluster, gbs, devices=n, top_k=1, precision=precision,
-                           fixed=constraints, allow_disk=True, explain=False)
+                           fixed=constraints, allow_disk=True, explain=False,
+                           available_only=state.runnable_only)
             if found.results:
                 tips.append(f"offload to disk: {found.best.strategy.to_text()}")
     for name, what in (("memory", "sharded memory (zero3 or chunk)"),

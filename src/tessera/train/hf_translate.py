@@ -65,8 +65,8 @@ def _strategy(a: TrainingArguments, model: nn.Module, shaping: Dataset) -> Strat
                                "per_device_eval_batch_size",
                                "leave it unset (evaluation then runs the training "
                                f"micro-batch, {strategy.micro_batch_size} samples)")
-    for key in ("pipeline_split_points", "pipeline_leaf_modules"):
-        if planned and getattr(a, key):
+    for key in ("pipeline_split_points", "pipeline_leaf_modules", "stage_memory_budget"):
+        if planned and getattr(a, key):  # the planner reads none of them
             raise StrategyError(f"{key} shapes the pipeline of a pp the strategy fixes: "
                                 "give strategy text with pp > 1, not 'auto'")
     strategy.check_split_points(a.pipeline_split_points)

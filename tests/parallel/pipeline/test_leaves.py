@@ -381,3 +381,11 @@ def test_leaves_with_a_planned_strategy_or_at_pp1_are_refused_with_the_config():
         Trainer(model=moe_gpt2(), args=TrainingArguments(
             output_dir="unused", strategy="auto", pipeline_leaf_modules=LEAVES),
             train_dataset=[{"input_ids": torch.zeros(9, dtype=torch.long)}] * 8)
+    # A stage budget with auto: the planner does not plan by it (it failed later at pp=1).
+    with pytest.raises(ConfigError, match="stage_memory_budget shapes the pipeline"):
+        load_config(None, ["strategy=auto,gbs=8", "train.stage_memory_budget=1GiB"],
+                    world_size=2)
+    with pytest.raises(StrategyError, match="stage_memory_budget shapes the pipeline"):
+        Trainer(model=moe_gpt2(), args=TrainingArguments(
+            output_dir="unused", strategy="auto", stage_memory_budget="1GiB"),
+            train_dataset=[{"input_ids": torch.zeros(9, dtype=torch.long)}] * 8)
