@@ -318,12 +318,11 @@ def load_config(path: str | Path | None = None, overrides: list[str] | tuple[str
 
 
 def _plan(raw: dict[str, Any], text: str, world_size: int | None) -> str:
-    from tessera.train.auto import resolve_auto_text
+    from tessera.train.auto import PIPELINE_ONLY_KEYS, resolve_auto_text
 
     if world_size is None:
         raise ConfigError("strategy=auto needs the number of workers (tessera train --nproc N)")
-    for key in ("pipeline_split_points", "pipeline_leaf_modules", "stage_memory_budget"):
-        # The planner reads none of them (a budget it does not plan by failed at pp=1 later)
+    for key in PIPELINE_ONLY_KEYS:
         if (raw.get("train") or {}).get(key):
             raise ConfigError(f"train.{key} shapes the pipeline of a pp the strategy fixes: "
                               "give strategy text with pp > 1, not auto")

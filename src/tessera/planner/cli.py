@@ -132,15 +132,16 @@ def _print_table(result, cluster_name: str, gbs: int) -> None:
     for column in ("#", "strategy", "step s", "tokens/s", "TFLOP/s/dev", "MFU", "mem/dev GiB",
                    "largest costs", "runs"):
         table.add_column(column, overflow="fold")
-    for rank, e in enumerate(result.results, 1):
+    runs = [e.strategy.is_runnable() for e in result.results]
+    for rank, (e, runnable) in enumerate(zip(result.results, runs), 1):
         costs = sorted(e.breakdown.items(), key=lambda kv: -kv[1])[:3]
         table.add_row(str(rank), e.strategy.to_text(), f"{e.step_time:.3f}",
                       f"{e.tokens_per_s:,.0f}", f"{e.tflops_per_device:.1f}", f"{e.mfu:.1%}",
                       f"{e.memory.total / GIB:.1f}",
                       ", ".join(f"{k} {v:.2f}s" for k, v in costs if v > 0),
-                      "yes" if e.strategy.is_runnable() else "not yet")
+                      "yes" if runnable else "not yet")
     Console(width=max(120, Console().width)).print(table)
-    if not all(e.strategy.is_runnable() for e in result.results):
+    if not all(runs):
         click.echo("runs 'not yet': priced, but tessera train refuses it in this build (e.g. "
                    "memory=zero1/2/3); --available-only lists only what it runs")
 

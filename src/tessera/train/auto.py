@@ -49,6 +49,9 @@ def plan_strategy(model: nn.Module, world_size: int, global_batch_size: int,
                          layout_limits(model, world_size), device)
 
 
+# Pipeline arguments the planner does not read: with "auto" they are refused, not ignored.
+PIPELINE_ONLY_KEYS = ("pipeline_split_points", "pipeline_leaf_modules", "stage_memory_budget")
+
 # Model classes "auto" plans sequence parallelism for: those the suite checks it on.
 SP_PLANNED = frozenset({"Transformer", "GPT2LMHeadModel", "LlamaForCausalLM"})
 
@@ -74,13 +77,15 @@ def layout_limits(model: nn.Module, world_size: int | None = None) -> dict[str, 
     holders = [path for path, module in model.named_modules()
                if next(module.parameters(recurse=False), None) is not None]
     covered = all(style_of(path, policy) is not None for path in holders)
-    if not covered or (world_size is not None and not _tp_cuts_evenly(model, world_size)):
-        return {"tp": 1, "sp": 1} if not covered else (
-            {"tp": 1} if type(model).__name__ in SP_PLANNED else {"tp": 1, "sp": 1})
+    if not covered:
+        return {"tp": 1, "sp": 1}
     # Other classes with a policy (Mistral, Gemma, Cohere, ...): tensor parallelism checked,
     # sequence parallelism not planned for (Mistral's and Gemma 2's sliding windows, for
     # two, are refused under sp past them).
-    return {} if type(model).__name__ in SP_PLANNED else {"sp": 1}
+    limits = {} if type(model).__name__ in SP_PLANNED else {"sp": 1}
+    if world_size is not None and not _tp_cuts_evenly(model, world_size):
+        limits["tp"] = 1
+    return limits
 
 
 def _tp_cuts_evenly(model: nn.Module, world_size: int) -> bool:

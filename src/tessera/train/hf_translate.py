@@ -14,6 +14,7 @@ from torch.utils.data import Dataset
 from tessera.config import TrainingArguments as CoreArguments
 from tessera.data.stream import StreamSamples
 from tessera.strategy import Strategy, StrategyError
+from tessera.train.auto import PIPELINE_ONLY_KEYS
 from tessera.train.evaluation import check_eval_micro_batch
 from tessera.train.hf_arguments import TrainingArguments, check_some_training
 from tessera.train.hf_strategy import check_batch_arguments, resolve_strategy, sample_length
@@ -65,8 +66,8 @@ def _strategy(a: TrainingArguments, model: nn.Module, shaping: Dataset) -> Strat
                                "per_device_eval_batch_size",
                                "leave it unset (evaluation then runs the training "
                                f"micro-batch, {strategy.micro_batch_size} samples)")
-    for key in ("pipeline_split_points", "pipeline_leaf_modules", "stage_memory_budget"):
-        if planned and getattr(a, key):  # the planner reads none of them
+    for key in PIPELINE_ONLY_KEYS:
+        if planned and getattr(a, key):
             raise StrategyError(f"{key} shapes the pipeline of a pp the strategy fixes: "
                                 "give strategy text with pp > 1, not 'auto'")
     strategy.check_split_points(a.pipeline_split_points)

@@ -165,10 +165,12 @@ class SequenceParallel:
         wherever the position ids do not go up by one. Read as transformers' masking reads
         them on one device: only without a cache (``use_cache=False``: with a cache it masks
         causally across the whole row, and so does this, saying so once)."""
+        config = self.packed_rows_config
+        if config is None:
+            return torch.zeros_like(positions)  # one document a row
         steps = torch.diff(positions, prepend=positions[:, :1] - 1, dim=-1)
         documents = (steps != 1).long().cumsum(dim=-1)
-        config = self.packed_rows_config
-        if config is None or not bool((documents[:, -1] > 0).any()):
+        if not bool((documents[:, -1] > 0).any()):
             return torch.zeros_like(documents)  # one document a row
         if not getattr(config, "use_cache", False):
             return documents
