@@ -48,6 +48,49 @@ def test_damaged_checkpoints_are_named(tmp_path):
         ckpt.read_meta(first)
 
 
+def _save_with_one_rank_failing(rank, world_size, root):
+    root = Path(root)
+    model = torch.nn.Linear(4, 3)
+    optimizer = torch.optim.AdamW(model.parameters())
+    model(torch.ones(2, 4)).sum().backward()
+    optimizer.step()
+    if rank == 0:  # a save a kill cut short, in an earlier run
+        (root / ".step_00000009.partial").mkdir(parents=True)
+    ckpt.save_checkpoint(root, 1, model, optimizer, {})
+    errors = []
+
+    def no_space(*args):
+        raise OSError(28, "No space left on device")
+
+    # Rank 1 cannot write its RNG state; then rank 0 alone cannot write the manifest. Before,
+    # the other rank waited in a barrier until the collective timeout (30 minutes by default).
+    for failing_rank, helper in ((1, "_save_durably"), (0, "_manifest")):
+        original = getattr(ckpt, helper)
+        if rank == failing_rank:
+            setattr(ckpt, helper, no_space)
+        try:
+            ckpt.save_checkpoint(root, 2, model, optimizer, {})
+        except ckpt.CheckpointError as err:
+            errors.append(str(err))
+        finally:
+            setattr(ckpt, helper, original)
+    return {"errors": errors, "files": sorted(p.name for p in root.iterdir()),
+            "latest": ckpt.find_latest(root).name}
+
+
+def test_a_save_failing_on_one_rank_is_raised_on_every_rank_and_loses_nothing(tmp_path):
+    results = run_distributed(_save_with_one_rank_failing, world_size=2, args=(str(tmp_path),),
+                              collective_timeout_s=60)
+    for result in results:
+        assert len(result["errors"]) == 2
+        assert "step 2 failed (rank 1: [Errno 28] No space left" in result["errors"][0]
+        assert "step 2 failed (rank 0: [Errno 28] No space left" in result["errors"][1]
+        assert "no complete checkpoint in" in result["errors"][1]
+        # The first checkpoint stands; neither failed save nor the leftover is left behind.
+        assert result["files"] == ["latest", "step_00000001"]
+        assert result["latest"] == "step_00000001"
+
+
 def test_a_checkpoint_path_that_does_not_exist_is_named_so(tmp_path):
     with pytest.raises(ckpt.CheckpointError, match=r"step_3 does not exist .*step_00000003"):
         ckpt.read_meta(tmp_path / "checkpoints" / "step_3")

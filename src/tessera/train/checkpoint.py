@@ -24,7 +24,7 @@ import os
 import re
 import shutil
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable
 
 import torch
 import torch.distributed as dist
@@ -59,31 +59,70 @@ def step_dirname(step: int) -> str:
 
 def save_checkpoint(root: Path, step: int, model: nn.Module, optimizer: torch.optim.Optimizer,
                     meta: dict[str, Any], keep: int = 3) -> Path:
-    """Save model and optimizer state (all ranks call this); returns the checkpoint folder."""
+    """Save model and optimizer state (all ranks call this); returns the checkpoint folder.
+
+    Raises:
+        CheckpointError: on every rank, naming the rank and the error, when any rank's part
+            of the save fails (a full disk, a permission); the previous checkpoint and
+            ``latest`` are left as they were.
+    """
     rank = dist.get_rank()
     final = root / step_dirname(step)
     partial = root / f".{step_dirname(step)}.partial"
-    if rank == 0:
+
+    def prepare() -> None:
         shutil.rmtree(partial, ignore_errors=True)
         partial.mkdir(parents=True)
-    dist.barrier()
-    flat = getattr(model, "flat_optimizer_state", False)
-    never_stepped = not optimizer.state
-    model_sd, optim_sd = _state_dicts(model, optimizer, _FLAT if flat else _INDEXED)
-    if never_stepped:
-        _forget_state_init_step(optimizer)
-    dcp.save({"model": model_sd, "optim": optim_sd}, checkpoint_id=str(partial))
-    (partial / "rng").mkdir(exist_ok=True)
-    torch.save(_rng_state(), partial / "rng" / f"rank_{rank}.pt")
-    dist.barrier()
-    if rank == 0:
+
+    def write_shards() -> None:
+        flat = getattr(model, "flat_optimizer_state", False)
+        never_stepped = not optimizer.state
+        model_sd, optim_sd = _state_dicts(model, optimizer, _FLAT if flat else _INDEXED)
+        if never_stepped:
+            _forget_state_init_step(optimizer)
+        dcp.save({"model": model_sd, "optim": optim_sd}, checkpoint_id=str(partial))
+        (partial / "rng").mkdir(exist_ok=True)
+        _save_durably(_rng_state(), partial / "rng" / f"rank_{rank}.pt")
+
+    def publish() -> None:
         _write_json_durably(partial / META, {**meta, "step": step, "files": _manifest(partial)})
         shutil.rmtree(final, ignore_errors=True)
         os.replace(partial, final)
-        _write_text_durably(root / LATEST, final.name)
+        _fsync_folder(root)
+        write_text_durably(root / LATEST, final.name)
         _prune(root, keep, final)
-    dist.barrier()
+
+    _agreed(step, partial, prepare, on_rank0_only=True)
+    _agreed(step, partial, write_shards)
+    _agreed(step, partial, publish, on_rank0_only=True)
     return final
+
+
+def _agreed(step: int, partial: Path, part: Callable[[], None],
+            on_rank0_only: bool = False) -> None:
+    """Run one part of a save and raise on every rank if it failed on any.
+
+    A rank that failed alone used to leave the others waiting in the next barrier until the
+    collective timeout; now every rank raises the same CheckpointError at once. The unfinished
+    ``.partial`` folder is removed (the next save would remove it too)."""
+    rank = dist.get_rank()
+    error: BaseException | None = None
+    if rank == 0 or not on_rank0_only:
+        try:
+            part()
+        except Exception as err:  # any failure: the other ranks must not wait for this one
+            error = err
+    problems: list[str | None] = [None] * dist.get_world_size()
+    dist.all_gather_object(problems, f"rank {rank}: {error}" if error else None)
+    failed = [p for p in problems if p]
+    if not failed:
+        return
+    if rank == 0:
+        shutil.rmtree(partial, ignore_errors=True)
+    dist.barrier()  # the folder is gone on every rank's return
+    message = (f"saving the checkpoint of step {step} failed ({'; '.join(failed)}); no "
+               f"complete checkpoint in {partial.parent} was changed")
+    raise CheckpointError(message) from error
 
 
 def _forget_state_init_step(optimizer: torch.optim.Optimizer) -> None:
@@ -301,25 +340,53 @@ def _set_rng_state(state: dict[str, Any]) -> None:
         torch.cuda.set_rng_state(state["cuda"])
 
 
-def _write_text_durably(path: Path, text: str) -> None:
+def write_text_durably(path: Path, text: str) -> None:
+    """Write ``text`` to ``path`` all or nothing: a temporary file, fsynced, renamed over it."""
     tmp = path.with_name(f".{path.name}.tmp")
     with open(tmp, "w") as handle:
         handle.write(text)
         handle.flush()
         os.fsync(handle.fileno())
     os.replace(tmp, path)
+    _fsync_folder(path.parent)
+
+
+def _save_durably(obj: Any, path: Path) -> None:
+    """torch.save, fsynced: the manifest records this file, so it must be on disk first."""
+    with open(path, "wb") as handle:
+        torch.save(obj, handle)
+        handle.flush()
+        os.fsync(handle.fileno())
+
+
+def _fsync_folder(folder: Path) -> None:
+    """Make renames inside ``folder`` durable (a rename is an entry in the folder, which is
+    only on disk once the folder is synced). Platforms without folder fsync skip it."""
+    try:
+        fd = os.open(folder, os.O_RDONLY)
+    except OSError:
+        return
+    try:
+        os.fsync(fd)
+    except OSError:
+        pass
+    finally:
+        os.close(fd)
 
 
 def _write_json_durably(path: Path, data: dict[str, Any]) -> None:
-    _write_text_durably(path, json.dumps(data, indent=2, sort_keys=True))
+    write_text_durably(path, json.dumps(data, indent=2, sort_keys=True))
 
 
 def _prune(root: Path, keep: int, saved: Path) -> None:
-    """Keep ``saved`` (just written) and the newest others of its run, ``keep`` in all.
+    """Keep ``saved`` (just written) and the newest others of its run, ``keep`` in all, and
+    remove the ``.partial`` folders of saves that never finished.
 
     Checkpoints numbered above ``saved`` are an abandoned continuation (the run resumed from
     an earlier step): they go first. Pruning by number alone deleted the checkpoint just
     written, and a later resume took the abandoned one (until 2026-11-28)."""
+    for leftover in root.glob(".step_*.partial"):  # saves a crash or kill cut short
+        shutil.rmtree(leftover, ignore_errors=True)
     if keep <= 0:
         return
     step = _step_of(saved)

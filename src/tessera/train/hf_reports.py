@@ -21,6 +21,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from tessera.train.checkpoint import write_text_durably
 from tessera.train.trainer import TrainResult
 
 
@@ -103,12 +104,12 @@ def write_metrics(output_dir: str | Path, split: str, metrics: dict[str, Any],
     folder = Path(output_dir)
     folder.mkdir(parents=True, exist_ok=True)
     path = folder / f"{split}_results.json"
-    path.write_text(json.dumps(metrics, indent=4, sort_keys=True) + "\n")
+    write_text_durably(path, json.dumps(metrics, indent=4, sort_keys=True) + "\n")
     if combined:
         everything = folder / "all_results.json"
         merged = json.loads(everything.read_text()) if everything.exists() else {}
         merged.update(metrics)
-        everything.write_text(json.dumps(merged, indent=4, sort_keys=True) + "\n")
+        write_text_durably(everything, json.dumps(merged, indent=4, sort_keys=True) + "\n")
     return path
 
 
@@ -124,6 +125,6 @@ def write_state(output_dir: str | Path, state: Any) -> Path:
     folder = Path(output_dir)
     folder.mkdir(parents=True, exist_ok=True)
     path = folder / "trainer_state.json"
-    path.write_text(json.dumps({name: getattr(state, name) for name in STATE_FIELDS},
-                               indent=2, sort_keys=True) + "\n")
+    write_text_durably(path, json.dumps({name: getattr(state, name) for name in STATE_FIELDS},
+                                        indent=2, sort_keys=True) + "\n")
     return path
