@@ -69,6 +69,31 @@ def test_layer_count_matches_saved_tensors(model, run):
     assert lay.weight_copy_bytes * matrix_params(model) == copies
 
 
+@pytest.mark.parametrize("run", ["fp32", "autocast"])
+def test_attention_dropout_on_cpu_counts_the_scores_sdpa_math_path_keeps(run):
+    from tessera.planner.hardware import local_cpu
+    from tessera.planner.memory import keeps_no_scores, layer_activation
+
+    dtype, autocast, (precision, memory) = RUNS[run]
+    model = dataclasses.replace(GPT2, dropout=0.1)
+    strategy = Strategy(micro_batch_size=TOKENS[0], global_batch_size=TOKENS[0],
+                        precision=precision, memory=memory)
+    cpu = local_cpu()
+    # With dropout SDPA leaves its fused kernel on CPU and keeps (T x T) scores, and CPU
+    # dropout keeps its noise in the values' dtype: until 2026-11-28 the planner counted no
+    # scores and 1-byte masks there, 4x under a measured CPU step. The count is exact but for
+    # LayerNorm statistics (as above).
+    assert not keeps_no_scores(cpu, model, strategy)
+    full, _ = layer_activation(model, strategy, TOKENS[1], keeps_no_scores(cpu, model, strategy),
+                               host_is_device=True)
+    activations, _ = _saved(model, dtype, autocast)
+    assert full == pytest.approx(activations, rel=REL_TOL)
+    # Sequence parallelism and 1D tp drop through hashed blocks that keep none.
+    assert keeps_no_scores(cpu, model, dataclasses.replace(strategy, sp=2))
+    assert keeps_no_scores(cpu, model, dataclasses.replace(strategy, tp=2))
+    assert keeps_no_scores(cpu, GPT2, strategy)
+
+
 def test_autocast_layout_costs_more_than_a_fused_16_bit_model():
     s = Strategy.parse("dp=1,mbs=2,gbs=2,precision=bf16")
     llama = dataclasses.replace(LLAMA, n_layers=4)

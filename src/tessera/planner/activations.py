@@ -33,9 +33,9 @@ Per token of one layer (h hidden, kv the key/value width, f the MLP width):
 
 Under 1d tensor parallelism see :func:`layer_bytes_per_token`. Against the tensors autograd
 saves for a real block, alone, under 2-rank 1d tp and 2 x 2 2d tp
-(tests/planner/test_activations.py), these counts are exact but for LayerNorm's statistics under 16-bit parameters (0.2%); dropout on CPU
-is not matched (SDPA's math kernel keeps the scores). A checkpointed layer keeps only its
-input, ``r h``.
+(tests/planner/test_activations.py), these counts are exact but for LayerNorm's statistics under 16-bit parameters (0.2%). With
+attention dropout on CPU, SDPA's math path keeps the scores (``memory.unfused_attention_bytes``). A
+checkpointed layer keeps only its input, ``r h``.
 """
 
 from __future__ import annotations
@@ -70,7 +70,7 @@ def layout(precision: str, memory: str) -> Layout:
 
 
 def layer_bytes_per_token(model: ModelConfig, lay: Layout, tp: int = 1,
-                          tp_mode: str = "1d") -> float:
+                          tp_mode: str = "1d", host_is_device: bool = False) -> float:
     """Bytes one layer keeps for backward per token on one device (fused attention).
 
     Under 1d tensor parallelism (tessera's column/row-parallel ops, no sequence parallelism
@@ -79,6 +79,9 @@ def layer_bytes_per_token(model: ModelConfig, lay: Layout, tp: int = 1,
     16-bit copy per linear); attention's heads and the MLP's width are split t ways. 2d
     (Optimus) partitions every activation over the grid: all of it divided by t; its norms
     (layers2d.Norm2DFn, both styles) keep the normalised value in fp32 and the statistic.
+    Dropout keeps a 1-byte mask per element on CUDA (its fused kernel); on a CPU
+    (``host_is_device``) PyTorch's dropout keeps its noise tensor, in the dropped values'
+    dtype (the linears' output precision).
     """
     e, r = lay.matmul_bytes, lay.residual_bytes
     h, f = model.d_model, model.d_ff
@@ -101,7 +104,8 @@ def layer_bytes_per_token(model: ModelConfig, lay: Layout, tp: int = 1,
         linear_inputs = 2 * e * h
     attention = e * (h + 2 * kv) + e * h + FP32_BYTES * model.n_heads
     mlp = (3 if model.activation == "swiglu" else 2) * e * f
-    masks = 2 * h if model.dropout > 0 else 0  # 1-byte dropout masks after attention and MLP
+    mask = e if host_is_device else 1
+    masks = 2 * mask * h if model.dropout > 0 else 0  # after attention and after the MLP
     whole = 2 * norm + linear_inputs + masks
     if split_1d:
         return whole + (attention + mlp) / tp

@@ -47,8 +47,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from tessera.models.config import ModelConfig
-from tessera.planner.activations import (keeps_weight_copies, layer_bytes_per_token, layout,
-                                          matrix_params, stages_read_shards)
+from tessera.planner.activations import (FP32_BYTES, keeps_weight_copies, layer_bytes_per_token,
+                                          layout, matrix_params, stages_read_shards)
 from tessera.planner.compute import bytes_per_element
 from tessera.planner.split import Split, equal_split, head_is_sliced, stage_split
 from tessera.strategy import Strategy, blocks_to_recompute
@@ -168,19 +168,55 @@ def layer_activation_elements(model: ModelConfig, n: int) -> float:
     return elements
 
 
+def keeps_no_scores(device, model: ModelConfig, s: Strategy) -> bool:
+    """Whether attention keeps no (s x s) scores for backward on ``device`` (a DeviceSpec)
+    under ``s``: the device's fused kernel, unless attention dropout sends SDPA to its math
+    path there (CPU, where ``attention_dropout_efficiency`` is set) and the runtime runs SDPA:
+    sp = 1 without 1D tp. Sequence parallelism and 1D tp run their own hashed-dropout blocks
+    (sequence/dropout.py), which regenerate the mask and keep no scores; 2D tp runs the model's
+    SDPA on its heads. Counting no scores there undercounted a CPU step with dropout 4x
+    (helper review, 2026-11-28)."""
+    if not device.flash_attention:
+        return False
+    math_path = device.attention_dropout_efficiency is not None and model.dropout > 0
+    return not (math_path and s.sp == 1 and (s.tp == 1 or s.tp_mode == "2d"))
+
+
+def unfused_attention_bytes(model: ModelConfig, s: Strategy, seq: int, tessera: bool,
+                            host_is_device: bool = False) -> float:
+    """Bytes one layer's attention keeps for one micro-batch beyond the fused kernel's count
+    (``activations.py``) where attention is not fused: mostly (s x s) scores.
+
+    On a CPU with attention dropout SDPA's math path keeps the softmax, the dropout noise and
+    the dropped probabilities, all fp32 whatever autocast's precision (12 bytes a score), and
+    q, k and v upcast to fp32, but no log-sum-exp: measured with saved-tensor hooks, torch
+    2.13 (tests/planner/test_activations.py). Elsewhere Megatron's count (Korthikanti et
+    al.): 2.5 elements of the training precision a score."""
+    n = s.micro_batch_size * seq / s.sp  # tokens of the micro-batch on this device
+    scores = model.n_heads * n * seq  # (query, key) pairs of every head
+    if not (tessera and host_is_device and model.dropout > 0):
+        return 2.5 * bytes_per_element(s.precision) * scores
+    e = layout(s.precision, s.memory).matmul_bytes
+    qkv = model.d_model + 2 * model.n_kv_heads * model.head_dim
+    return 12 * scores + n * ((FP32_BYTES - e) * qkv - FP32_BYTES * model.n_heads)
+
+
 def layer_activation(model: ModelConfig, s: Strategy, seq: int, flash: bool,
-                     tessera: bool = True) -> tuple[float, float]:
+                     tessera: bool = True, host_is_device: bool = False
+                     ) -> tuple[float, float]:
     """(full, checkpointed) activation bytes of one layer for one micro-batch on one device:
     as tessera's runtime keeps them (``activations.py``), or with ``tessera`` False as a model
-    held in the training precision with fused kernels keeps them (Korthikanti et al.)."""
+    held in the training precision with fused kernels keeps them (Korthikanti et al.).
+    ``host_is_device``: a CPU worker, whose eager dropout keeps wider masks."""
     el = bytes_per_element(s.precision)
     n = s.micro_batch_size * seq / s.sp
-    scores = 0.0 if flash else 2.5 * s.micro_batch_size * model.n_heads * (seq / s.sp) * seq * el
+    scores = 0.0 if flash else unfused_attention_bytes(model, s, seq, tessera, host_is_device)
     if tessera:
         # tessera's 1d tp keeps the norms and the layer's input whole on every rank
         lay = layout(s.precision, s.memory)
         whole_input = s.tp_mode == "1d"
-        full = n * layer_bytes_per_token(model, lay, s.tp, s.tp_mode) + scores / s.tp
+        per_token = layer_bytes_per_token(model, lay, s.tp, s.tp_mode, host_is_device)
+        full = n * per_token + scores / s.tp
         ckpt = n * model.d_model * lay.residual_bytes / (1 if whole_input else s.tp)
         return full, ckpt
     full = layer_activation_elements(model, n) * el + scores
@@ -236,12 +272,13 @@ def recomputed_layers(ratio: float, layers: int) -> int:
 
 
 def activation_bytes(model: ModelConfig, s: Strategy, seq: int, layers: int, in_flight: float,
-                     ratio: float, flash: bool, whole: int = 0, tessera: bool = True) -> float:
+                     ratio: float, flash: bool, whole: int = 0, tessera: bool = True,
+                     host_is_device: bool = False) -> float:
     """Activation bytes of one stage: ``in_flight`` micro-batches of ``layers`` layers, of
     which ``whole`` (scp) keep every layer's activations; while a recomputing one runs its
     backward, one recomputed layer is rematerialised at a time. ``tessera``: as tessera's
     runtime keeps them (with autocast's weight copies), else a fused 16-bit model."""
-    full, ckpt = layer_activation(model, s, seq, flash, tessera)
+    full, ckpt = layer_activation(model, s, seq, flash, tessera, host_is_device)
     recomputed = recomputed_layers(ratio, layers)
     whole = min(whole, in_flight)
     dropping = in_flight - whole
@@ -326,7 +363,7 @@ def stage_memory(model: ModelConfig, s: Strategy, seq: int, reserved: float = 0.
         held = in_flight(s, i, m)
         # scp: micro-batches kept whole, within 1F1B's peak (scp_kept)
         acts = activation_bytes(model, s, seq, stage.layers, held, ratio, flash,
-                                kept[i] if kept else 0, tessera)
+                                kept[i] if kept else 0, tessera, host_is_device)
         acts += stage.head_share * logits_bytes(model, s, seq)  # its slices' logits
         if stage.head_share and tessera and keeps_weight_copies(layout(s.precision, s.memory),
                                                                   s):
@@ -362,17 +399,19 @@ def scp_kept(model: ModelConfig, s: Strategy, seq: int, reserved: float = 0.0,
         ratio = s.stage_recompute(i)
         rest.append(base[i].total - activation_bytes(
             model, s, seq, stage.layers, in_flight(one_f_one_b, i, m), ratio, flash,
-            tessera=tessera))
+            tessera=tessera, host_is_device=host_is_device))
         scp_plain.append(rest[i] + activation_bytes(model, s, seq, stage.layers,
                                                     in_flight(s, i, m), ratio, flash,
-                                                    tessera=tessera))
+                                                    tessera=tessera,
+                                                    host_is_device=host_is_device))
     budget = max(max(b.total for b in base), max(scp_plain))
     out = []
     for i, stage in enumerate(stages):
         ratio, held = s.stage_recompute(i), in_flight(s, i, m)
         keep = (m if i == s.pp - 1 else min(s.pp - 1 - i, m)) if ratio > 0 else 0
         while keep > 0 and rest[i] + activation_bytes(
-                model, s, seq, stage.layers, held, ratio, flash, keep, tessera) > budget:
+                model, s, seq, stage.layers, held, ratio, flash, keep, tessera,
+                host_is_device) > budget:
             keep = min(keep, held) - 1
         out.append(keep)
     return out

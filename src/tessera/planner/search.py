@@ -24,7 +24,7 @@ from typing import Any, Mapping
 
 from tessera.models.config import ModelConfig
 from tessera.planner.cluster import Cluster, parse_cluster
-from tessera.planner.memory import device_memory
+from tessera.planner.memory import device_memory, keeps_no_scores
 from tessera.planner.model_spec import describe_model
 from tessera.planner.simulator import Estimate, SimOptions, estimate, lower_bound
 from tessera.planner.space import (DISK_OPTION, MEMORY_OPTIONS, layouts, micro_batch_sizes,
@@ -263,7 +263,8 @@ class _Search:
                 return False
         dev = self.cluster.device
         mem = device_memory(self.model, s, self.model.max_seq_len, dev.reserved_bytes,
-                            dev.flash_attention, (self.options or SimOptions()).tessera_runtime,
+                            keeps_no_scores(dev, self.model, s),
+                            (self.options or SimOptions()).tessera_runtime,
                             host_is_device=dev.is_host).total
         if mem > dev.memory_bytes:
             self.pruned["memory"] += 1

@@ -33,8 +33,8 @@ from tessera.planner.cluster import Cluster
 from tessera.planner.compute import (LayerTime, bytes_per_element, embedding_time, head_time,
                                      layer_time, weight_cast_time)
 from tessera.planner.memory import (INTERLEAVE_CHUNKS, MemoryBreakdown, device_memory,
-                                    pipeline_stage_params, recomputed_layers, scp_kept,
-                                    shares_weight_casts)
+                                    keeps_no_scores, pipeline_stage_params, recomputed_layers,
+                                    scp_kept, shares_weight_casts)
 from tessera.planner.memory import in_flight as stage_in_flight
 from tessera.planner.split import head_is_sliced
 from tessera.planner.step_outside import outside_pipeline, straggler_time
@@ -120,7 +120,8 @@ def estimate(model: ModelConfig, cluster: Cluster, strategy: Strategy,
     groups = comm.mesh_groups(s.tp, s.sp, s.dp, s.pp)
     m = s.grad_accum_steps
     stages = _stage_costs(model, cl, s, groups, opt, cache)
-    kept = scp_kept(model, s, seq, cl.device.reserved_bytes, cl.device.flash_attention,
+    flash = keeps_no_scores(cl.device, model, s)
+    kept = scp_kept(model, s, seq, cl.device.reserved_bytes, flash,
                     opt.tessera_runtime, host_is_device=cl.device.is_host
                     ) if s.schedule == "scp" else []
     pipe, parts = _pipeline(s, stages, m, cl, model, groups, kept)
@@ -133,7 +134,7 @@ def estimate(model: ModelConfig, cluster: Cluster, strategy: Strategy,
     tokens = s.global_batch_size * seq
     model_flops = model.flops_per_token(seq) * tokens
     peak = cl.device.peak(s.precision)
-    memory = device_memory(model, s, seq, cl.device.reserved_bytes, cl.device.flash_attention,
+    memory = device_memory(model, s, seq, cl.device.reserved_bytes, flash,
                            opt.tessera_runtime, kept, host_is_device=cl.device.is_host)
     return Estimate(strategy=s, step_time=step, tokens_per_s=tokens / step,
                     tflops_per_device=model_flops / step / s.world_size / 1e12,
