@@ -1,5 +1,7 @@
 """Model and cluster descriptions: presets, shorthand, HF configs, YAML; bad input named."""
 
+import os
+
 import pytest
 import transformers
 
@@ -67,6 +69,15 @@ def test_cluster_shorthand():
     assert cluster.num_devices == 1024 and cluster.devices_per_node == 8
     assert "NVLink" in cluster.device.intra.name and "InfiniBand" in cluster.device.inter.name
     assert parse_cluster("h100-80gb").num_devices == 8
+
+
+def test_cpu_workers_share_the_host_memory():
+    # The placeholder divided the host's memory by its cores whatever the worker count:
+    # 8 workers on a 2-core host were each given half of it.
+    one, eight = parse_cluster("cpu:1x1").device, parse_cluster("cpu:8x1").device
+    assert one.memory_bytes == pytest.approx(8 * eight.memory_bytes)
+    assert parse_cluster("cpu").device.memory_bytes == pytest.approx(
+        one.memory_bytes / (os.cpu_count() or 1))
 
 
 @pytest.mark.parametrize("text, word", [("tpu-v9:8x2", "tpu-v9"), ("a100-80gb:8y2", "malformed"),

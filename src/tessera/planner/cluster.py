@@ -19,7 +19,7 @@ from typing import Any, Mapping
 
 import yaml
 
-from tessera.planner.hardware import DeviceSpec, HardwareError, get_device
+from tessera.planner.hardware import DeviceSpec, HardwareError, get_device, local_cpu
 
 # ring_step: every member sends to the next and receives from the previous at once (a ring
 # attention step: K, V and token metadata, three messages in one batch); broadcast: from one member to the others (SUMMA's block exchange). Both are
@@ -246,6 +246,10 @@ def parse_cluster(text: str) -> Cluster:
     nodes = int(match["nodes"]) if match["nodes"] else 1
     if per < 1 or nodes < 1:
         raise ClusterError(f"cluster {text!r}: devices per node and nodes must be >= 1")
+    if device.is_host:
+        # A node's workers share its memory: 8 workers on 2 cores get 1/8 each, not 1/2
+        # (the placeholder divides it by the cores).
+        device = local_cpu(per)
     slots = (os.cpu_count() or 1) if device.is_host else None
     return Cluster(device=device, devices_per_node=per, nodes=nodes, compute_slots=slots)
 
