@@ -310,15 +310,36 @@ def refusal_direct_call(mesh: Mesh) -> dict[str, str | float]:
     return out
 
 
-def refusal_megatron_sp_dropout(mesh: Mesh) -> str:
-    """The message refusing Megatron sequence parallelism on a model with dropout (1D)."""
-    model = Transformer(preset("tiny", dropout=0.1))
-    try:
-        apply_tensor_parallel(Parallelized(model, model, None), mesh.strategy, mesh,
-                              sequence_parallel=True)
-    except ValueError as err:
-        return str(err)
-    return ""
+def megatron_sp_dropout_parity(mesh: Mesh) -> dict[str, float]:
+    """Loss and gradients of the reference model with embedding and residual dropout under 1D
+    tp with Megatron sequence parallelism against one device's, from one seed.
+
+    Attention dropout is set to 0 on both: under tp it runs hashed masks per head
+    (attention.py), one device SDPA's own, so those masks differ by design (their parity is
+    attention_dropout_parity's). The embedding and residual dropout, on sequence chunks here,
+    must drop exactly what one device drops."""
+    torch.manual_seed(0)
+    single = Transformer(preset("tiny", dropout=0.1))
+    for module in single.modules():
+        if hasattr(module, "attention_fn"):
+            module.dropout = 0.0
+    parallel = copy.deepcopy(single)
+    data = batch()
+    torch.manual_seed(7)
+    ref_loss = default_forward_loss(single, data)
+    ref_loss.backward()
+    plan = Parallelized(module=parallel, model=parallel, loss_group=None)
+    strategy = mesh.strategy
+    apply_tensor_parallel(plan, strategy.replace(dp=1, global_batch_size=1)
+                          if strategy.dp > 1 else strategy, mesh, sequence_parallel=True)
+    torch.manual_seed(7)
+    tp_loss = plan.forward_loss(plan.module, data)
+    tp_loss.backward()
+    torch.manual_seed(8)  # another mask: the losses must differ (dropout took effect)
+    with torch.no_grad():
+        other = default_forward_loss(single, data).item()
+    return {"loss": abs(tp_loss.item() - ref_loss.item()), **_gradient_gap(single, parallel),
+            "other_mask_loss_gap": abs(other - ref_loss.item())}
 
 
 def checkpoint_roundtrip(mesh: Mesh, kind: str, folder: str) -> dict[str, float]:

@@ -29,6 +29,7 @@ from tessera.parallel.tensor.probe import check_embedding, check_norm
 from tessera.parallel.tensor.ops2d import register_grid
 from tessera.parallel.tensor.policy import (ONE_D_STYLES, ModelDims, PolicyError, check_divisible,
                                             model_dims, policy_for, style_of)
+from tessera.parallel.tensor.seq_dropout import shard_sequence_dropouts
 from tessera.parallel.tensor.shard import (accept_full_tensors, add_optimizer_unpermute_hooks,
                                            add_unpermute_hooks, fused_perm, make_param,
                                            permuted_params)
@@ -76,13 +77,9 @@ def apply_tensor_parallel(plan: Parallelized, strategy: Strategy, mesh: Mesh,
         if sequence_parallel and dims.hf:
             raise PolicyError(f"{what}: sequence parallelism needs the reference model; "
                               f"{type(model).__name__} builds its masks from the local length")
-        if sequence_parallel and model.config.dropout > 0:
-            # tp peers draw from one stream (parallel/rank_rng.py: their replicated regions
-            # need equal masks), so the sequence chunks they split would be dropped alike.
-            raise PolicyError(f"{what}: Megatron sequence parallelism with dropout="
-                              f"{model.config.dropout} would drop every tp rank's sequence "
-                              "chunk with the same mask; set the model's dropout to 0")
         group = TPGroup(mesh.group("tp"), counter)
+        if sequence_parallel:  # each sequence chunk dropped as one device drops it
+            shard_sequence_dropouts(model, group)
         check_divisible(dims, group.size, kv_ways_ok=True, what=what)
         builder = _Builder1D(dims, group, mesh.submesh("tp"), sequence_parallel)
         plan.forward_loss = make_forward_loss_1d(group)
