@@ -65,6 +65,40 @@ def test_auto_strategy_is_planned_for_the_workers():
         load_config(None, [*base, "strategy=auto,gbs=16,dq=2"], world_size=2)
 
 
+def test_auto_plans_for_the_cluster_file_it_is_given(tmp_path):
+    import dataclasses
+
+    from tessera.planner import parse_cluster, save_cluster, search
+    from tessera.planner.hardware import Link
+    from tessera.planner.model_spec import describe_model
+
+    base = ["model.preset=small", "data.seq_len=64", "strategy=auto,gbs=8"]
+    local = load_config(None, base, world_size=2).strategy
+    # A measured host whose gloo link is 2000x slower than the preset's guess: data and
+    # tensor parallelism's collectives then cost more than pipeline stages' small messages.
+    cluster = parse_cluster("cpu:2x1")
+    slow = dataclasses.replace(cluster.device, intra=Link("slow shared memory", 1e6, 1e-3))
+    path = tmp_path / "cluster.yaml"
+    save_cluster(dataclasses.replace(cluster, device=slow), str(path))
+    config = load_config(None, [*base, f"train.planner_cluster={path}"], world_size=2)
+    expected = search(describe_model("small", 64), str(path), 8, devices=2, available_only=True,
+                      top_k=1).best.strategy
+    assert config.strategy == expected and config.strategy != local
+    assert config.train.planner_cluster is None  # consumed: the resolved config reruns as is
+    with pytest.raises(ConfigError, match="nothing reads it"):
+        load_config(None, ["strategy=dp=1,mbs=1,gbs=1", f"train.planner_cluster={path}"])
+    with pytest.raises(ConfigError, match="devices=4 exceeds the cluster's 2"):
+        load_config(None, [*base, f"train.planner_cluster={path}"], world_size=4)
+    with pytest.raises(ConfigError, match="cannot read cluster file"):
+        load_config(None, [*base, f"train.planner_cluster={tmp_path}/none.yaml"], world_size=2)
+    gpus = tmp_path / "gpus.yaml"
+    save_cluster(parse_cluster("a100-80gb:2"), str(gpus))
+    with pytest.raises(ConfigError, match="describes a100-80gb devices but this job runs on "
+                                          "CPU workers"):
+        load_config(None, [*base, "train.device=cpu", f"train.planner_cluster={gpus}"],
+                    world_size=2)
+
+
 def test_auto_plans_at_the_training_length_and_takes_any_valid_fixed_field():
     small = ["model.preset=small", "data.seq_len=64"]
 

@@ -396,6 +396,30 @@ def test_use_cpu_plans_auto_for_the_host_not_its_gpu(monkeypatch, own_process_gr
             assert trainer._core.ctx.device.type == "cpu"
 
 
+def test_auto_plans_for_the_planner_cluster_file(tmp_path, own_process_group):
+    import dataclasses
+
+    from tessera.models import Transformer, preset
+    from tessera.planner import parse_cluster, save_cluster
+    from tessera.planner.hardware import Link
+
+    cluster = parse_cluster("cpu:1x1")
+    # Memory for nothing: planning reads this file, so nothing fits.
+    small = dataclasses.replace(cluster.device, memory_bytes=1e3, intra=Link("shm", 1e9, 1e-5))
+    path = tmp_path / "cluster.yaml"
+    save_cluster(dataclasses.replace(cluster, device=small), str(path))
+    data = TokenDataset(np.arange(200) % 50, seq_len=16)
+    args = TrainingArguments(strategy="auto", planner_cluster=str(path), max_steps=1,
+                             per_device_train_batch_size=2, use_cpu=True)
+    with pytest.raises(StrategyError, match="strategy=auto: nothing runs on 1 device"):
+        Trainer(model=Transformer(preset("tiny")), args=args, train_dataset=data)
+    args = TrainingArguments(strategy="dp=1,mbs=2,gbs=2", planner_cluster=str(path),
+                             max_steps=1, per_device_train_batch_size=2)
+    with pytest.raises(StrategyError, match="planner_cluster is what strategy='auto' plans "
+                                            "for; with strategy 'dp=1,mbs=2,gbs=2' nothing"):
+        Trainer(model=Transformer(preset("tiny")), args=args, train_dataset=data)
+
+
 def test_datasets_tessera_cannot_read_are_refused_naming_the_way():
     from tessera.train.hf_data import check_readable
     from tessera.train.hf_eval import eval_sets

@@ -128,6 +128,9 @@ class TrainingArguments(_Section):
     resume_from: str | None = None  # a checkpoint folder; default: the newest in output_dir
     init_from: str | None = None  # a safetensors folder (save_model's layout) to start from
     device: Literal["auto", "cpu", "cuda"] = "auto"
+    # strategy=auto plans for the devices this cluster YAML describes (`tessera profile
+    # --out FILE` measures them) instead of the local preset's guesses.
+    planner_cluster: str | None = None
     progress: Literal["auto", "bar", "lines", "off"] = "auto"
     # Bytes one pipeline rank may hold (weights, AdamW states, activations; estimated from
     # the graph captured at the run's shape): each stage then recomputes the least that fits
@@ -314,6 +317,12 @@ def load_config(path: str | Path | None = None, overrides: list[str] | tuple[str
     text = raw.get("strategy")
     if isinstance(text, str) and text.split(",")[0].strip() == "auto":
         raw["strategy"] = _plan(raw, text, world_size)
+        # Planning read it: the resolved config (the workers', a rerun's) holds its outcome.
+        (raw.get("train") or {}).pop("planner_cluster", None)
+    elif (raw.get("train") or {}).get("planner_cluster"):
+        raise ConfigError("train.planner_cluster is what strategy=auto plans for; with "
+                          f"strategy {text!r} nothing reads it: use strategy=auto,gbs=N or "
+                          "leave it out")
     return config_from_dict(raw)
 
 
@@ -329,7 +338,8 @@ def _plan(raw: dict[str, Any], text: str, world_size: int | None) -> str:
     probe = config_from_dict({**raw, "strategy": "dp=1,mbs=1,gbs=1"})  # validates the rest
     try:
         return resolve_auto_text(text, probe.model.build_config(), world_size,
-                                 probe.train.device, seq_len=probe.data.seq_len).to_text()
+                                 probe.train.device, seq_len=probe.data.seq_len,
+                                 cluster_file=probe.train.planner_cluster).to_text()
     except StrategyError as err:
         raise ConfigError(f"strategy: {err}") from None
 

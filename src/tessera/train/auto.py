@@ -26,14 +26,40 @@ def local_cluster(world_size: int, device: str = "auto") -> str:
     return f"cpu:{world_size}x1"
 
 
+def planning_cluster(world_size: int, device: str = "auto", cluster_file: str | None = None):
+    """What ``auto`` plans for: the cluster file (``tessera profile``'s YAML, measured on
+    this machine) when given, else the preset of the local devices (``local_cluster``).
+
+    Raises:
+        StrategyError: naming the file when it cannot be read, or when it describes CPU
+            workers for a job on CUDA devices or the other way round.
+    """
+    if cluster_file is None:
+        return local_cluster(world_size, device)
+    from tessera.planner.cluster import ClusterError, load_cluster
+
+    try:
+        cluster = load_cluster(cluster_file)
+    except ClusterError as err:
+        raise StrategyError(f"planner_cluster: {err}") from None
+    on_gpu = device != "cpu" and torch.cuda.is_available()
+    if cluster.device.is_host == on_gpu:
+        runs_on = "CUDA devices" if on_gpu else "CPU workers"
+        raise StrategyError(f"planner_cluster {cluster_file} describes {cluster.device.name} "
+                            f"devices but this job runs on {runs_on}: profile them with "
+                            f"`tessera profile --device {'cuda' if on_gpu else 'cpu'}`")
+    return cluster
+
+
 def plan_strategy(model: nn.Module, world_size: int, global_batch_size: int,
-                  precision: str, seq_len: int | None = None, device: str = "auto"
-                  ) -> Strategy:
+                  precision: str, seq_len: int | None = None, device: str = "auto",
+                  cluster_file: str | None = None) -> Strategy:
     """The planner's top strategy among those the runtime supports (AVAILABLE).
 
     The model is described by its config when the planner reads it (reference, GPT-2,
     Llama, Mistral), else by its captured graph, at ``seq_len`` tokens (default: the
-    config's position count), for the devices ``device`` names (see ``local_cluster``).
+    config's position count), for the devices ``device`` names (see ``local_cluster``), or
+    as ``cluster_file`` describes them (``planning_cluster``).
 
     Raises:
         StrategyError: when the model cannot be described or nothing fits, saying why.
@@ -46,7 +72,7 @@ def plan_strategy(model: nn.Module, world_size: int, global_batch_size: int,
         raise StrategyError(f"strategy=auto cannot describe the model to the planner: {err}; "
                             "give a Strategy explicitly") from None
     return best_runnable(config, world_size, global_batch_size, precision,
-                         layout_limits(model, world_size), device)
+                         layout_limits(model, world_size), device, cluster_file)
 
 
 # Pipeline arguments the planner does not read: with "auto" they are refused, not ignored.
@@ -106,7 +132,8 @@ def _tp_cuts_evenly(model: nn.Module, world_size: int) -> bool:
 
 
 def best_runnable(model_config, world_size: int, global_batch_size: int, precision: str,
-                  fixed: dict | None = None, device: str = "auto") -> Strategy:
+                  fixed: dict | None = None, device: str = "auto",
+                  cluster_file: str | None = None) -> Strategy:
     """The fastest strategy that fits and that this build's runtime runs.
 
     Raises:
@@ -115,8 +142,9 @@ def best_runnable(model_config, world_size: int, global_batch_size: int, precisi
     from tessera.planner import search
     from tessera.planner.search import PlannerError
 
+    cluster = planning_cluster(world_size, device, cluster_file)
     try:
-        result = search(model_config, local_cluster(world_size, device), global_batch_size,
+        result = search(model_config, cluster, global_batch_size,
                         devices=world_size, available_only=True, precision=precision,
                         fixed=fixed or None, top_k=1)
     except PlannerError as err:  # e.g. a field the planner does not choose (tp_overlap)
@@ -130,7 +158,8 @@ def best_runnable(model_config, world_size: int, global_batch_size: int, precisi
 
 
 def resolve_auto_text(text: str, model_config, world_size: int, device: str = "auto",
-                      seq_len: int | None = None) -> Strategy:
+                      seq_len: int | None = None, cluster_file: str | None = None
+                      ) -> Strategy:
     """Resolve ``auto[,field=value...]`` (e.g. ``auto,gbs=64,precision=bf16``) for a job
     whose samples hold ``seq_len`` tokens (default: the model's position count).
 
@@ -152,4 +181,4 @@ def resolve_auto_text(text: str, model_config, world_size: int, device: str = "a
     gbs = fixed.pop("global_batch_size")
     precision = str(fixed.pop("precision", "fp32"))
     model = describe_model(model_config, seq_len) if seq_len else model_config
-    return best_runnable(model, world_size, gbs, precision, fixed, device)
+    return best_runnable(model, world_size, gbs, precision, fixed, device, cluster_file)

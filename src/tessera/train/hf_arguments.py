@@ -51,7 +51,7 @@ AT_TESSERA_VALUE = {
 
 class TrainingArguments(_Section, ProcessView):
     """Hugging Face ``TrainingArguments`` names, plus ``strategy``, ``stage_memory_budget``,
-    ``pipeline_split_points`` and ``pipeline_leaf_modules``; what scripts read about their
+    ``planner_cluster``, ``pipeline_split_points`` and ``pipeline_leaf_modules``; what scripts read about their
     process (``device``, ``world_size``, ``main_process_first()``, ...: hf_process.py).
 
     Unknown names are refused (naming the key) rather than ignored. ``max_steps=-1`` trains
@@ -62,6 +62,7 @@ class TrainingArguments(_Section, ProcessView):
     output_dir: str = "runs/trainer"
     strategy: str | None = None
     stage_memory_budget: int | None = None  # pp > 1: bytes per stage, e.g. "12GiB"
+    planner_cluster: str | None = None  # strategy="auto" plans for this cluster YAML
     pipeline_split_points: list[str] | None = None  # pp > 1: modules that start stages
     pipeline_leaf_modules: list[str] | None = None  # pp > 1: modules run eagerly, uncaptured
     per_device_train_batch_size: int = 8

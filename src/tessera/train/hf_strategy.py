@@ -39,11 +39,15 @@ def check_batch_arguments(args: TrainingArguments, strategy: Strategy) -> None:
 
 def resolve_strategy(text: str | None, model: nn.Module, world: int, per_device: int,
                      accumulation: int, precision: str, seq_len: int | None = None,
-                     device: str = "auto") -> Strategy:
+                     device: str = "auto", cluster_file: str | None = None) -> Strategy:
     """The Strategy for a run: given text, "auto" (planned at ``seq_len`` tokens, default
-    the model's position count, for ``device`` as ``local_cluster`` reads it), or data
-    parallel over ``world``."""
+    the model's position count, for ``device`` as ``local_cluster`` reads it, or for the
+    devices ``cluster_file`` describes), or data parallel over ``world``."""
     gbs = per_device * accumulation * world
+    if cluster_file is not None and (text is None or text.strip() != "auto"):
+        raise StrategyError(f"planner_cluster is what strategy='auto' plans for; with "
+                            f"strategy {text!r} nothing reads it: set strategy='auto' or "
+                            "leave it out")
     if text is None:
         strategy = Strategy(dp=world, micro_batch_size=per_device, global_batch_size=gbs,
                             precision=precision)
@@ -55,7 +59,7 @@ def resolve_strategy(text: str | None, model: nn.Module, world: int, per_device:
     elif text.strip() == "auto":
         from tessera.train.auto import plan_strategy
 
-        strategy = plan_strategy(model, world, gbs, precision, seq_len, device)
+        strategy = plan_strategy(model, world, gbs, precision, seq_len, device, cluster_file)
     else:
         values = batch_from_arguments(text, per_device, accumulation)
         # Text that leaves precision out takes the bf16/fp16 flags, as it takes mbs and gbs.

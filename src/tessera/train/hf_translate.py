@@ -59,7 +59,8 @@ def _strategy(a: TrainingArguments, model: nn.Module, shaping: Dataset) -> Strat
     strategy = resolve_strategy(a.strategy, model, world, a.per_device_train_batch_size,
                                 a.gradient_accumulation_steps, a.precision,
                                 seq_len=sample_length(shaping) if planned else None,
-                                device="cpu" if a.use_cpu else "auto")
+                                device="cpu" if a.use_cpu else "auto",
+                                cluster_file=a.planner_cluster)
     check_batch_arguments(a, strategy)
     if "per_device_eval_batch_size" in a.model_fields_set:
         check_eval_micro_batch(a.per_device_eval_batch_size, strategy,
