@@ -69,13 +69,14 @@ def test_layer_count_matches_saved_tensors(model, run):
     assert lay.weight_copy_bytes * matrix_params(model) == copies
 
 
+@pytest.mark.parametrize("base", [GPT2, LLAMA], ids=["gpt2", "llama"])
 @pytest.mark.parametrize("run", ["fp32", "autocast"])
-def test_attention_dropout_on_cpu_counts_the_scores_sdpa_math_path_keeps(run):
+def test_attention_dropout_on_cpu_counts_the_scores_sdpa_math_path_keeps(run, base):
     from tessera.planner.hardware import local_cpu
     from tessera.planner.memory import keeps_no_scores, layer_activation
 
     dtype, autocast, (precision, memory) = RUNS[run]
-    model = dataclasses.replace(GPT2, dropout=0.1)
+    model = dataclasses.replace(base, dropout=0.1)
     strategy = Strategy(micro_batch_size=TOKENS[0], global_batch_size=TOKENS[0],
                         precision=precision, memory=memory)
     cpu = local_cpu()
@@ -92,6 +93,10 @@ def test_attention_dropout_on_cpu_counts_the_scores_sdpa_math_path_keeps(run):
     assert keeps_no_scores(cpu, model, dataclasses.replace(strategy, sp=2))
     assert keeps_no_scores(cpu, model, dataclasses.replace(strategy, tp=2))
     assert keeps_no_scores(cpu, GPT2, strategy)
+    # Residual dropout alone leaves attention on its fused kernel (GPT-2's attn_pdrop=0).
+    assert keeps_no_scores(cpu, dataclasses.replace(model, attention_dropout=0.0), strategy)
+    # RSA keeps its rows of probabilities, dropout or not.
+    assert not keeps_no_scores(cpu, GPT2, dataclasses.replace(strategy, sp=2, sp_mode="rsa"))
 
 
 def test_autocast_layout_costs_more_than_a_fused_16_bit_model():

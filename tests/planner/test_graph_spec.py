@@ -111,7 +111,14 @@ def test_a_graph_read_model_keeps_its_dropout():
     assert describe_module(_meta_model(config), seq_len=64).config.dropout == 0.0
     config.attention_dropout = 0.1
     with pytest.warns(UserWarning):  # Qwen2's biases, as above
-        assert describe_module(_meta_model(config), seq_len=64).config.dropout == 0.1
+        described = describe_module(_meta_model(config), seq_len=64).config
+    # Attention's own: no residual dropout priced (Qwen2 has none).
+    assert (described.attention_p, described.dropout) == (0.1, 0.0)
+    # GPT-2's modules: attn_dropout apart from resid_dropout, mlp dropout and the embedding's.
+    gpt2 = hf.GPT2Config(vocab_size=512, n_embd=64, n_layer=2, n_head=4, n_positions=64,
+                         attn_pdrop=0.0, resid_pdrop=0.2, embd_pdrop=0.1)
+    described = describe_module(_meta_model(gpt2), seq_len=64).config
+    assert (described.attention_p, described.dropout) == (0.0, 0.2)
 
 
 @pytest.mark.parametrize("name", ["qwen2", "gpt_neox"])  # GPT-NeoX splits its fused q|k|v

@@ -78,6 +78,14 @@ def test_cpu_workers_share_the_host_memory():
     assert one.memory_bytes == pytest.approx(8 * eight.memory_bytes)
     assert parse_cluster("cpu").device.memory_bytes == pytest.approx(
         one.memory_bytes / (os.cpu_count() or 1))
+    # A YAML naming the preset likewise; one that gives memory_bytes keeps it.
+    from tessera.planner.cluster import Cluster
+
+    yaml_eight = Cluster.from_mapping({"device": "cpu", "devices_per_node": 8}).device
+    assert yaml_eight.memory_bytes == pytest.approx(eight.memory_bytes)
+    given = Cluster.from_mapping({"device": "cpu", "devices_per_node": 8,
+                                  "device_overrides": {"memory_bytes": 1e9}}).device
+    assert given.memory_bytes == 1e9
 
 
 @pytest.mark.parametrize("text, word", [("tpu-v9:8x2", "tpu-v9"), ("a100-80gb:8y2", "malformed"),

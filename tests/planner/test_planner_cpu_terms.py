@@ -286,4 +286,8 @@ def test_hugging_face_configs_are_described_with_their_dropout():
     llama = dict(model_type="llama", vocab_size=256, num_hidden_layers=2, hidden_size=64,
                  num_attention_heads=4, intermediate_size=128, max_position_embeddings=128)
     assert from_hf_dict(llama).dropout == 0.0
-    assert from_hf_dict({**llama, "attention_dropout": 0.2}).dropout == 0.2
+    # Llama drops attention probabilities only; GPT-2's attn_pdrop is apart from the rest.
+    dropping = from_hf_dict({**llama, "attention_dropout": 0.2})
+    assert (dropping.attention_p, dropping.dropout) == (0.2, 0.0)
+    mixed = from_hf_dict({**gpt2, "attn_pdrop": 0.0, "resid_pdrop": 0.2})
+    assert (mixed.attention_p, mixed.dropout) == (0.0, 0.2)

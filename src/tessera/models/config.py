@@ -41,7 +41,11 @@ class ModelConfig:
         position: "learned" or "rope".
         tie_embeddings: share the token embedding with the output head.
         bias: biases in linear layers and norms.
-        dropout: dropout probability (0 keeps runs deterministic).
+        dropout: dropout probability (0 keeps runs deterministic): of the embedding, the
+            residual branches and, unless ``attention_dropout`` is set, the attention
+            probabilities.
+        attention_dropout: dropout probability of the attention probabilities; None: as
+            ``dropout`` (GPT-2's ``attn_pdrop`` apart from ``resid_pdrop``).
         norm_eps: epsilon of the norms.
         rope_theta: base of the rotary frequencies.
         init_std: standard deviation of the weight initialisation.
@@ -60,6 +64,7 @@ class ModelConfig:
     tie_embeddings: bool = True
     bias: bool = True
     dropout: float = 0.0
+    attention_dropout: float | None = None
     norm_eps: float = 1e-5
     rope_theta: float = 10000.0
     init_std: float = 0.02
@@ -97,8 +102,15 @@ class ModelConfig:
             )
         if self.position == "rope" and self.head_dim % 2:
             raise ModelConfigError(f"model: rope needs an even head_dim, got {self.head_dim}")
-        if not 0.0 <= self.dropout < 1.0:
-            raise ModelConfigError(f"model.dropout must lie in [0, 1), got {self.dropout}")
+        for name in ("dropout", "attention_dropout"):
+            value = getattr(self, name)
+            if value is not None and not 0.0 <= value < 1.0:
+                raise ModelConfigError(f"model.{name} must lie in [0, 1), got {value}")
+
+    @property
+    def attention_p(self) -> float:
+        """The attention probabilities' dropout (``attention_dropout``, else ``dropout``)."""
+        return self.dropout if self.attention_dropout is None else self.attention_dropout
 
     @property
     def head_dim(self) -> int:

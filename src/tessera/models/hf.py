@@ -22,7 +22,7 @@ def hf_config_from_reference(arch: str, config: ModelConfig) -> dict[str, Any]:
         return dict(vocab_size=config.vocab_size, n_positions=config.max_seq_len,
                     n_embd=config.d_model, n_layer=config.n_layers, n_head=config.n_heads,
                     n_inner=config.d_ff, resid_pdrop=config.dropout,
-                    embd_pdrop=config.dropout, attn_pdrop=config.dropout,
+                    embd_pdrop=config.dropout, attn_pdrop=config.attention_p,
                     layer_norm_epsilon=config.norm_eps, bos_token_id=None, eos_token_id=None)
     if arch == "llama":
         return dict(vocab_size=config.vocab_size, hidden_size=config.d_model,
@@ -30,7 +30,7 @@ def hf_config_from_reference(arch: str, config: ModelConfig) -> dict[str, Any]:
                     num_attention_heads=config.n_heads, num_key_value_heads=config.n_kv_heads,
                     max_position_embeddings=config.max_seq_len, rms_norm_eps=config.norm_eps,
                     rope_theta=config.rope_theta, tie_word_embeddings=config.tie_embeddings,
-                    attention_dropout=config.dropout, bos_token_id=None, eos_token_id=None)
+                    attention_dropout=config.attention_p, bos_token_id=None, eos_token_id=None)
     raise ModelConfigError(f"unknown Hugging Face architecture {arch!r}; known: "
                            f"{', '.join(HF_ARCHITECTURES)}")
 

@@ -98,7 +98,7 @@ class Attention(nn.Module):
         self.k_proj = nn.Linear(config.d_model, kv_dim, bias=config.bias)
         self.v_proj = nn.Linear(config.d_model, kv_dim, bias=config.bias)
         self.o_proj = nn.Linear(config.d_model, config.d_model, bias=config.bias)
-        self.dropout = config.dropout
+        self.dropout = config.attention_p
         self.attention_fn = sdpa_attention
 
     def forward(self, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor] | None

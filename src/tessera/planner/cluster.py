@@ -165,7 +165,12 @@ class Cluster:
                                f"known: {', '.join(sorted(known))}")
         if "device" not in values:
             raise ClusterError("cluster.device is required (a preset name or a mapping)")
-        device = _device(values["device"], values.get("device_overrides") or {})
+        overrides = values.get("device_overrides") or {}
+        device = _device(values["device"], overrides)
+        per = values.get("devices_per_node", device.devices_per_node)
+        if (isinstance(values["device"], str) and device.is_host and isinstance(per, int)
+                and per >= 1 and "memory_bytes" not in overrides):
+            device = _host_shared(device, per)  # the preset's workers share the host
         try:
             matmul = tuple(((int(r["m"]), int(r["n"]), int(r["k"])), float(r["flops_per_s"]))
                            for r in values.get("matmul") or ())
@@ -197,6 +202,12 @@ def _by_size(values: Mapping[str, Any], key: str) -> dict[int, float]:
         return {int(g): float(v) for g, v in (values.get(key) or {}).items()}
     except (AttributeError, TypeError, ValueError) as err:
         raise ClusterError(f"cluster.{key} must map group sizes to numbers: {err}") from None
+
+
+def _host_shared(device: DeviceSpec, workers: int) -> DeviceSpec:
+    """The ``cpu`` preset for ``workers`` workers per node: they share the host's memory, so
+    8 workers on 2 cores get 1/8 of it each, not the 1/2 the preset (per core) gives."""
+    return dataclasses.replace(device, memory_bytes=local_cpu(workers).memory_bytes)
 
 
 def _device(spec: Any, overrides: Mapping[str, Any]) -> DeviceSpec:
@@ -247,9 +258,7 @@ def parse_cluster(text: str) -> Cluster:
     if per < 1 or nodes < 1:
         raise ClusterError(f"cluster {text!r}: devices per node and nodes must be >= 1")
     if device.is_host:
-        # A node's workers share its memory: 8 workers on 2 cores get 1/8 each, not 1/2
-        # (the placeholder divides it by the cores).
-        device = local_cpu(per)
+        device = _host_shared(device, per)
     slots = (os.cpu_count() or 1) if device.is_host else None
     return Cluster(device=device, devices_per_node=per, nodes=nodes, compute_slots=slots)
 

@@ -203,7 +203,7 @@ def layer_core_time(cluster: Cluster, model: ModelConfig, b: int, seq: int, tp: 
         t = count * 2.0 * m * o * k / rate
         fwd += t
         bwd += BWD_MATMUL_FACTOR * t
-    drops = model.dropout > 0  # the planner prices training steps
+    drops = model.attention_p > 0  # the planner prices training steps
     if sp > 1 or (drops and tp > 1 and tp_mode == "1d"):
         attn = sp_attention_time(cluster, model, b, seq, tp, tp_mode, sp,
                                  sp_mode if sp > 1 else "ulysses", drops)

@@ -101,21 +101,29 @@ def describe_module(model: nn.Module, seq_len: int, capture_len: int = 16
         for module, training in modes:  # each as it was (a user may freeze some in eval)
             module.training = training
     described = describe_graph(graph, seq_len)
-    dropout = module_dropout(model)
-    if dropout > 0:  # the graph, captured in eval, holds none: the modules say
-        described = replace(described, config=described.config.replace(dropout=dropout))
+    residual, attention = module_dropout(model)
+    # The graph, captured in eval, holds no dropout: the modules say.
+    described = replace(described, config=described.config.replace(
+        dropout=residual, attention_dropout=attention))
     for note in described.notes:  # what the planner prices differently from the model
         warnings.warn(f"{type(model).__name__} read from its graph: {note}", stacklevel=2)
     return described
 
 
-def module_dropout(model: nn.Module) -> float:
-    """The largest dropout probability ``model`` trains with: its ``nn.Dropout`` modules and
-    attention modules' float ``attention_dropout`` (Llama-style attention passes it to SDPA)."""
-    found = [m.p for m in model.modules() if isinstance(m, nn.Dropout)]
-    found += [m.attention_dropout for m in model.modules()
-              if isinstance(getattr(m, "attention_dropout", None), float)]
-    return max(found, default=0.0)
+def module_dropout(model: nn.Module) -> tuple[float, float | None]:
+    """(residual, attention) dropout probabilities ``model`` trains with. Attention's: its
+    attention modules' float ``attention_dropout`` (Llama-style attention passes it to SDPA)
+    and ``nn.Dropout`` modules named for attention (GPT-2's ``attn_dropout``); None where
+    the model has neither, so that the residual's is priced for attention too. Residual: the
+    largest of the other ``nn.Dropout`` modules."""
+    attention, residual = [], [0.0]
+    for name, module in model.named_modules():
+        if isinstance(getattr(module, "attention_dropout", None), float):
+            attention.append(module.attention_dropout)
+        if isinstance(module, nn.Dropout):
+            own = name.rpartition(".")[2].lower()
+            (attention if "attn" in own or "attention" in own else residual).append(module.p)
+    return max(residual), max(attention) if attention else None
 
 
 def describe_graph(graph: ProxyGraph, seq_len: int | None = None) -> GraphDescription:

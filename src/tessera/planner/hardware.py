@@ -274,7 +274,8 @@ def device_presets() -> dict[str, DeviceSpec]:
 
 
 def local_cpu(cores: int | None = None) -> DeviceSpec:
-    """A placeholder description of this machine's CPU: one worker per core.
+    """A placeholder description of this machine's CPU for ``cores`` workers (default: one
+    per core), which share its memory.
 
     ``tessera profile`` replaces these guesses with measurements.
     """

@@ -175,10 +175,11 @@ def keeps_no_scores(device, model: ModelConfig, s: Strategy) -> bool:
     sp = 1 without 1D tp. Sequence parallelism and 1D tp run their own hashed-dropout blocks
     (sequence/dropout.py), which regenerate the mask and keep no scores; 2D tp runs the model's
     SDPA on its heads. Counting no scores there undercounted a CPU step with dropout 4x
-    (helper review, 2026-11-28)."""
-    if not device.flash_attention:
+    (helper review, 2026-11-28). RSA as published keeps its rows of probabilities
+    (sequence/rsa.py) on any device."""
+    if not device.flash_attention or (s.sp > 1 and s.sp_mode == "rsa"):
         return False
-    math_path = device.attention_dropout_efficiency is not None and model.dropout > 0
+    math_path = device.is_host and model.attention_p > 0
     return not (math_path and s.sp == 1 and (s.tp == 1 or s.tp_mode == "2d"))
 
 
@@ -191,14 +192,19 @@ def unfused_attention_bytes(model: ModelConfig, s: Strategy, seq: int, tessera: 
     the dropped probabilities, all fp32 whatever autocast's precision (12 bytes a score), and
     q, k and v upcast to fp32, but no log-sum-exp: measured with saved-tensor hooks, torch
     2.13 (tests/planner/test_activations.py). Elsewhere Megatron's count (Korthikanti et
-    al.): 2.5 elements of the training precision a score."""
+    al.): 2.5 elements of the training precision a score. Under grouped kv heads the math
+    path repeats k and v to every head before it upcasts them. RSA (sp_mode=rsa) keeps its
+    local rows of fp32 probabilities, 4 bytes a score, with or without dropout."""
     n = s.micro_batch_size * seq / s.sp  # tokens of the micro-batch on this device
     scores = model.n_heads * n * seq  # (query, key) pairs of every head
-    if not (tessera and host_is_device and model.dropout > 0):
+    if tessera and s.sp > 1 and s.sp_mode == "rsa":
+        return FP32_BYTES * scores
+    if not (tessera and host_is_device and model.attention_p > 0):
         return 2.5 * bytes_per_element(s.precision) * scores
     e = layout(s.precision, s.memory).matmul_bytes
-    qkv = model.d_model + 2 * model.n_kv_heads * model.head_dim
-    return 12 * scores + n * ((FP32_BYTES - e) * qkv - FP32_BYTES * model.n_heads)
+    h, kv = model.d_model, model.n_kv_heads * model.head_dim
+    upcast = FP32_BYTES * (3 * h if kv < h else h + 2 * kv) - e * (h + 2 * kv)
+    return 12 * scores + n * (upcast - FP32_BYTES * model.n_heads)
 
 
 def layer_activation(model: ModelConfig, s: Strategy, seq: int, flash: bool,

@@ -147,8 +147,8 @@ def from_hf_dict(values: Mapping[str, Any]) -> ModelConfig:
             d_model=get("n_embd"), n_heads=get("n_head"), d_ff=values.get("n_inner") or 0,
             max_seq_len=get("n_positions"),
             # GPT2Config's defaults (0.1) where the dict leaves them out, as transformers does
-            dropout=max(float(values.get(key, 0.1))
-                        for key in ("attn_pdrop", "resid_pdrop", "embd_pdrop"))))
+            dropout=max(float(values.get(key, 0.1)) for key in ("resid_pdrop", "embd_pdrop")),
+            attention_dropout=float(values.get("attn_pdrop", 0.1))))
     if kind in ("llama", "mistral"):
         return _from_config_mapping(dict(
             **{**_STYLE_FIELDS["llama"],
@@ -157,7 +157,8 @@ def from_hf_dict(values: Mapping[str, Any]) -> ModelConfig:
             d_model=get("hidden_size"), n_heads=get("num_attention_heads"),
             n_kv_heads=values.get("num_key_value_heads") or 0,
             d_ff=get("intermediate_size"), max_seq_len=get("max_position_embeddings"),
-            dropout=float(values.get("attention_dropout") or 0.0)))
+            # Llama drops nothing but the attention probabilities
+            dropout=0.0, attention_dropout=float(values.get("attention_dropout") or 0.0)))
     raise ModelSpecError(f"Hugging Face model_type {kind!r} is not read from its config alone "
                          f"(only {', '.join(HF_TYPES)}); pass its config.json path, or the "
                          "model itself, to describe it from its captured graph")
