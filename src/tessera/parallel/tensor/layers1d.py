@@ -84,7 +84,9 @@ class RowLinearFn(torch.autograd.Function):
         partial = F.linear(x, weight)  # (B, T, O), a partial sum
         ctx.dtype = partial.dtype  # autocast's, when it is on
         y = group.reduce_scatter(partial, dim=1) if seq_parallel else group.all_reduce(partial)
-        return y if bias is None else y + bias  # (B, T, O) or (B, T/tp, O)
+        # The bias in the product's dtype, as nn.Linear adds it under autocast: an fp32 bias
+        # promoted a bf16 output to fp32 (unlike one device; its dropout noise too).
+        return y if bias is None else y + bias.to(y.dtype)  # (B, T, O) or (B, T/tp, O)
 
     @staticmethod
     def backward(ctx, grad):
