@@ -119,7 +119,7 @@ class RowLinear(nn.Module):
         w = w.t() if self.conv1d else w  # (O, C/tp)
         if self.export_group is not None:
             y = tp_reduce(F.linear(x, w), self.export_group)  # (B, T, O), summed partials
-            return y if self.bias is None else y + local(self.bias).to(y.dtype)  # as eager
+            return y if self.bias is None else y + local(self.bias)
         return RowLinearFn.apply(x, w, _opt(self.bias), self.group, self.seq_parallel)
 
 
