@@ -1,5 +1,6 @@
 """Checkpoint integrity: every damaged file is named, and the previous checkpoint offered."""
 
+import os
 from pathlib import Path
 
 import pytest
@@ -10,18 +11,47 @@ from tessera.train import checkpoint as ckpt
 
 
 def _save_two(rank, world_size, root):
+    def listed():
+        return sorted(p.name for p in Path(root).iterdir())
+
     model = torch.nn.Linear(4, 3)
     optimizer = torch.optim.AdamW(model.parameters())
     model(torch.ones(2, 4)).sum().backward()
     optimizer.step()
     for step in (1, 2):
         ckpt.save_checkpoint(Path(root), step, model, optimizer, {"model": {"class": "Linear"}})
-    return sorted(p.name for p in Path(root).iterdir())
+    names = listed()
+    # Step 2 saved again (a run resumed from step 1): replaced whole, nothing left aside.
+    ckpt.save_checkpoint(Path(root), 2, model, optimizer, {"again": 1})
+    again = (listed(), ckpt.read_meta(Path(root) / "step_00000002"))
+    # ... and when putting the new one in place fails, the old one is back under its name.
+    real_replace = os.replace
+
+    def failing(src, dst):
+        if str(src).endswith(".partial"):
+            raise OSError(5, "Input/output error")
+        real_replace(src, dst)
+
+    os.replace = failing
+    try:
+        ckpt.save_checkpoint(Path(root), 2, model, optimizer, {"again": 2})
+        failed = None
+    except ckpt.CheckpointError as err:
+        failed = str(err)
+    finally:
+        os.replace = real_replace
+    kept = (listed(), ckpt.read_meta(Path(root) / "step_00000002"))
+    return {"names": names, "again": again, "failed": failed, "kept": kept}
 
 
 def test_damaged_checkpoints_are_named(tmp_path):
-    names = run_distributed(_save_two, world_size=1, args=(str(tmp_path),))[0]
-    assert names == ["latest", "step_00000001", "step_00000002"]
+    saved = run_distributed(_save_two, world_size=1, args=(str(tmp_path),))[0]
+    assert saved["names"] == ["latest", "step_00000001", "step_00000002"]
+    names, meta = saved["again"]
+    assert names == saved["names"] and meta["again"] == 1
+    assert "Input/output error" in saved["failed"]
+    names, meta = saved["kept"]
+    assert names == saved["names"] and meta["again"] == 1  # the save before the failed one
     latest = ckpt.find_latest(tmp_path)
     assert latest.name == "step_00000002"
     meta = ckpt.verify_checkpoint(latest)

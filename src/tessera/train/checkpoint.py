@@ -7,6 +7,8 @@ Layout under ``<output_dir>/checkpoints``::
                             sha256 of every other file: written last
         rng/rank_0.pt       per-rank RNG state
     .step_00000020.partial  a save in progress (never read)
+    .step_00000010.replaced a step saved again: the old folder, set aside until the new one
+                            is in place
     latest                  name of the newest complete checkpoint
 
 A save goes to the ``.partial`` folder; only when every rank has written its shards and rank 0
@@ -86,9 +88,21 @@ def save_checkpoint(root: Path, step: int, model: nn.Module, optimizer: torch.op
 
     def publish() -> None:
         _write_json_durably(partial / META, {**meta, "step": step, "files": _manifest(partial)})
-        shutil.rmtree(final, ignore_errors=True)
-        os.replace(partial, final)
+        # A step saved again (a run resumed from an earlier step): the old folder is renamed
+        # aside in one step, so that no crash leaves a half-deleted checkpoint under its
+        # name; ``latest`` naming it then finds nothing and falls back to the newest complete.
+        replaced = root / f".{final.name}.replaced"
+        if final.exists():
+            shutil.rmtree(replaced, ignore_errors=True)
+            os.replace(final, replaced)
+        try:
+            os.replace(partial, final)
+        except OSError:
+            if replaced.exists():  # the old one back under its name
+                os.replace(replaced, final)
+            raise
         _fsync_folder(root)
+        shutil.rmtree(replaced, ignore_errors=True)
         write_text_durably(root / LATEST, final.name)
         _prune(root, keep, final)
 
@@ -380,13 +394,14 @@ def _write_json_durably(path: Path, data: dict[str, Any]) -> None:
 
 def _prune(root: Path, keep: int, saved: Path) -> None:
     """Keep ``saved`` (just written) and the newest others of its run, ``keep`` in all, and
-    remove the ``.partial`` folders of saves that never finished.
+    remove the ``.partial`` (and ``.replaced``) folders of saves that never finished.
 
     Checkpoints numbered above ``saved`` are an abandoned continuation (the run resumed from
     an earlier step): they go first. Pruning by number alone deleted the checkpoint just
     written, and a later resume took the abandoned one (until 2026-11-28)."""
-    for leftover in root.glob(".step_*.partial"):  # saves a crash or kill cut short
-        shutil.rmtree(leftover, ignore_errors=True)
+    for pattern in (".step_*.partial", ".step_*.replaced"):  # saves cut short by a crash
+        for leftover in root.glob(pattern):
+            shutil.rmtree(leftover, ignore_errors=True)
     if keep <= 0:
         return
     step = _step_of(saved)
