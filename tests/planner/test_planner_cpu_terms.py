@@ -186,6 +186,20 @@ def test_chunk_runtime_overhead_splits_per_micro_batch_and_per_step():
     assert two.breakdown["chunk_runtime"] == pytest.approx((2e-3 + 2e-3) * 4 / 0.5)
 
 
+def test_an_unprofiled_host_counts_the_chunk_runtime_in_kernel_overheads():
+    from tessera.planner.step_outside import CHUNK_OPS_PER_LAYER
+
+    cluster = _cpu_cluster(0.5)  # no overheads: the cpu preset's guesses
+    two = estimate(MODEL, cluster, Strategy.parse("dp=4,mbs=1,gbs=8,memory=chunk"))
+    # 2 micro-batches x 4 layers x 48 operations x 20 us, at half a core: 15.4 ms.
+    per_layer = CHUNK_OPS_PER_LAYER * cluster.device.kernel_overhead
+    assert two.breakdown["chunk_runtime"] == pytest.approx(2 * 4 * per_layer / 0.5)
+    # An accelerator without a profile: this host work runs ahead of its kernels.
+    gpu = parse_cluster("a100-80gb:4x1")
+    assert estimate(MODEL, gpu, Strategy.parse("dp=4,mbs=1,gbs=8,memory=chunk")
+                    ).breakdown["chunk_runtime"] == 0.0
+
+
 def test_tensor_parallel_layer_overhead_is_charged_per_layer_micro_batch_and_step():
     """1D and 2D layers each pay their own profiled figure; plain layers neither."""
     fixed = {"layer_fwd": 1e-4, "layer_bwd": 3e-4}

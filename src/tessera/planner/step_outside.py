@@ -145,12 +145,26 @@ def chunk_collectives_time(model: ModelConfig, cl: Cluster, s: Strategy, p: floa
     return s.grad_accum_steps * (2 + head) * ag + rs
 
 
+# An unprofiled host's memory=chunk runtime, per layer and micro-batch: about four operations
+# the size of a kernel launch for each of a layer's ~12 parameter tensors (fetched for the
+# forward and again for the backward, its gradient copied into the chunk, released). At the
+# cpu preset's 20 us that is 0.96 ms; `tessera profile` measured 1.0 ms (`chunk_layer`, its
+# tiny model, 2-core host, docs/planner.md).
+CHUNK_OPS_PER_LAYER = 4 * 12
+
+
 def chunk_runtime(cl: Cluster, s: Strategy, model: ModelConfig) -> float:
-    """Profiled cost of the memory=chunk runtime over a step: hooks and chunk copies every
-    micro-batch, gradient reduction and the chunked optimizer once."""
+    """Cost of the memory=chunk runtime over a step: hooks and chunk copies every
+    micro-batch, gradient reduction and the chunked optimizer once; profiled
+    (``chunk_layer``, ``chunk_step_layer``), else on a host counted in kernel overheads
+    (``CHUNK_OPS_PER_LAYER``); 0 on an accelerator without a profile, where this host work
+    runs ahead of the kernels."""
     fixed = cl.device.overheads
-    per_layer = s.grad_accum_steps * fixed.get("chunk_layer", 0.0)
-    per_layer += fixed.get("chunk_step_layer", 0.0)
+    per_micro_batch = fixed.get("chunk_layer")
+    if per_micro_batch is None:
+        per_micro_batch = (CHUNK_OPS_PER_LAYER * cl.device.kernel_overhead
+                           if cl.device.is_host else 0.0)
+    per_layer = s.grad_accum_steps * per_micro_batch + fixed.get("chunk_step_layer", 0.0)
     if s.memory != "chunk" or not per_layer:
         return 0.0
     layers = max(1, model.n_layers // s.pp)
