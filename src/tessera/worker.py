@@ -36,11 +36,11 @@ def main(argv: list[str] | None = None) -> None:
 def _exit_without_finalizing() -> None:
     """Run the exit handlers, flush, and end the process with status 0 at once.
 
-    Why: gloo's worker threads outlive ``destroy_process_group`` (other objects still hold
-    the groups) and free each finished collective's tensors after ``wait()`` returns. When
-    that free comes after Python has begun finalising, the thread asks for the GIL, CPython
-    ends it with ``pthread_exit``, and the unwinding through a ``noexcept`` destructor calls
-    ``std::terminate``: "terminate called without an active exception", SIGABRT, and a run
+    Why: gloo's worker threads outlive ``destroy_process_group`` (a core dump showed seven
+    still running while Python finalised) and free each finished collective's tensors after
+    ``wait()`` returns. When that free comes after Python has begun finalising, the thread
+    asks for the GIL, CPython ends it with ``pthread_exit``, and the unwinding through a
+    ``noexcept`` destructor calls ``std::terminate``: "terminate called without an active exception", SIGABRT, and a run
     that trained to the end reported as failed (8 of 88 runs of the two-worker CLI test under
     load; the core's stack: ``AsyncAllgatherWork::~AsyncAllgatherWork`` in
     ``ProcessGroupGloo::runLoop``, ``take_gil``, ``PyThread_exit_thread``). Checkpoints and
