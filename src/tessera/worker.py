@@ -10,7 +10,6 @@ Run as a script, a worker that trained to the end leaves without finalising the 
 from __future__ import annotations
 
 import atexit
-import logging
 import os
 import sys
 
@@ -40,15 +39,16 @@ def _exit_without_finalizing() -> None:
     still running while Python finalised) and free each finished collective's tensors after
     ``wait()`` returns. When that free comes after Python has begun finalising, the thread
     asks for the GIL, CPython ends it with ``pthread_exit``, and the unwinding through a
-    ``noexcept`` destructor calls ``std::terminate``: "terminate called without an active exception", SIGABRT, and a run
-    that trained to the end reported as failed (8 of 88 runs of the two-worker CLI test under
-    load; the core's stack: ``AsyncAllgatherWork::~AsyncAllgatherWork`` in
-    ``ProcessGroupGloo::runLoop``, ``take_gil``, ``PyThread_exit_thread``). Checkpoints and
-    reports are written durably before this point, so skipping finalisation loses nothing.
+    ``noexcept`` destructor calls ``std::terminate``: "terminate called without an active
+    exception", SIGABRT, and a run that trained to the end reported as failed (8 of 88 runs
+    of the two-worker CLI test under load; the core's stack:
+    ``AsyncAllgatherWork::~AsyncAllgatherWork`` in ``ProcessGroupGloo::runLoop``,
+    ``take_gil``, ``PyThread_exit_thread``). Checkpoints and reports are written durably
+    before this point, so skipping finalisation loses nothing.
     """
-    # The handlers Python would run (logging's flush, temporary folders, compile workers).
+    # The handlers Python would run: logging's shutdown (registered there), temporary
+    # folders, compile workers.
     atexit._run_exitfuncs()  # noqa: SLF001 (CPython has no public way to run them early)
-    logging.shutdown()
     sys.stdout.flush()
     sys.stderr.flush()
     os._exit(0)
