@@ -122,15 +122,17 @@ def _build(kind: str, L: int, name: str, meshes: dict, dropout: float = 0.0):
     if kind == "single":
         return default_forward_loss, model, model
     tp = kind.startswith("tp")
-    strategy = Strategy(tp=SP) if tp else Strategy(sp=SP, sp_mode=kind)
-    if strategy not in meshes:
-        meshes[strategy] = Mesh(strategy, "cpu")
-    mesh = meshes[strategy]
+    strategy = (Strategy(tp=SP, tp_seq="on" if kind == "tp_sp" else "off") if tp
+                else Strategy(sp=SP, sp_mode=kind))
+    layout = strategy.replace(tp_seq="off")  # one mesh (its process groups) per layout
+    if layout not in meshes:
+        meshes[layout] = Mesh(layout, "cpu")
+    mesh = meshes[layout]
     plan = Parallelized(module=model, model=model, loss_group=None)
     if tp:
         from tessera.parallel.tensor import apply_tensor_parallel
 
-        apply_tensor_parallel(plan, strategy, mesh, sequence_parallel=kind == "tp_sp")
+        apply_tensor_parallel(plan, strategy, mesh)
     else:
         apply_sequence_parallel(plan, strategy, mesh)
     return plan.forward_loss, plan.module, model

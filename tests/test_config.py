@@ -99,7 +99,7 @@ def test_auto_plans_for_the_cluster_file_it_is_given(tmp_path):
                     world_size=2)
 
 
-def test_auto_plans_at_the_training_length_and_takes_any_valid_fixed_field():
+def test_auto_plans_at_the_training_length_and_takes_any_valid_fixed_field(monkeypatch):
     small = ["model.preset=small", "data.seq_len=64"]
 
     def planned(text, *extra, world=2):
@@ -118,6 +118,20 @@ def test_auto_plans_at_the_training_length_and_takes_any_valid_fixed_field():
     assert planned("auto,gbs=8,pp=2,recompute=1/0").recompute == (1.0, 0.0)
     assert planned("auto,gbs=8,schedule=interleaved").pp == 2
     assert planned("auto,gbs=8,precision=fp16").precision == "fp16"  # CPU autocast runs it
+    assert planned("auto,gbs=8,tp=2,tp_seq=on").tp_seq == "on"
+    # Megatron sequence parallelism runs on the reference model only: the planner holds it
+    # off for a Hugging Face model (what it is asked, recorded), and a config refuses it.
+    import tessera.train.auto as auto
+
+    asked, plan = [], auto.best_runnable
+    monkeypatch.setattr(auto, "best_runnable", lambda *a: asked.append(a[4]) or plan(*a))
+    assert planned("auto,gbs=8,tp=2", "model.hf=gpt2").tp_seq == "off"
+    planned("auto,gbs=8,tp=2")
+    monkeypatch.undo()
+    assert asked == [{"tp_seq": "off", "tp": 2}, {"tp": 2}]
+    with pytest.raises(ConfigError, match="tp_seq=on .Megatron sequence parallelism. runs on "
+                                          "the reference model only; model.hf=gpt2"):
+        planned("dp=1,tp=2,mbs=8,gbs=8,tp_seq=on", "model.hf=gpt2")
     for text, fragment in [
             ("auto,gbs=8,sp=2,sp=1", "strategy field 'sp' given twice"),
             ("auto,gbs=eight", "gbs (global_batch_size) must be an integer, got 'eight'"),

@@ -16,6 +16,9 @@ def test_text_form_round_trips_exactly():
     parsed = Strategy.parse(full)
     assert parsed.to_text() == full
     assert Strategy.parse(parsed.to_text()) == parsed
+    megatron = "dp=2,tp=4,pp=1,mbs=2,gbs=16,tp_seq=on"
+    assert Strategy.parse(megatron).to_text() == megatron
+    assert Strategy.parse(megatron).tp_seq == "on" and Strategy().tp_seq == "off"
 
 
 def test_every_field_is_parsed():
@@ -53,6 +56,9 @@ def test_derived_values():
     ("schedule=gpipe", "schedule=gpipe orders pipeline stages and needs pp >= 2"),
     ("sp_mode=ulysses", "sp_mode=ulysses lays out sequence parallelism and needs sp > 1"),
     ("tp_mode=2d", "tp=1 with tp_mode=2d: tp must be a square (q*q grid) above 1"),
+    ("tp_seq=on", "tp_seq=on splits the sequence over a 1d tensor-parallel group: needs tp > 1"),
+    ("tp=4,tp_mode=2d,tp_seq=on", "needs tp > 1 and tp_mode=1d (2d already splits every"),
+    ("tp=2,tp_seq=true", "tp_seq must be one of off, on; got 'true'"),
     ("dp=2,dp=2", "given twice"),
     ("dq=2", "unknown strategy field 'dq'"),
     ("dp", "not key=value"),
@@ -84,6 +90,11 @@ def test_validate_for_world_and_model():
     with pytest.raises(StrategyError, match="n_kv_heads=6 must divide or be divisible by tp"):
         Strategy(tp=4).validate_for(model=odd_gqa)
     Strategy(tp=16).validate_for(model=preset("llama-70b"))  # 8 kv heads repeat over 16
+    # Megatron sequence parallelism gives each tp rank 1/tp of the tokens.
+    Strategy(tp=2, tp_seq="on").validate_for(model=preset("tiny"), seq_len=32)
+    with pytest.raises(StrategyError, match="tp_seq=on splits the sequence over tp=4: sequence "
+                                            "length 30 is not divisible by tp"):
+        Strategy(tp=4, tp_seq="on").validate_for(model=preset("tiny"), seq_len=30)
 
 
 def test_unbuilt_features_are_refused_not_ignored():
@@ -111,6 +122,10 @@ def test_unbuilt_features_are_refused_not_ignored():
     ("tp=4,sp=2,tp_mode=2d", "2d tensor (tp_mode=2d) and sequence (sp>1) parallelism together"),
     ("tp=4,tp_mode=2d,pp=2,mbs=2,gbs=4,tp_overlap=subpipe",
      "2d tensor parallelism (tp_mode=2d) and tp_overlap=subpipe together"),
+    ("tp=2,pp=2,mbs=1,gbs=4,tp_seq=on",
+     "Megatron sequence parallelism (tp_seq=on) and pipeline parallelism (pp>1) together"),
+    ("tp=2,sp=2,tp_seq=on",
+     "Megatron sequence parallelism (tp_seq=on) and sequence parallelism (sp>1) together"),
 ])
 def test_compositions_not_built_are_refused_by_name(text, fragment):
     strategy = Strategy.parse(text)
@@ -122,12 +137,15 @@ def test_compositions_not_built_are_refused_by_name(text, fragment):
 @settings(max_examples=200, deadline=None)
 @given(dp=st.integers(1, 64), tp=st.sampled_from([1, 2, 4, 9, 16]), pp=st.integers(1, 8),
        sp=st.integers(1, 8), mbs=st.integers(1, 8), accum=st.integers(1, 8),
-       tp_mode=st.sampled_from(["1d", "2d"]), precision=st.sampled_from(["fp32", "bf16"]))
-def test_valid_strategies_round_trip(dp, tp, pp, sp, mbs, accum, tp_mode, precision):
+       tp_mode=st.sampled_from(["1d", "2d"]), precision=st.sampled_from(["fp32", "bf16"]),
+       tp_seq=st.sampled_from(["off", "on"]))
+def test_valid_strategies_round_trip(dp, tp, pp, sp, mbs, accum, tp_mode, precision, tp_seq):
     if tp_mode == "2d" and tp not in (4, 9, 16):
         return
+    tp_seq = tp_seq if tp > 1 and tp_mode == "1d" else "off"
     s = Strategy(dp=dp, tp=tp, pp=pp, sp=sp, micro_batch_size=mbs,
-                 global_batch_size=mbs * dp * accum, tp_mode=tp_mode, precision=precision)
+                 global_batch_size=mbs * dp * accum, tp_mode=tp_mode, precision=precision,
+                 tp_seq=tp_seq)
     assert Strategy.parse(s.to_text()) == s
     assert Strategy.from_mapping(s.to_dict()) == s
 

@@ -257,6 +257,10 @@ class RunConfig(_Section):
             self.strategy.check_leaf_modules(self.train.pipeline_leaf_modules)
         except StrategyError as err:
             raise ValueError(f"strategy: {err}") from None
+        if self.strategy.tp_seq == "on" and self.model.hf is not None:
+            raise ValueError(f"strategy: tp_seq=on (Megatron sequence parallelism) runs on the "
+                             f"reference model only; model.hf={self.model.hf} builds its masks "
+                             "from the local length (use tp_seq=off)")
         self._check_memory()
         return self
 
@@ -337,9 +341,12 @@ def _plan(raw: dict[str, Any], text: str, world_size: int | None) -> str:
                               "give strategy text with pp > 1, not auto")
     probe = config_from_dict({**raw, "strategy": "dp=1,mbs=1,gbs=1"})  # validates the rest
     try:
+        # Megatron sequence parallelism runs on the reference model only (RunConfig checks)
+        limits = {"tp_seq": "off"} if probe.model.hf else None
         return resolve_auto_text(text, probe.model.build_config(), world_size,
                                  probe.train.device, seq_len=probe.data.seq_len,
-                                 cluster_file=probe.train.planner_cluster).to_text()
+                                 cluster_file=probe.train.planner_cluster,
+                                 limits=limits).to_text()
     except StrategyError as err:
         raise ConfigError(f"strategy: {err}") from None
 

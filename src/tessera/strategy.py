@@ -26,12 +26,12 @@ from typing import Any, Mapping, Protocol
 
 from tessera.strategy_fields import (  # the Strategy's vocabulary, re-exported (__all__)
     CHOICES, FIELD_TO_TEXT, INT_FIELDS, MEMORY_MODES, OFFLOAD_TIERS, PRECISIONS, SCHEDULES,
-    SP_MODES, TEXT_ALIASES, TP_MODES, TP_OVERLAPS, StrategyError, as_ratios, as_tiers,
+    SP_MODES, TEXT_ALIASES, TP_MODES, TP_OVERLAPS, TP_SEQ, StrategyError, as_ratios, as_tiers,
     check_choice, check_count, field_label, field_text, format_value, parse_value,
     pipeline_size_problem, split_text, text_values)
 
 __all__ = ["AVAILABLE", "MEMORY_MODES", "OFFLOAD_TIERS", "PRECISIONS", "SCHEDULES", "SP_MODES",
-           "TEXT_ALIASES", "TP_MODES", "TP_OVERLAPS", "ModelShape", "NotAvailableError",
+           "TEXT_ALIASES", "TP_MODES", "TP_OVERLAPS", "TP_SEQ", "ModelShape", "NotAvailableError",
            "Strategy", "StrategyError", "as_ratios", "blocks_to_recompute", "chunks_for",
            "field_label", "field_text", "fixed_fields", "pipeline_size_problem", "text_values"]
 
@@ -74,6 +74,10 @@ class Strategy:
             micro-batch runs as two halves inside a pipeline stage, one half's all-reduces,
             forward and backward, overlapping the other half's compute; needs tp > 1,
             pp > 1, even mbs).
+        tp_seq: "off", or "on" (Megatron sequence parallelism inside the 1d tp group: the
+            norm, dropout and residual regions hold 1/tp of the sequence, all-gathered before
+            attention and the MLP and reduce-scattered after them, in place of the all-reduce;
+            needs tp > 1 with tp_mode=1d and a sequence length divisible by tp).
         pp: pipeline-parallel degree (number of stages).
         sp: sequence-parallel degree.
         sp_mode: "ring" (online softmax), "rsa" (paper-faithful) or "ulysses" (all-to-all).
@@ -92,6 +96,7 @@ class Strategy:
     tp: int = 1
     tp_mode: str = "1d"
     tp_overlap: str = "none"
+    tp_seq: str = "off"
     pp: int = 1
     sp: int = 1
     sp_mode: str = "ring"
@@ -147,6 +152,11 @@ class Strategy:
                 f"tp_overlap=subpipe splits each micro-batch in two inside pipeline stages: "
                 f"needs tp > 1, pp > 1 and an even mbs; got tp={self.tp}, pp={self.pp}, "
                 f"mbs={self.micro_batch_size}")
+        if self.tp_seq == "on" and (self.tp < 2 or self.tp_mode != "1d"):
+            raise StrategyError(
+                f"tp_seq=on splits the sequence over a 1d tensor-parallel group: needs tp > 1 "
+                f"and tp_mode=1d (2d already splits every activation); got tp={self.tp}, "
+                f"tp_mode={self.tp_mode}")
         if self.offload and self.memory not in ("zero3", "chunk"):
             raise StrategyError(
                 f"offload={'+'.join(self.offload)} needs memory=zero3 or memory=chunk, "
@@ -278,6 +288,9 @@ class Strategy:
             raise StrategyError(f"pp={self.pp} stages need n_layers >= pp, got {model.n_layers}")
         if seq_len % self.sp:
             raise StrategyError(f"sp={self.sp}: sequence length {seq_len} is not divisible by sp")
+        if self.tp_seq == "on" and seq_len % self.tp:
+            raise StrategyError(f"tp_seq=on splits the sequence over tp={self.tp}: sequence "
+                                f"length {seq_len} is not divisible by tp")
         if self.sp > 1 and self.sp_mode == "ulysses" and model.n_heads % (self.sp * self.tp):
             raise StrategyError(
                 f"sp_mode=ulysses: n_heads={model.n_heads} must be divisible by sp*tp="
@@ -299,8 +312,8 @@ class Strategy:
             parts.append(f"sp={self.sp}")
         parts += [f"mbs={self.micro_batch_size}", f"gbs={self.global_batch_size}"]
         default = _DEFAULT
-        for name in ("tp_mode", "tp_overlap", "sp_mode", "schedule", "recompute", "memory", "offload",
-                     "precision"):
+        for name in ("tp_mode", "tp_overlap", "tp_seq", "sp_mode", "schedule", "recompute",
+                     "memory", "offload", "precision"):
             value = getattr(self, name)
             if value != getattr(default, name):
                 parts.append(f"{name}={format_value(name, value)}")
@@ -397,6 +410,12 @@ _COMBINATIONS_NOT_BUILT = [
     # all-reduces only.
     (lambda s: s.tp > 1 and s.pp > 1 and s.tp_mode == "2d" and s.tp_overlap == "subpipe",
      "2d tensor parallelism (tp_mode=2d) and tp_overlap=subpipe", 6),
+    # Megatron sequence parallelism runs in the eager tp layers only: the pipeline's captured
+    # custom ops all-reduce, and sp's attention would need the gather stopped at its shard.
+    (lambda s: s.tp_seq == "on" and s.pp > 1,
+     "Megatron sequence parallelism (tp_seq=on) and pipeline parallelism (pp>1)", 6),
+    (lambda s: s.tp_seq == "on" and s.sp > 1,
+     "Megatron sequence parallelism (tp_seq=on) and sequence parallelism (sp>1)", 5),
 ]
 
 _FALLBACK = {

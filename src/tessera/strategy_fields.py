@@ -8,6 +8,7 @@ from typing import Any
 
 TP_MODES = ("1d", "2d")
 TP_OVERLAPS = ("none", "subpipe")
+TP_SEQ = ("off", "on")
 SP_MODES = ("ring", "rsa", "ulysses")
 SCHEDULES = ("gpipe", "1f1b", "interleaved", "scp")
 MEMORY_MODES = ("ddp", "zero1", "zero2", "zero3", "chunk")
@@ -24,8 +25,9 @@ class StrategyError(ValueError):
 
 
 INT_FIELDS = ("dp", "tp", "pp", "sp", "micro_batch_size", "global_batch_size")
-CHOICES = {"tp_mode": TP_MODES, "tp_overlap": TP_OVERLAPS, "sp_mode": SP_MODES,
-           "schedule": SCHEDULES, "memory": MEMORY_MODES, "precision": PRECISIONS}
+CHOICES = {"tp_mode": TP_MODES, "tp_overlap": TP_OVERLAPS, "tp_seq": TP_SEQ,
+           "sp_mode": SP_MODES, "schedule": SCHEDULES, "memory": MEMORY_MODES,
+           "precision": PRECISIONS}
 
 
 def pipeline_size_problem(schedule: str, pp: int, micro_batches: int) -> str | None:

@@ -237,7 +237,7 @@ def test_autocast_weight_casts_are_priced_per_step_and_per_recomputation():
                                               - (1 + 4) * (4 * cast + head))
 
 
-def _tp_block_saved(rank: int, world: int, tp_mode: str) -> dict[str, int]:
+def _tp_block_saved(rank: int, world: int, tp_mode: str, tp_seq: str) -> dict[str, int]:
     """Bytes autograd saves for the second block of a 2-layer reference model on this rank
     after tessera's tensor parallelism in ``tp_mode``, per style and precision (one launch
     for all)."""
@@ -251,8 +251,8 @@ def _tp_block_saved(rank: int, world: int, tp_mode: str) -> dict[str, int]:
         for run, (dtype, autocast, _) in RUNS.items():
             torch.manual_seed(0)
             model = Transformer(dataclasses.replace(config, n_layers=2)).to(dtype)
-            strategy = Strategy(tp=world, tp_mode=tp_mode, micro_batch_size=TOKENS[0],
-                                global_batch_size=TOKENS[0])
+            strategy = Strategy(tp=world, tp_mode=tp_mode, tp_seq=tp_seq,
+                                micro_batch_size=TOKENS[0], global_batch_size=TOKENS[0])
             plan = Parallelized(module=model, model=model, loss_group=None)
             apply_tensor_parallel(plan, strategy, Mesh(strategy, "cpu"))
             # parameters, and buffers (rope's tables, shared by every layer): not activations
@@ -279,17 +279,20 @@ def _tp_block_saved(rank: int, world: int, tp_mode: str) -> dict[str, int]:
     return out
 
 
-# 1d: the input and the norms whole on every rank, the rest split; 2d on a 2 x 2 grid: all of
-# it split, the norms keeping their normalised value in fp32 (both styles).
-@pytest.mark.parametrize("tp_mode, world", [("1d", 2), ("2d", 4)])
-def test_tensor_parallel_count_matches_saved_tensors(tp_mode, world):
+# 1d: the input and the norms whole on every rank, the rest split; with Megatron sequence
+# parallelism (tp_seq=on) the norms split too, the linear layers' gathered input whole; 2d on a
+# 2 x 2 grid: all of it split, the norms keeping their normalised value in fp32 (both styles).
+@pytest.mark.parametrize("tp_mode, world, tp_seq", [("1d", 2, "off"), ("1d", 2, "on"),
+                                                    ("2d", 4, "off")])
+def test_tensor_parallel_count_matches_saved_tensors(tp_mode, world, tp_seq):
     from tessera.testing import run_distributed
 
-    saved = run_distributed(_tp_block_saved, world, args=(tp_mode,))
+    saved = run_distributed(_tp_block_saved, world, args=(tp_mode, tp_seq))
     tokens = TOKENS[0] * TOKENS[1]
     for name, config in (("gpt2", GPT2), ("llama", LLAMA)):
         for run, (_, _, (precision, memory)) in RUNS.items():
             lay = layout(precision, memory)
-            expected = tokens * layer_bytes_per_token(config, lay, tp=world, tp_mode=tp_mode)
+            expected = tokens * layer_bytes_per_token(config, lay, tp=world, tp_mode=tp_mode,
+                                                      tp_seq=tp_seq)
             for rank in saved:
                 assert rank[f"{name}-{run}"] == pytest.approx(expected, rel=REL_TOL), (name, run)

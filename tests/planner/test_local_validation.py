@@ -29,6 +29,7 @@ def test_candidates_are_runnable_and_mix_parallelisms():
     assert all(s.is_runnable() and s.world_size == 4 for s in strategies)
     kinds = {"tp": any(s.tp > 1 for s in strategies),
              "tp2d": any(s.tp_mode == "2d" and s.tp > 1 for s in strategies),
+             "tp_seq": any(s.tp_seq == "on" for s in strategies),
              "pp": any(s.pp > 1 for s in strategies), "sp": any(s.sp > 1 for s in strategies),
              "chunk": any(s.memory == "chunk" for s in strategies),
              "recompute": any(any(s.recompute) for s in strategies)}

@@ -39,6 +39,7 @@ def test_more_devices_never_slower_for_pure_dp_compute():
     dict(memory="chunk", offload="cpu+disk"), dict(tp=4, dp=64, tp_mode="2d"),
     dict(sp=2, dp=16), dict(sp=2, dp=16, sp_mode="ulysses"), dict(sp=2, dp=16, sp_mode="rsa"),
     dict(precision="fp32"), dict(micro_batch_size=2), dict(recompute="1/1/0.5/0"),
+    dict(tp_seq="on"),
 ])
 def test_every_strategy_field_changes_the_price(change):
     base = estimate(GPT3, A100, BASE)
@@ -122,6 +123,20 @@ def test_tp_overlap_hides_tp_communication():
     plain = estimate(GPT3, A100, BASE)
     piped = estimate(GPT3, A100, BASE, SimOptions(tp_overlap=0.5))
     assert piped.breakdown["tp_comm"] < plain.breakdown["tp_comm"]
+
+
+def test_megatron_sequence_parallelism_trades_collectives_for_activations():
+    plain = Strategy.parse("dp=1,tp=4,mbs=4,gbs=32,precision=bf16")
+    for model, cluster in ((preset("gpt2"), parse_cluster("a100-80gb:4x1")),
+                           (preset("small"), parse_cluster("cpu:4x1"))):
+        off, on = (estimate(model, cluster, plain.replace(tp_seq=v)) for v in ("off", "on"))
+        # The norms, dropout and residual adds hold 1/t of the tokens; the column layers'
+        # gathered input stays whole (planner/activations.py, measured in test_activations).
+        assert on.memory.activations < off.memory.activations
+        # An all-gather and a reduce-scatter for each all-reduce (the same ring bytes), plus
+        # the embedding's and head's sequence collectives and the norms' gradient sums.
+        assert on.breakdown["tp_comm"] > off.breakdown["tp_comm"]
+        assert on.breakdown["compute"] <= off.breakdown["compute"]
 
 
 def test_tp_across_nodes_is_slower():

@@ -32,6 +32,15 @@ def test_plan_175b_on_1024_is_fast():
     assert result.elapsed_s < 5 and result.best is not None
 
 
+def test_megatron_sequence_parallelism_is_searched_where_it_applies():
+    result = search(SMALL, "cpu:4x1", 8, top_k=500, exhaustive=True,
+                    fixed={"tp": 4, "memory": "ddp"})
+    seen = {(e.strategy.tp_mode, e.strategy.tp_seq) for e in result.results}
+    assert seen == {("1d", "off"), ("1d", "on"), ("2d", "off")}
+    held = search(SMALL, "cpu:4x1", 8, top_k=50, fixed={"tp": 4, "tp_seq": "on"})
+    assert held.results and all(e.strategy.tp_seq == "on" for e in held.results)
+
+
 def test_available_only_respects_what_the_runtime_runs():
     result = search("gpt2", "cpu:4x1", 8, available_only=True, top_k=20)
     assert result.results

@@ -217,7 +217,8 @@ def layer_core_time(cluster: Cluster, model: ModelConfig, b: int, seq: int, tp: 
 
 
 def elementwise_time(cluster: Cluster, model: ModelConfig, n: float, tp: int,
-                     precision: str, memory: str = "ddp", tp_mode: str = "1d") -> LayerTime:
+                     precision: str, memory: str = "ddp", tp_mode: str = "1d",
+                     tp_seq: str = "off") -> LayerTime:
     """Element-wise seconds of one layer at a lone worker's rate.
 
     A profiled device carries seconds per element (``overheads["elem_fwd_<activation>"]`` and
@@ -236,7 +237,7 @@ def elementwise_time(cluster: Cluster, model: ModelConfig, n: float, tp: int,
     if not device.fused_elementwise:
         # LayerNorm and gelu blocks without autocast run one kernel per op even eagerly, and
         # there the op count falls below the coarse fused estimate: eager never prices below.
-        eager = eager_bytes_per_token(model, layout(precision, memory), tp, tp_mode)
+        eager = eager_bytes_per_token(model, layout(precision, memory), tp, tp_mode, tp_seq)
         traffic = max(traffic, n * eager)
     t_elem = traffic / (device.memory_bandwidth * device.memory_efficiency)
     return LayerTime(t_elem, BWD_ELEMENTWISE_FACTOR * t_elem)
@@ -260,13 +261,14 @@ def weight_cast_time(cluster: Cluster, elements: float, precision: str, memory: 
 
 
 def layer_time(cluster: Cluster, model: ModelConfig, b: int, seq: int, tp: int, tp_mode: str,
-               sp: int, precision: str, sp_mode: str = "ring", memory: str = "ddp"
-               ) -> LayerTime:
+               sp: int, precision: str, sp_mode: str = "ring", memory: str = "ddp",
+               tp_seq: str = "off") -> LayerTime:
     """Forward and backward seconds of one transformer layer for one micro-batch."""
     device = cluster.device
     share = cluster.compute_share()
     core = layer_core_time(cluster, model, b, seq, tp, tp_mode, sp, precision, sp_mode)
-    elem = elementwise_time(cluster, model, b * seq // sp, tp, precision, memory, tp_mode)
+    elem = elementwise_time(cluster, model, b * seq // sp, tp, precision, memory, tp_mode,
+                            tp_seq)
     fixed = device.overheads
     fwd = core.forward + elem.forward + fixed.get("layer_fwd", KERNELS_FWD * device.kernel_overhead)
     bwd = core.backward + elem.backward + fixed.get("layer_bwd",

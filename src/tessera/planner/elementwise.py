@@ -37,22 +37,27 @@ def _cast(element_bytes: int) -> int:
 
 
 def eager_bytes_per_token(model: ModelConfig, lay: Layout, tp: int = 1,
-                          tp_mode: str = "1d") -> float:
+                          tp_mode: str = "1d", tp_seq: str = "off") -> float:
     """Forward element-wise bytes of one layer per token on one device, in the runtime layout
     ``lay`` (``activations.layout``). Under 1d tensor parallelism the norms, the input casts
     and the residual adds run whole on every rank and the rotary embedding (of the local
-    heads) and the MLP's activation t ways; 2d (Optimus) partitions all of it."""
+    heads) and the MLP's activation t ways; with Megatron sequence parallelism (``tp_seq``
+    "on") the norms, residual adds and dropout run on the rank's 1/t of the tokens and the
+    casts on the gathered input, whole; 2d (Optimus) partitions all of it."""
     e, r = lay.matmul_bytes, lay.residual_bytes
     h, f = model.d_model, model.d_ff
     kv = model.n_kv_heads * model.head_dim
     norm = (2 * _cast(r) + 20 + 2 * r) if model.norm == "rmsnorm" else 2 * r
     mlp_linears = 2 if model.activation == "swiglu" else 1
     casts = (3 + mlp_linears) * (r + e) if lay.cast_per_linear else 0
-    per_hidden = 2 * norm + casts + 2 * (2 * r + e)  # two norms, input casts, residual adds
+    sequence = 2 * norm + 2 * (2 * r + e)  # two norms, two residual adds
     if model.dropout > 0:
-        per_hidden += 2 * (2 * e + 1)
+        sequence += 2 * (2 * e + 1)
+    per_hidden = sequence + casts
     rope = (2 * _cast(e) + 36) * (h + kv) if model.position == "rope" else 0.0
     per_ffn = 5 * e if model.activation == "swiglu" else 2 * e
+    if tp > 1 and tp_mode == "1d" and tp_seq == "on":
+        return casts * h + (sequence * h + rope + per_ffn * f) / tp
     if tp > 1 and tp_mode == "1d":
         return per_hidden * h + (rope + per_ffn * f) / tp
     return (per_hidden * h + rope + per_ffn * f) / tp

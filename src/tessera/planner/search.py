@@ -32,8 +32,8 @@ from tessera.planner.space import (DISK_OPTION, MEMORY_OPTIONS, layouts, micro_b
                                    raw_space_size, recompute_options, schedules)
 from tessera.strategy import NotAvailableError, Strategy, StrategyError, as_ratios
 
-FIXABLE = ("dp", "tp", "tp_mode", "pp", "sp", "sp_mode", "micro_batch_size", "schedule",
-           "recompute", "memory", "offload")
+FIXABLE = ("dp", "tp", "tp_mode", "tp_seq", "pp", "sp", "sp_mode", "micro_batch_size",
+           "schedule", "recompute", "memory", "offload")
 
 
 class PlannerError(ValueError):
@@ -198,7 +198,7 @@ class _Search:
     def _frontier(self, n: int, max_mbs: int) -> list[tuple[float, Strategy]]:
         out = []
         layout_fixed = {k: v for k, v in self.fixed.items()
-                        if k in ("dp", "tp", "tp_mode", "pp", "sp", "sp_mode")}
+                        if k in ("dp", "tp", "tp_mode", "tp_seq", "pp", "sp", "sp_mode")}
         for lay in layouts(self.model, n, min(self.cluster.devices_per_node, n), self.gbs,
                            layout_fixed):
             if lay.sp_mode == "rsa" and not self.exhaustive and "sp_mode" not in self.fixed:
@@ -213,8 +213,9 @@ class _Search:
                     if self.fixed.get("schedule", sched) != sched:
                         continue
                     try:  # the Strategy's own model rules have the last word
-                        base = Strategy(dp=lay.dp, tp=lay.tp, tp_mode=lay.tp_mode, pp=lay.pp,
-                                        sp=lay.sp, sp_mode=lay.sp_mode, micro_batch_size=mbs,
+                        base = Strategy(dp=lay.dp, tp=lay.tp, tp_mode=lay.tp_mode,
+                                        tp_seq=lay.tp_seq, pp=lay.pp, sp=lay.sp,
+                                        sp_mode=lay.sp_mode, micro_batch_size=mbs,
                                         global_batch_size=self.gbs, schedule=sched,
                                         precision=self.precision).validate_for(model=self.model)
                     except StrategyError:

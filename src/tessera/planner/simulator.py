@@ -205,7 +205,11 @@ def _stage_costs(model: ModelConfig, cl: Cluster, s: Strategy, groups, opt: SimO
         if i == 0:
             e = embedding_time(cl, model, b, seq, s.tp, s.sp, s.precision)
             fwd, bwd = fwd + e.forward, bwd + e.backward
-            extra_fwd += _tp_allreduce(model, cl, s, groups)  # vocab-parallel embedding
+            if s.tp_seq == "on":  # to sequence shards; backward gathers the gradient
+                extra_fwd += _tp_collective(model, cl, s, groups, "reduce_scatter")
+                extra_bwd += _tp_collective(model, cl, s, groups, "all_gather")
+            else:  # vocab-parallel embedding: partial rows summed
+                extra_fwd += _tp_collective(model, cl, s, groups, "all_reduce")
         if sp_params.head_share > 0:  # the whole head, or its slices' share (split.py)
             h = head_time(cl, model, b, seq, s.tp, s.sp, s.precision)
             share = sp_params.head_share
@@ -214,7 +218,12 @@ def _stage_costs(model: ModelConfig, cl: Cluster, s: Strategy, groups, opt: SimO
             if s.tp > 1:  # vocab-parallel cross-entropy: the max, then the sum of exp
                 # with the target logit; the vocab-split head sums its input gradient
                 loss_tp += 2 * comm.call_time(cl, groups["tp"])
-                extra_bwd += _tp_allreduce(model, cl, s, groups)
+                if s.tp_seq == "on":  # the head gathers the sequence (backward scatters)
+                    extra_fwd += _tp_collective(model, cl, s, groups, "all_gather")
+                    extra_bwd += (_tp_collective(model, cl, s, groups, "reduce_scatter")
+                                  + _norm_grad_calls(model, cl, groups))  # the final norm
+                else:
+                    extra_bwd += _tp_collective(model, cl, s, groups, "all_reduce")
         # The forward again, plus the checkpoint's own hooks (profiled, at a lone worker's
         # rate like the layer's other fixed costs).
         rec = n_rec * (lt.forward + cast + cl.device.overheads.get("recompute_layer", 0.0)
@@ -244,23 +253,32 @@ def _cached_layer_time(model: ModelConfig, cl: Cluster, s: Strategy,
     two half micro-batches (smaller matmuls, so a lower achieved rate, priced as such)."""
     halves = 2 if s.tp_overlap == "subpipe" else 1
     b = s.micro_batch_size // halves
-    key = (id(cl.device), cl.devices_per_node, cl.nodes, b, s.tp, s.tp_mode, s.sp, s.sp_mode,
-           s.precision, layout(s.precision, s.memory))
+    key = (id(cl.device), cl.devices_per_node, cl.nodes, b, s.tp, s.tp_mode, s.tp_seq, s.sp,
+           s.sp_mode, s.precision, layout(s.precision, s.memory))
     lt = cache.get(key) if cache is not None else None
     if lt is None:
         lt = layer_time(cl, model, b, model.max_seq_len, s.tp, s.tp_mode, s.sp, s.precision,
-                        s.sp_mode, s.memory)
+                        s.sp_mode, s.memory, s.tp_seq)
         if cache is not None:
             cache[key] = lt
     return LayerTime(lt.forward * halves, lt.backward * halves)
 
 
-def _tp_allreduce(model: ModelConfig, cl: Cluster, s: Strategy, groups) -> float:
+def _tp_collective(model: ModelConfig, cl: Cluster, s: Strategy, groups, op: str) -> float:
+    """One tp collective ``op`` over a micro-batch's (tokens, hidden) activation (all_gather:
+    the gathered one; reduce_scatter: the one scattered)."""
     if s.tp == 1:
         return 0.0
     n = s.micro_batch_size * model.max_seq_len / s.sp
     nbytes = n * model.d_model * bytes_per_element(s.precision)
-    return comm.collective_time(cl, "all_reduce", nbytes, groups["tp"])
+    return comm.collective_time(cl, op, nbytes, groups["tp"])
+
+
+def _norm_grad_calls(model: ModelConfig, cl: Cluster, groups) -> float:
+    """A norm's replicated weight (and bias) summing its gradient over tp under Megatron
+    sequence parallelism: one small all-reduce each."""
+    count = 2 if model.bias and model.norm == "layernorm" else 1
+    return count * comm.call_time(cl, groups["tp"])
 
 
 def _tp_comm(model: ModelConfig, cl: Cluster, s: Strategy, groups) -> tuple[float, float]:
@@ -271,12 +289,19 @@ def _tp_comm(model: ModelConfig, cl: Cluster, s: Strategy, groups) -> tuple[floa
         # Megatron: one all-reduce after attention and one after the MLP; backward, one per
         # block input (the attention's and the MLP's pre-hook, tensor/modules.BlockInput),
         # however many column layers read it.
-        ar = _tp_allreduce(model, cl, s, groups)
+        ar = _tp_collective(model, cl, s, groups, "all_reduce")
         # Row-parallel biases sum their gradient over the group: two small all-reduces.
         extra = 2 * comm.call_time(cl, groups["tp"]) if model.bias else 0.0
         if model.n_kv_heads % s.tp:  # k, v weights replicated: their fp32 gradients summed
             kv_weight = model.n_kv_heads * model.head_dim * (model.d_model + model.bias) * 4.0
             extra += 2 * comm.collective_time(cl, "all_reduce", kv_weight, groups["tp"])
+        if s.tp_seq == "on":
+            # Megatron sequence parallelism: each block input all-gathered and each output
+            # reduce-scattered in place of the all-reduce (backward: the reverse); the two
+            # norms' replicated weights sum their gradients over tp.
+            seq = (_tp_collective(model, cl, s, groups, "all_gather")
+                   + _tp_collective(model, cl, s, groups, "reduce_scatter"))
+            return 2 * seq, 2 * seq + extra + 2 * _norm_grad_calls(model, cl, groups)
         return 2 * ar, 2 * ar + extra
     q = math.isqrt(s.tp)
     el = bytes_per_element(s.precision)

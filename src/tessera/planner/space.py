@@ -40,6 +40,7 @@ class Layout:
     pp: int
     sp: int
     sp_mode: str
+    tp_seq: str = "off"
 
 
 def divisors(n: int) -> list[int]:
@@ -91,9 +92,18 @@ def layouts(model: ModelConfig, n_devices: int, per_node: int, gbs: int, fixed: 
                     for sp_mode in (("ring", "ulysses", "rsa") if sp > 1 else ("ring",)):
                         if sp_mode == "ulysses" and heads % (sp * tp):
                             continue
-                        layout = Layout(dp, tp, tp_mode, pp, sp, sp_mode)
-                        if _matches(layout, fixed):
-                            yield layout
+                        for tp_seq in _tp_seq_options(tp, tp_mode, sp, seq):
+                            layout = Layout(dp, tp, tp_mode, pp, sp, sp_mode, tp_seq)
+                            if _matches(layout, fixed):
+                                yield layout
+
+
+def _tp_seq_options(tp: int, tp_mode: str, sp: int, seq: int) -> tuple[str, ...]:
+    """Megatron sequence parallelism is a choice for a 1d tp group without sp (which splits
+    the same token axis) whose size divides the sequence."""
+    if tp > 1 and tp_mode == "1d" and sp == 1 and seq % tp == 0:
+        return ("off", "on")
+    return ("off",)
 
 
 def _tp_ok(model: ModelConfig, tp: int, tp_mode: str, per_node: int) -> bool:
@@ -169,14 +179,15 @@ def structural_reasons(model: ModelConfig, n_devices: int, gbs: int, fixed: dict
 
 
 def raw_space_size(n_devices: int, gbs: int) -> int:
-    """Candidates before any pruning: every degree factorisation, both tp modes, three sp
-    modes, every micro-batch size dividing the per-rank batch, four schedules, four
-    recomputation choices and seven memory settings."""
+    """Candidates before any pruning: every degree factorisation, both tp modes (and 1d's
+    Megatron sequence parallelism on or off), three sp modes, every micro-batch size dividing
+    the per-rank batch, four schedules, four recomputation choices and seven memory
+    settings."""
     total = 0
     for tp in divisors(n_devices):
         for pp in divisors(n_devices // tp):
             for sp in divisors(n_devices // (tp * pp)):
                 dp = n_devices // (tp * pp * sp)
                 mbs = len(divisors(gbs // dp)) if gbs % dp == 0 else 1
-                total += 2 * 3 * mbs * len(SCHEDULES) * 4 * len(MEMORY_OPTIONS)
+                total += 3 * 3 * mbs * len(SCHEDULES) * 4 * len(MEMORY_OPTIONS)
     return total

@@ -51,6 +51,10 @@ _CANDIDATES = {
         "dp=4,mbs=1,gbs=8,memory=chunk",
         "dp=2,tp=2,mbs=4,gbs=8",
         "dp=1,tp=4,mbs=8,gbs=8",
+        # Megatron sequence parallelism: on gloo its all-gathers and reduce-scatters cost more
+        # than the all-reduces they replace (docs/tensor_parallel.md)
+        "dp=2,tp=2,mbs=4,gbs=8,tp_seq=on",
+        "dp=1,tp=4,mbs=8,gbs=8,tp_seq=on",
         "dp=1,tp=4,mbs=4,gbs=8,tp_mode=2d",
         "dp=2,pp=2,mbs=2,gbs=8,schedule=1f1b",
         "dp=2,pp=2,mbs=1,gbs=8,schedule=interleaved",

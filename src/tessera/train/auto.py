@@ -82,13 +82,14 @@ PIPELINE_ONLY_KEYS = ("pipeline_split_points", "pipeline_leaf_modules", "stage_m
 SP_PLANNED = frozenset({"Transformer", "GPT2LMHeadModel", "LlamaForCausalLM"})
 
 
-def layout_limits(model: nn.Module, world_size: int | None = None) -> dict[str, int]:
-    """Strategy fields held at 1 for a model the runtime cannot split that way: tensor
-    parallelism needs a policy for the model's class that styles every module holding
+def layout_limits(model: nn.Module, world_size: int | None = None) -> dict[str, int | str]:
+    """Strategy fields held at 1 (or off) for a model the runtime cannot split that way:
+    tensor parallelism needs a policy for the model's class that styles every module holding
     weights (a user's class named like a known one may not fit it); sequence parallelism is
     planned only for the models the suite tests it on (the reference, GPT-2, Llama: its
     Hugging Face route, AttentionInterface, is generic, but models refuse it for their own
-    attention variants). Pipeline and data parallelism need only a capture.
+    attention variants); Megatron sequence parallelism (tp_seq) runs on the reference model
+    only. Pipeline and data parallelism need only a capture.
 
     With ``world_size``, tensor parallelism is also held at 1 where some tp degree it could
     take (a divisor of the world) would not cut heads, hidden size, vocabulary and MLP width
@@ -108,9 +109,11 @@ def layout_limits(model: nn.Module, world_size: int | None = None) -> dict[str, 
     # Other classes with a policy (Mistral, Gemma, Cohere, ...): tensor parallelism checked,
     # sequence parallelism not planned for (Mistral's and Gemma 2's sliding windows, for
     # two, are refused under sp past them).
-    limits = {} if type(model).__name__ in SP_PLANNED else {"sp": 1}
+    limits: dict[str, int | str] = {} if type(model).__name__ in SP_PLANNED else {"sp": 1}
     if world_size is not None and not _tp_cuts_evenly(model, world_size):
         limits["tp"] = 1
+    elif type(model).__name__ != "Transformer":  # Megatron SP: the reference model only
+        limits["tp_seq"] = "off"
     return limits
 
 
@@ -158,14 +161,16 @@ def best_runnable(model_config, world_size: int, global_batch_size: int, precisi
 
 
 def resolve_auto_text(text: str, model_config, world_size: int, device: str = "auto",
-                      seq_len: int | None = None, cluster_file: str | None = None
-                      ) -> Strategy:
+                      seq_len: int | None = None, cluster_file: str | None = None,
+                      limits: dict | None = None) -> Strategy:
     """Resolve ``auto[,field=value...]`` (e.g. ``auto,gbs=64,precision=bf16``) for a job
     whose samples hold ``seq_len`` tokens (default: the model's position count).
 
     The fields after ``auto`` are held fixed, each checked on its own as strategy text
     checks it (``strategy.fixed_fields``); ``gbs`` is required, since the batch size is a
-    training decision and not the planner's.
+    training decision and not the planner's. ``limits``: fields held for what the model's
+    runtime cannot take (a Hugging Face model: ``tp_seq`` off); a field the text gives wins,
+    and the run's own checks then name the rule it breaks.
     """
     from tessera.planner.model_spec import describe_model
     from tessera.strategy import fixed_fields
@@ -178,6 +183,7 @@ def resolve_auto_text(text: str, model_config, world_size: int, device: str = "a
     if "global_batch_size" not in fixed:
         raise StrategyError(f"strategy {text!r}: auto needs the global batch size, e.g. "
                             "'auto,gbs=64'")
+    fixed = {**(limits or {}), **fixed}
     gbs = fixed.pop("global_batch_size")
     precision = str(fixed.pop("precision", "fp32"))
     model = describe_model(model_config, seq_len) if seq_len else model_config

@@ -71,6 +71,7 @@ def _all_checks(rank, world_size, folder):
                                   for name in ("1d_tp2", "1d_tp4")}
     out["refusals"]["one_d_style"] = tp_checks.refusal_one_d_style(meshes["2d_2x2"])
     out["direct_call"] = tp_checks.refusal_direct_call(meshes["1d_tp2"])
+    out["refusals"].update(tp_checks.refusals_tp_seq(meshes["1d_tp2"]))
     out["checkpoints"] = {(m, kind): tp_checks.checkpoint_roundtrip(meshes[m], kind,
                                                                      f"{folder}/{m}-{kind}")
                           for m in ("1d_tp4", "2d_2x2") for kind in ("ref-gpt", "hf-gpt2")}
@@ -164,6 +165,12 @@ def test_bad_input_is_refused_with_the_rule_named(results):
         assert 5.0 < res["direct_call"]["loss"] < 6.0, rank  # tessera's own call: ln 256
         assert res["direct_call"]["message"].startswith(
             "this model is laid out over tp=2 tensor-parallel ranks (tp_mode=1d)"), rank
+    # Megatron sequence parallelism: each rank takes 1/tp of the tokens, and needs the
+    # reference model (a Hugging Face model builds its masks from the local length).
+    assert got["length"].startswith("tp_seq=on splits the sequence over tp=2: this batch's "
+                                    "length 17 is not divisible by tp"), got["length"]
+    assert "tp_seq=on: Megatron sequence parallelism needs the reference model; " \
+           "GPT2LMHeadModel builds its masks" in got["hf"], got["hf"]
     # Gemma's scaled embedding and (1 + w) norms are built by the 1D layers only.
     assert got["one_d_style"].startswith("model.embed_tokens: GemmaTextScaledWordEmbedding "
                                          "scales its embedding (Gemma's): built for "

@@ -2,9 +2,10 @@
 
 Launch 1 (8 ranks): dp=2 x tp=4 1D, and dp=2 x tp=4 2D with gradient accumulation, each 5
 steps of a 10-step schedule; the 2D run leaves its checkpoint; dp=2 x tp=4 1D in bf16 and in
-fp16 (likewise). Launch 2 (1 rank): the dp=1 runs they must equal, and a dp=1 resume of the 2D
-checkpoint. Reference model only (importing
-transformers in 8 processes costs more than the runs) on a corpus of three standard-library
+fp16 (likewise); dp=2 x tp=4 1D with Megatron sequence parallelism (tp_seq=on), with
+memory=ddp and memory=chunk. Launch 2 (1 rank): the dp=1 runs they must equal, and a dp=1
+resume of the 2D checkpoint. Reference model only (importing transformers in 8 processes
+costs more than the runs) on a corpus of three standard-library
 files (40 kB used), so that data loading stays cheap.
 
 Tolerance: fp32 on CPU; tensor parallelism and the dp average sum in another order than one
@@ -62,6 +63,12 @@ def _parallel_runs(rank, world_size, root):
     for precision in MIXED:
         out[precision] = _train(root / precision, f"dp=2,tp=4,mbs=4,gbs=8,precision={precision}",
                                 steps=10, until=5)[0]
+    # Megatron sequence parallelism: norms, dropout and residuals on 1/4 of the sequence;
+    # with chunk memory too (the replicated norm weights' gradients summed over tp before
+    # they reach the chunks, then ZeRO-reduced over dp).
+    for name, extra in (("1d_seq", ""), ("1d_seq_chunk", ",memory=chunk")):
+        out[name], out[f"{name}_features"] = _train(
+            root / name, f"dp=2,tp=4,tp_seq=on,mbs=4,gbs=8{extra}", steps=10, until=5)
     return out
 
 
@@ -107,6 +114,13 @@ def test_dp2_tp4_2d_equals_dp1_for_5_steps(runs):
 def test_dp2_tp4_1d_equals_dp1(runs):
     assert runs["1d_features"][0] == "tensor_parallel_1d"
     _close(runs["1d"].losses, runs["straight"].losses[:5], **FP32_PARITY)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name", ["1d_seq", "1d_seq_chunk"])
+def test_dp2_tp4_megatron_sequence_parallel_equals_dp1(runs, name):
+    assert "tp_sequence_parallel" in runs[f"{name}_features"]
+    _close(runs[name].losses, runs["straight"].losses[:5], **FP32_PARITY)
 
 
 @pytest.mark.slow

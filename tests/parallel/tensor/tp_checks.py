@@ -146,9 +146,9 @@ def model_parity(mesh: Mesh, kind: str, sequence_parallel: bool = False) -> dict
     ref_loss = default_forward_loss(single, data)
     ref_loss.backward()
     plan = Parallelized(module=parallel, model=parallel, loss_group=None)
-    strategy = mesh.strategy
+    strategy = mesh.strategy.replace(tp_seq="on" if sequence_parallel else "off")
     apply_tensor_parallel(plan, strategy.replace(dp=1, global_batch_size=1)
-                          if strategy.dp > 1 else strategy, mesh, sequence_parallel)
+                          if strategy.dp > 1 else strategy, mesh)
     tp_loss = plan.forward_loss(plan.module, data)
     tp_loss.backward()
     out = {"loss": abs(tp_loss.item() - ref_loss.item()), **_gradient_gap(single, parallel)}
@@ -329,9 +329,9 @@ def megatron_sp_dropout_parity(mesh: Mesh) -> dict[str, float]:
     ref_loss = default_forward_loss(single, data)
     ref_loss.backward()
     plan = Parallelized(module=parallel, model=parallel, loss_group=None)
-    strategy = mesh.strategy
+    strategy = mesh.strategy.replace(tp_seq="on")
     apply_tensor_parallel(plan, strategy.replace(dp=1, global_batch_size=1)
-                          if strategy.dp > 1 else strategy, mesh, sequence_parallel=True)
+                          if strategy.dp > 1 else strategy, mesh)
     torch.manual_seed(7)
     tp_loss = plan.forward_loss(plan.module, data)
     tp_loss.backward()
@@ -452,6 +452,29 @@ def refusal_without_block(mesh: Mesh) -> str:
         return str(err)
     finally:
         tp_policy.POLICIES["Transformer"] = saved
+
+
+def refusals_tp_seq(mesh: Mesh) -> dict[str, str]:
+    """Megatron sequence parallelism (tp_seq=on): a batch length tp does not divide, and a
+    Hugging Face model (whose masks follow the local length)."""
+    strategy = mesh.strategy.replace(dp=1, global_batch_size=1, tp_seq="on")
+    out = {}
+    model = Transformer(preset("tiny"))
+    plan = Parallelized(module=model, model=model, loss_group=None)
+    apply_tensor_parallel(plan, strategy, mesh)
+    ids = torch.randint(0, 256, (1, mesh.strategy.tp * 8 + 1))
+    try:
+        plan.forward_loss(plan.module, {"input_ids": ids, "labels": ids})
+        out["length"] = ""
+    except ValueError as err:
+        out["length"] = str(err)
+    hf = build("hf-gpt2")
+    try:
+        apply_tensor_parallel(Parallelized(hf, hf, None), strategy, mesh)
+        out["hf"] = ""
+    except ValueError as err:
+        out["hf"] = str(err)
+    return out
 
 
 def grad_scaler_overflow(mesh: Mesh) -> dict[str, float]:

@@ -18,8 +18,8 @@ averaged over the flattened dp x sp group.
 grid columns, so every activation is already spread over q^2 ranks. Adding an sp axis would
 need the ring inside each grid cell and a loss over three axes, for little memory left to save.
 
-Megatron sequence parallelism inside 1D tp (``apply_tensor_parallel(sequence_parallel=True)``)
-is an API option the Strategy does not expose; it is not combined with sp.
+Megatron sequence parallelism inside 1D tp (``Strategy.tp_seq="on"``) is not combined with sp:
+it splits the same token axis again around the norms and gathers it before attention.
 """
 
 from __future__ import annotations

@@ -37,17 +37,16 @@ from tessera.strategy import Strategy
 
 
 def apply_tensor_parallel(plan: Parallelized, strategy: Strategy, mesh: Mesh,
-                          sequence_parallel: bool = False,
                           counter: CommCounter | None = None,
                           deferred: DeferredInit | None = None) -> None:
     """Shard ``plan.model`` in place over the mesh's tensor axes and set the plan's loss/clip.
 
     Args:
         plan: the plan being built; ``plan.model`` is changed in place.
-        strategy: tp and tp_mode ("1d" Megatron, "2d" Optimus SUMMA).
+        strategy: tp and tp_mode ("1d" Megatron, "2d" Optimus SUMMA); tp_seq="on" adds
+            Megatron sequence parallelism around norms and dropout (1D, the reference model
+            only: Hugging Face models build masks from the local length).
         mesh: gives the tp group (1D) or the grid's row and column groups (2D).
-        sequence_parallel: Megatron sequence parallelism around norms and dropout (1D, the
-            reference model only: Hugging Face models build masks from the local length).
         counter: counts collective bytes (benchmarks).
         deferred: for a model on the meta device, how to materialise it. Each transformer
             block's weights (each other replaced module's) are then materialised whole just
@@ -64,19 +63,18 @@ def apply_tensor_parallel(plan: Parallelized, strategy: Strategy, mesh: Mesh,
     model = plan.model
     policy, dims = policy_for(model), model_dims(model)
     what = f"tp={strategy.tp} (tp_mode={strategy.tp_mode})"
+    sequence_parallel = strategy.tp_seq == "on"
     _check_mix(strategy, what, sequence_parallel)
-    if strategy.tp_mode == "2d":
-        if sequence_parallel:
-            raise PolicyError(f"{what}: Megatron sequence parallelism is a 1D option; 2D "
-                              "already splits activations over the grid")
+    if strategy.tp_mode == "2d":  # (Strategy refuses tp_seq=on with 2d)
         grid = Grid.from_mesh(mesh, counter)
         check_divisible(dims, grid.q, kv_ways_ok=False, what=what)
         builder = _Builder2D(dims, grid, mesh.submesh("tp_row", "tp_col"))
         plan.forward_loss = make_forward_loss_2d(grid)
     else:
         if sequence_parallel and dims.hf:
-            raise PolicyError(f"{what}: sequence parallelism needs the reference model; "
-                              f"{type(model).__name__} builds its masks from the local length")
+            raise PolicyError(f"{what} with tp_seq=on: Megatron sequence parallelism needs "
+                              f"the reference model; {type(model).__name__} builds its masks "
+                              "from the local length (use tp_seq=off)")
         group = TPGroup(mesh.group("tp"), counter)
         if sequence_parallel:  # each sequence chunk dropped as one device drops it
             shard_sequence_dropouts(model, group)
@@ -102,6 +100,8 @@ def apply_tensor_parallel(plan: Parallelized, strategy: Strategy, mesh: Mesh,
     if strategy.dp * strategy.sp > 1 and strategy.pp == 1 and strategy.memory != "chunk":
         ShardGradSync(model, mesh.flat_group("dp", "sp")).attach(plan.module)
     plan.features.append(f"tensor_parallel_{strategy.tp_mode}")
+    if sequence_parallel:
+        plan.features.append("tp_sequence_parallel")
     # 1D: attention dropout masks per head (attention.py); sp > 1 installs its own attention,
     # whose masks are already keyed by the layer's heads.
     if (isinstance(builder, _Builder1D) and strategy.sp == 1
@@ -145,10 +145,10 @@ def _check_mix(strategy: Strategy, what: str, sequence_parallel: bool) -> None:
         # sp x 1d works (parallel/sequence/compose.py); 2d and Megatron SP are not combined.
         raise PolicyError(f"{what} with sp={strategy.sp}: context (sp) parallelism composes "
                           "with 1d tensor parallelism only, without Megatron sequence "
-                          "parallelism; see docs/sequence_parallel.md")
+                          "parallelism (tp_seq=off); see docs/sequence_parallel.md")
     if strategy.pp > 1 and sequence_parallel:
         raise PolicyError(f"{what} with pp={strategy.pp}: Megatron sequence parallelism "
-                          "inside pipeline stages is not built; drop sequence_parallel")
+                          "inside pipeline stages is not built; use tp_seq=off")
     if strategy.pp > 1 and strategy.tp_mode == "2d" and strategy.tp_overlap == "subpipe":
         raise PolicyError(f"{what} with pp={strategy.pp}: tp_overlap=subpipe overlaps 1D "
                           "all-reduces; 2D (SUMMA) layers have none to overlap. Use "

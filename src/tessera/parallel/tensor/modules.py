@@ -134,6 +134,10 @@ class VocabEmbedding(nn.Module):
         self.export_group: str | None = None
 
     def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        if self.seq_parallel and ids.shape[-1] % self.group.size:
+            raise ValueError(f"tp_seq=on splits the sequence over tp={self.group.size}: this "
+                             f"batch's length {ids.shape[-1]} is not divisible by tp (pad the "
+                             "batch to a multiple, or use tp_seq=off)")
         out = self._lookup(ids)
         if self.scale is None:
             return out
