@@ -28,6 +28,13 @@ Prints JSON lines, one per figure: {"name", "value", "unit", "compared_against",
   dropout_p=0.1 (what one device runs; on CPU it leaves its fused kernel), best of 3; SDPA
   without dropout beside it.
 
+- activation_mem_ratio_tp_seq_vs_1d, tp_seq_vs_torch_sp_activation_mem_ratio,
+  tp_seq_vs_torch_sp_tokens_ratio_tp4: Megatron sequence parallelism (tp_seq=on) at tp=4 on
+  a Llama-style model (_tp_seq.py): saved bytes against tessera's plain 1D and against
+  PyTorch's own recipe (SequenceParallel norms, PrepareModuleInput, Colwise/Rowwise with
+  sequence-sharded outputs, loss_parallel), and forward + backward tokens/s against the
+  latter (best round, rounds alternating).
+
     python benchmarks/bench_tensor_parallel.py [--quick]
 """
 
@@ -52,6 +59,7 @@ from tessera.testing import run_distributed
 
 from _tp_training import tokens_per_s as training_tokens_per_s  # noqa: E402 (beside this script)
 from _tp_training import torch_tp_plan  # noqa: E402
+from _tp_seq import figures as tp_seq_figures  # noqa: E402
 
 T = 128
 MODEL = dict(vocab_size=256, d_model=256, n_heads=8, max_seq_len=T, tie_embeddings=False)
@@ -207,6 +215,7 @@ def _worker(rank, world, quick):
                                     rounds, steps)
     out["train_dp2_tp2"] = training_tokens_per_s(preset("tiny", n_layers=4, **MODEL),
                                                  micro_batch=4, rounds=rounds, steps=steps)
+    out["tp_seq"] = tp_seq_figures(meshes["1d"], 8, rounds, steps)
     return out
 
 
@@ -288,6 +297,31 @@ def main() -> None:
           torch_tokens_per_s=round(train["torch_2d"], 1), model="reference, 4 layers, "
           "d_model=256, 8 heads, vocab 256", seq_len=T, micro_batch=4, dp=2, tp=2,
           loadavg_before=load_before, loadavg_after=load_after, cpu_cores=os.cpu_count())
+    _emit_tp_seq(res, load_before, load_after)
+
+
+def _emit_tp_seq(res: list[dict], load_before: float, load_after: float) -> None:
+    seq = {k: max(r["tp_seq"][k] for r in res) for k in ("saved_1d", "saved_tp_seq",
+                                                          "saved_torch_sp")}
+    setup = dict(model="reference llama-style, 2 layers, d_model=256, 8 heads, vocab 256",
+                 seq_len=T, micro_batch=8, tp=4)
+    _emit("activation_mem_ratio_tp_seq_vs_1d", round(seq["saved_tp_seq"] / seq["saved_1d"], 4),
+          "ratio", "tessera 1D tp=4 without Megatron sequence parallelism",
+          bytes_tp_seq=seq["saved_tp_seq"], bytes_1d=seq["saved_1d"], **setup)
+    _emit("tp_seq_vs_torch_sp_activation_mem_ratio",
+          round(seq["saved_tp_seq"] / seq["saved_torch_sp"], 4), "ratio",
+          "torch parallelize_module SequenceParallel + PrepareModuleInput + Colwise/Rowwise",
+          target="<= 1.0", bytes_tp_seq=seq["saved_tp_seq"],
+          bytes_torch_sp=seq["saved_torch_sp"], **setup)
+    speed = res[0]["tp_seq"]
+    _emit("tp_seq_vs_torch_sp_tokens_ratio_tp4",
+          round(speed["tokens_tessera"] / speed["tokens_torch_sp"], 3), "ratio",
+          "torch parallelize_module SequenceParallel + PrepareModuleInput + Colwise/Rowwise, "
+          "loss_parallel", target=">= 1.0",
+          tessera_tokens_per_s=round(speed["tokens_tessera"], 1),
+          torch_tokens_per_s=round(speed["tokens_torch_sp"], 1), loss_diff=speed["loss_diff"],
+          loadavg_before=load_before, loadavg_after=load_after, cpu_cores=os.cpu_count(),
+          **setup)
 
 
 if __name__ == "__main__":
