@@ -6,7 +6,6 @@ PyTorch's recipe has no layout for a learned position table added to a sequence 
 
 from __future__ import annotations
 
-import time
 from typing import Callable
 
 import torch
@@ -19,6 +18,8 @@ from tessera.models.config import ModelConfig, preset
 from tessera.parallel.plan import Parallelized
 from tessera.parallel.tensor import apply_tensor_parallel
 from tessera.strategy import Strategy
+
+from _tp_training import race  # beside this file
 
 T = 128
 CONFIG = dict(vocab_size=256, d_model=256, n_heads=8, n_kv_heads=8, max_seq_len=T,
@@ -136,15 +137,5 @@ def figures(mesh: Mesh, micro_batch: int, rounds: int, steps: int) -> dict[str, 
         out["loss_diff"] = abs(ours.forward_loss(ours.module, batch).item() - ref.item())
     sides = {"tessera": lambda: ours.forward_loss(ours.module, batch).backward(),
              "torch_sp": lambda: _torch_step(theirs, batch)}
-    best = {name: 0.0 for name in sides}
-    for _ in range(rounds):
-        for name, step in sides.items():
-            step()  # warm-up of this round
-            torch.distributed.barrier()
-            start = time.perf_counter()
-            for _ in range(steps):
-                step()
-            torch.distributed.barrier()
-            best[name] = max(best[name], steps * batch["input_ids"].numel()
-                             / (time.perf_counter() - start))
+    best = race(sides, batch["input_ids"].numel(), rounds, steps)
     return {**out, **{f"tokens_{name}": value for name, value in best.items()}}

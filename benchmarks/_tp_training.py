@@ -109,14 +109,21 @@ def tokens_per_s(config: ModelConfig, micro_batch: int, rounds: int, steps: int
         sides = {"tessera": tessera_step(config, micro_batch, folder),
                  "torch_2d": torch_2d_step(config, micro_batch)}
         tokens = 2 * micro_batch * config.max_seq_len  # both dp ranks' batches
-        best = {name: 0.0 for name in sides}
-        for _ in range(rounds):
-            for name, step in sides.items():
-                step()  # warm-up of this round
-                dist.barrier()
-                start = time.perf_counter()
-                for _ in range(steps):
-                    step()
-                dist.barrier()
-                best[name] = max(best[name], steps * tokens / (time.perf_counter() - start))
+        return race(sides, tokens, rounds, steps)
+
+
+def race(sides: dict, tokens: int, rounds: int, steps: int) -> dict[str, float]:
+    """Best-round tokens/s of each side's step callable (``tokens`` a step), rounds
+    alternating between the sides; each round starts with an untimed warm-up step and is
+    timed between barriers (the slowest rank ends it)."""
+    best = {name: 0.0 for name in sides}
+    for _ in range(rounds):
+        for name, step in sides.items():
+            step()  # warm-up of this round
+            dist.barrier()
+            start = time.perf_counter()
+            for _ in range(steps):
+                step()
+            dist.barrier()
+            best[name] = max(best[name], steps * tokens / (time.perf_counter() - start))
     return best

@@ -43,7 +43,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import time
 
 import torch
 from torch import nn
@@ -58,7 +57,7 @@ from tessera.strategy import Strategy
 from tessera.testing import run_distributed
 
 from _tp_training import tokens_per_s as training_tokens_per_s  # noqa: E402 (beside this script)
-from _tp_training import torch_tp_plan  # noqa: E402
+from _tp_training import race, torch_tp_plan  # noqa: E402
 from _tp_seq import figures as tp_seq_figures  # noqa: E402
 
 T = 128
@@ -177,17 +176,7 @@ def tokens_per_s(mesh: Mesh, rounds: int, steps: int) -> dict[str, float]:
     sides = {"tessera": lambda: ours.forward_loss(ours.module, batch).backward(),
              "dtensor": lambda: _dtensor_step(theirs, batch)}
     check = _loss_check(ours, theirs, batch)
-    best = {name: 0.0 for name in sides}
-    for _ in range(rounds):
-        for name, step in sides.items():
-            step()  # warm-up of this round
-            torch.distributed.barrier()
-            start = time.perf_counter()
-            for _ in range(steps):
-                step()
-            torch.distributed.barrier()
-            best[name] = max(best[name], steps * batch["input_ids"].numel()
-                             / (time.perf_counter() - start))
+    best = race(sides, batch["input_ids"].numel(), rounds, steps)
     return {**best, "loss_diff": check}
 
 

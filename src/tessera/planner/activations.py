@@ -79,8 +79,8 @@ def layer_bytes_per_token(model: ModelConfig, lay: Layout, tp: int = 1,
     column-parallel op keeps that input once, as it comes (in the residual's precision, not a
     16-bit copy per linear); attention's heads and the MLP's width are split t ways. With
     Megatron sequence parallelism (``tp_seq`` "on") the norms and dropout masks hold 1/t of
-    the tokens; the input the column layers read is gathered whole and kept whole (Megatron-LM
-    keeps the shard and gathers it again in backward; tessera does not). 2d
+    the tokens, and the column layers keep the shard of their gathered input (gathered again
+    in backward, as Megatron-LM does): all of it divided by t. 2d
     (Optimus) partitions every activation over the grid: all of it divided by t; its norms
     (layers2d.Norm2DFn, both styles) keep the normalised value in fp32 and the statistic.
     Dropout keeps a 1-byte mask per element on CUDA (its fused kernel); on a CPU
@@ -111,9 +111,7 @@ def layer_bytes_per_token(model: ModelConfig, lay: Layout, tp: int = 1,
     mask = e if host_is_device else 1
     masks = 2 * mask * h if model.dropout > 0 else 0  # after attention and after the MLP
     whole = 2 * norm + linear_inputs + masks
-    if split_1d and tp_seq == "on":
-        return linear_inputs + (2 * norm + masks + attention + mlp) / tp
-    if split_1d:
+    if split_1d and tp_seq != "on":
         return whole + (attention + mlp) / tp
     return (whole + attention + mlp) / tp
 

@@ -219,7 +219,7 @@ def layer_activation(model: ModelConfig, s: Strategy, seq: int, flash: bool,
     scores = 0.0 if flash else unfused_attention_bytes(model, s, seq, tessera, host_is_device)
     if tessera:
         # tessera's 1d tp keeps the norms and the layer's input whole on every rank (tp_seq=on:
-        # both on the rank's sequence shard, the gathered input the linears read whole)
+        # on the rank's sequence shard, as everything the layer keeps)
         lay = layout(s.precision, s.memory)
         whole_input = s.tp_mode == "1d" and s.tp_seq == "off"  # else a sequence shard
         per_token = layer_bytes_per_token(model, lay, s.tp, s.tp_mode, host_is_device,

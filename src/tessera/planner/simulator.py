@@ -297,11 +297,12 @@ def _tp_comm(model: ModelConfig, cl: Cluster, s: Strategy, groups) -> tuple[floa
             extra += 2 * comm.collective_time(cl, "all_reduce", kv_weight, groups["tp"])
         if s.tp_seq == "on":
             # Megatron sequence parallelism: each block input all-gathered and each output
-            # reduce-scattered in place of the all-reduce (backward: the reverse); the two
-            # norms' replicated weights sum their gradients over tp.
-            seq = (_tp_collective(model, cl, s, groups, "all_gather")
-                   + _tp_collective(model, cl, s, groups, "reduce_scatter"))
-            return 2 * seq, 2 * seq + extra + 2 * _norm_grad_calls(model, cl, groups)
+            # reduce-scattered in place of the all-reduce (backward: the reverse), each block
+            # input gathered once more in backward (its column layers keep the shard); the
+            # two norms' replicated weights sum their gradients over tp.
+            gather = _tp_collective(model, cl, s, groups, "all_gather")
+            seq = gather + _tp_collective(model, cl, s, groups, "reduce_scatter")
+            return 2 * seq, 2 * (seq + gather) + extra + 2 * _norm_grad_calls(model, cl, groups)
         return 2 * ar, 2 * ar + extra
     q = math.isqrt(s.tp)
     el = bytes_per_element(s.precision)

@@ -63,10 +63,13 @@ def _parallel_runs(rank, world_size, root):
     for precision in MIXED:
         out[precision] = _train(root / precision, f"dp=2,tp=4,mbs=4,gbs=8,precision={precision}",
                                 steps=10, until=5)[0]
-    # Megatron sequence parallelism: norms, dropout and residuals on 1/4 of the sequence;
-    # with chunk memory too (the replicated norm weights' gradients summed over tp before
-    # they reach the chunks, then ZeRO-reduced over dp).
-    for name, extra in (("1d_seq", ""), ("1d_seq_chunk", ",memory=chunk")):
+    # Megatron sequence parallelism: norms, dropout and residuals on 1/4 of the sequence,
+    # column layers keeping their input's shard (gathered again in backward); with every
+    # block recomputed (the shard recomputed too); with chunk memory (the replicated norm
+    # weights' gradients summed over tp before they reach the chunks, then ZeRO-reduced over
+    # dp); in bf16.
+    for name, extra in (("1d_seq", ""), ("1d_seq_recompute", ",recompute=full"),
+                        ("1d_seq_chunk", ",memory=chunk"), ("1d_seq_bf16", ",precision=bf16")):
         out[name], out[f"{name}_features"] = _train(
             root / name, f"dp=2,tp=4,tp_seq=on,mbs=4,gbs=8{extra}", steps=10, until=5)
     return out
@@ -117,9 +120,13 @@ def test_dp2_tp4_1d_equals_dp1(runs):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("name", ["1d_seq", "1d_seq_chunk"])
+@pytest.mark.parametrize("name", ["1d_seq", "1d_seq_recompute", "1d_seq_chunk", "1d_seq_bf16"])
 def test_dp2_tp4_megatron_sequence_parallel_equals_dp1(runs, name):
     assert "tp_sequence_parallel" in runs[f"{name}_features"]
+    assert ("recompute" in runs[f"{name}_features"]) == name.endswith("recompute")
+    if name.endswith("bf16"):
+        _close(runs[name].losses, runs["bf16_single"].losses, **MIXED["bf16"])
+        return
     _close(runs[name].losses, runs["straight"].losses[:5], **FP32_PARITY)
 
 

@@ -164,3 +164,28 @@ class GatherSeq(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad: torch.Tensor):
         return ctx.group.reduce_scatter(grad, dim=1), None
+
+
+class GatheredInput:
+    """A block input gathered from sequence shards (Megatron sequence parallelism), as its
+    column layers keep it for backward: each keeps the rank's shard, not the gathered
+    (B, T, C), and the first of them to run backward gathers it again, once for all of them
+    (Megatron-LM's re-gather: t times less kept per block input, one all-gather more per block
+    in backward). Made in the forward by the block's pre-hook; ``readers`` counts the column
+    layers that kept the shard; the gathered copy is dropped when the last has used it."""
+
+    ATTRIBUTE = "tessera_gathered_from"  # on the gathered tensor: (shard, this object)
+
+    def __init__(self, group: TPGroup) -> None:
+        self.group, self.readers = group, 0
+        self._full: torch.Tensor | None = None
+
+    def gather(self, shard: torch.Tensor) -> torch.Tensor:
+        """The gathered input (B, T, C) from this rank's ``shard`` (B, T/tp, C), in backward."""
+        if self._full is None:
+            self._full = self.group.all_gather(shard, dim=1)
+        full = self._full
+        self.readers -= 1
+        if self.readers <= 0:
+            self._full = None
+        return full

@@ -45,13 +45,20 @@ class ColumnLinearFn(torch.autograd.Function):
     "gather": x is a sequence slice (SP); all-gather it here, reduce-scatter the gradient.
     "gathered": the enclosing attention / MLP block applied f to x (or, under SP, gathered
         it) once for all its column layers; that op's backward sums, so nothing here does.
+        Under SP, ``gathered`` is (the rank's shard, its :class:`GatheredInput`): the shard
+        is kept and gathered again in backward, once for the block's column layers.
     """
 
     @staticmethod
-    def forward(ctx, x, weight, bias, group: TPGroup, mode: str):
+    def forward(ctx, x, weight, bias, group: TPGroup, mode: str, gathered=None):
         # x: (B, T, C) or (B, T/tp, C) for "gather"; weight: (O/tp, C)
         full = group.all_gather(x, dim=1) if mode == "gather" else x  # (B, T, C)
-        ctx.save_for_backward(x, weight)  # "gather" saves the slice and gathers it again
+        ctx.source = None if gathered is None else gathered[1]
+        if ctx.source is not None:  # keep the shard (B, T/tp, C), not the gathered x
+            ctx.save_for_backward(gathered[0], weight)
+            ctx.source.readers += 1
+        else:  # "gather" saves the slice and gathers it again
+            ctx.save_for_backward(x, weight)
         ctx.group, ctx.mode, ctx.has_bias = group, mode, bias is not None
         y = F.linear(full, weight, bias)  # (B, T, O/tp)
         ctx.dtype = y.dtype  # autocast's, when it is on
@@ -62,7 +69,10 @@ class ColumnLinearFn(torch.autograd.Function):
         x, weight = _in_dtype(ctx.dtype, *ctx.saved_tensors)
         grad = grad.to(ctx.dtype)
         gather = ctx.mode == "gather"
-        full = ctx.group.all_gather(x, dim=1) if gather else x
+        if ctx.source is not None:
+            full = ctx.source.gather(x)  # (B, T, C), gathered once for the block's columns
+        else:
+            full = ctx.group.all_gather(x, dim=1) if gather else x
         grad_x = grad @ weight  # (B, T, C): this rank's part of the sum over output features
         if gather:
             grad_x = ctx.group.reduce_scatter(grad_x, dim=1)
@@ -70,7 +80,7 @@ class ColumnLinearFn(torch.autograd.Function):
             grad_x = ctx.group.all_reduce(grad_x.contiguous())
         grad_w = _flat(grad).t() @ _flat(full)  # (O/tp, C)
         grad_b = _flat(grad).sum(0) if ctx.has_bias else None
-        return grad_x, grad_w, grad_b, None, None
+        return grad_x, grad_w, grad_b, None, None, None
 
 
 class RowLinearFn(torch.autograd.Function):

@@ -11,7 +11,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from tessera.parallel.tensor.comm import CopyToTP, GatherSeq, Grid, TPGroup
+from tessera.parallel.tensor.comm import CopyToTP, GatheredInput, GatherSeq, Grid, TPGroup
 from tessera.parallel.tensor.layers1d import ColumnLinearFn, RowLinearFn, VocabEmbeddingFn
 from tessera.parallel.tensor.layers2d import (AddBias2DFn, Conv1D2DFn, Embedding2DFn,
                                               Linear2DFn, Norm2DFn)
@@ -55,7 +55,9 @@ class ColumnLinear(nn.Module):
             # Replicated weight: every rank's slice adds to it, so its gradient is summed.
             w = CopyToTP.apply(w, self.group)[self.rows]
             b = None if b is None else CopyToTP.apply(b, self.group)[self.rows]
-        return ColumnLinearFn.apply(x, w, b, self.group, self.mode)
+        # Under sequence parallelism the block's pre-hook gathered x: keep its shard instead
+        gathered = getattr(x, GatheredInput.ATTRIBUTE, None) if self.mode == "gathered" else None
+        return ColumnLinearFn.apply(x, w, b, self.group, self.mode, gathered)
 
     def _exportable(self, x, w, b, name: str) -> torch.Tensor:
         if self.mode == "gather":
@@ -76,7 +78,8 @@ class BlockInput:
     here with Megatron's f (identity forward, all-reduce backward) replaces one all-reduce per
     column layer; those layers run in mode "gathered" and do not sum. Under Megatron sequence
     parallelism the input is a sequence slice: it is all-gathered here instead (backward:
-    reduce-scatter). With ``export_group`` set, f is the custom op ``tp_copy`` (tensor/ops.py),
+    reduce-scatter), and the gathered input carries its shard (:class:`GatheredInput`) so
+    that the column layers keep the shard for backward. With ``export_group`` set, f is the custom op ``tp_copy`` (tensor/ops.py),
     so torch.export keeps its backward all-reduce.
 
     Registered with ``with_kwargs=True``: Hugging Face decoder layers pass ``hidden_states``
@@ -99,7 +102,9 @@ class BlockInput:
     def enter(self, x: torch.Tensor) -> torch.Tensor:
         """f (or the sequence gather) applied to the block input (B, T, C)."""
         if self.seq_parallel:
-            return GatherSeq.apply(x, self.group)  # (B, T/tp, C) -> (B, T, C)
+            full = GatherSeq.apply(x, self.group)  # (B, T/tp, C) -> (B, T, C)
+            setattr(full, GatheredInput.ATTRIBUTE, (x, GatheredInput(self.group)))
+            return full
         if self.export_group is not None:
             return tp_copy(x, self.export_group)
         return CopyToTP.apply(x, self.group)
