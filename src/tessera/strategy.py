@@ -77,6 +77,7 @@ class Strategy:
         tp_seq: "off", or "on" (Megatron sequence parallelism inside the 1d tp group: the
             norm, dropout and residual regions hold 1/tp of the sequence, all-gathered before
             attention and the MLP and reduce-scattered after them, in place of the all-reduce;
+            the column layers keep their input's shard and gather it again in backward;
             needs tp > 1 with tp_mode=1d and a sequence length divisible by tp).
         pp: pipeline-parallel degree (number of stages).
         sp: sequence-parallel degree.

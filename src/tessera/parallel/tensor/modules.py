@@ -79,8 +79,8 @@ class BlockInput:
     column layer; those layers run in mode "gathered" and do not sum. Under Megatron sequence
     parallelism the input is a sequence slice: it is all-gathered here instead (backward:
     reduce-scatter), and the gathered input carries its shard (:class:`GatheredInput`) so
-    that the column layers keep the shard for backward. With ``export_group`` set, f is the custom op ``tp_copy`` (tensor/ops.py),
-    so torch.export keeps its backward all-reduce.
+    that the column layers keep the shard for backward. With ``export_group`` set, f is the
+    custom op ``tp_copy`` (tensor/ops.py), so torch.export keeps its backward all-reduce.
 
     Registered with ``with_kwargs=True``: Hugging Face decoder layers pass ``hidden_states``
     to the attention as a keyword.
