@@ -74,3 +74,40 @@ def test_tp_with_pp_is_runnable_in_1d_and_2d_without_2d_subpipelining():
     # Sub-pipelining overlaps 1D all-reduces; SUMMA layers have none: refused, not ignored.
     assert not Strategy.parse("dp=1,tp=4,tp_mode=2d,pp=2,mbs=2,gbs=8,"
                               "tp_overlap=subpipe").is_runnable()
+
+
+class RowBias(nn.Module):
+    """A row layer's product, then its bias as the captured 1D layer adds it."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.row = nn.Linear(8, 6)
+
+    def forward(self, x):
+        return ops.tp_add_bias(F.linear(x, self.row.weight), self.row.bias)
+
+
+def test_a_captured_row_bias_adds_in_the_dtype_the_product_runs_in():
+    torch.manual_seed(0)
+    model, x = RowBias(), torch.randn(2, 4, 8)
+    graph = torch.export.export(model, (x,)).module()  # captured in fp32, as stages are
+    eager = nn.Linear(8, 6)  # the eager 1D row layer: the product, then the bias in its dtype
+    eager.load_state_dict(model.row.state_dict())
+    with torch.autocast("cpu", torch.bfloat16):
+        got = graph(x)
+        product = F.linear(x, eager.weight)
+        want = product + eager.bias.to(product.dtype)  # (RowLinearFn)
+        assert eager(x).dtype == torch.bfloat16  # nn.Linear's output on one device
+    # Under autocast the 16-bit product stays 16-bit (a plain + promoted it to fp32: a wider
+    # output, and wider dropout noise, than the eager layers and one device give).
+    assert got.dtype == want.dtype == torch.bfloat16
+    torch.testing.assert_close(got, want, rtol=0, atol=0)
+    grad = torch.randn_like(got)
+    got.backward(grad)
+    want.backward(grad)
+    for ours, theirs in ((graph.row.bias, eager.bias), (graph.row.weight, eager.weight)):
+        assert ours.grad.dtype == torch.float32
+        torch.testing.assert_close(ours.grad, theirs.grad, rtol=0, atol=0)
+    # 16-bit parameters (chunk memory) run the fp32 capture: nothing fixed the capture's dtype.
+    low = graph.to(torch.bfloat16)
+    assert low(x.to(torch.bfloat16)).dtype == torch.bfloat16

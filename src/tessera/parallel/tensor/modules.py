@@ -15,7 +15,7 @@ from tessera.parallel.tensor.comm import CopyToTP, GatheredInput, GatherSeq, Gri
 from tessera.parallel.tensor.layers1d import ColumnLinearFn, RowLinearFn, VocabEmbeddingFn
 from tessera.parallel.tensor.layers2d import (AddBias2DFn, Conv1D2DFn, Embedding2DFn,
                                               Linear2DFn, Norm2DFn)
-from tessera.parallel.tensor.ops import tp_copy, tp_reduce
+from tessera.parallel.tensor.ops import tp_add_bias, tp_copy, tp_reduce
 from tessera.parallel.tensor.ops2d import (summa_add_bias, summa_embedding, summa_linear,
                                            summa_norm)
 from tessera.parallel.tensor.shard import local
@@ -124,7 +124,7 @@ class RowLinear(nn.Module):
         w = w.t() if self.conv1d else w  # (O, C/tp)
         if self.export_group is not None:
             y = tp_reduce(F.linear(x, w), self.export_group)  # (B, T, O), summed partials
-            return y if self.bias is None else y + local(self.bias)
+            return y if self.bias is None else tp_add_bias(y, local(self.bias))
         return RowLinearFn.apply(x, w, _opt(self.bias), self.group, self.seq_parallel)
 
 

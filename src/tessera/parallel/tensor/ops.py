@@ -82,6 +82,36 @@ def _identity_backward(ctx, grad):
 tp_reduce.register_autograd(_identity_backward)
 
 
+# ------------------------------------------------------------- a row layer's bias: tp_add_bias
+@torch.library.custom_op("tessera::tp_add_bias", mutates_args=())
+def tp_add_bias(x: torch.Tensor, bias: torch.Tensor) -> torch.Tensor:
+    """``x + bias`` in ``x``'s dtype, decided when the op runs: a row layer's bias after g.
+
+    nn.Linear adds its bias inside its product, so under autocast a 16-bit product stays
+    16-bit (as the eager ``RowLinearFn`` adds it). A plain ``+`` in a captured graph promoted a
+    bf16 product plus an fp32 bias to fp32, and a cast written into the graph would keep the
+    capture's dtype (fp32) where chunk memory later runs 16-bit parameters.
+    """
+    return x + bias.to(x.dtype)
+
+
+@tp_add_bias.register_fake
+def _(x, bias):
+    return torch.empty_like(x)
+
+
+def _bias_setup(ctx, inputs, output):
+    ctx.bias_dtype = inputs[1].dtype
+
+
+def _bias_backward(ctx, grad):
+    # (N, O) summed over tokens in the gradient's dtype, as RowLinearFn sums it
+    return grad, grad.reshape(-1, grad.shape[-1]).sum(0).to(ctx.bias_dtype)
+
+
+tp_add_bias.register_autograd(_bias_backward, setup_context=_bias_setup)
+
+
 TP_REDUCE = torch.ops.tessera.tp_reduce.default
 TP_COPY = torch.ops.tessera.tp_copy.default
 
