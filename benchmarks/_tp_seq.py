@@ -1,8 +1,9 @@
 """Megatron sequence parallelism for bench_tensor_parallel.py: tessera's 1D tp with
 ``tp_seq=on`` against PyTorch's own recipe for it (parallelize_module with SequenceParallel on
 the norms, PrepareModuleInput gathering the sequence before attention and the MLP, row layers
-scattering it after), and against tessera's plain 1D tp. Llama-style reference model (RoPE:
-PyTorch's recipe has no layout for a learned position table added to a sequence shard)."""
+scattering it after), and against tessera's plain 1D tp. The Llama-style reference model
+(RoPE, no learned position table), the layout PyTorch's tutorial and torchtitan write the
+recipe for."""
 
 from __future__ import annotations
 
