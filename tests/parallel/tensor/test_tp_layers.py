@@ -52,10 +52,12 @@ def _all_checks(rank, world_size, folder):
         for kind in MODELS:
             out["models"][name, kind] = tp_checks.model_parity(mesh, kind)
         if name.startswith("1d"):
-            for kind in ("ref-gpt", "ref-llama"):  # Megatron sequence parallelism
+            for kind in MODELS:  # Megatron sequence parallelism (tp_seq=on)
                 out["models"][name, kind + "+sp"] = tp_checks.model_parity(mesh, kind, True)
     for kind in LLAMA_LAYOUT:
         out["models"]["1d_tp2", kind] = tp_checks.model_parity(meshes["1d_tp2"], kind)
+        out["models"]["1d_tp2", kind + "+sp"] = tp_checks.model_parity(meshes["1d_tp2"], kind,
+                                                                       True)
     out["from_meta"] = {(m, kind): tp_checks.from_meta(meshes[m], kind)
                         for m, kind in (("1d_tp2", "hf-gpt2"), ("2d_2x2", "ref-llama"))}
     out["attention_dropout"] = {case: tp_checks.attention_dropout_parity(meshes[case[0]],
@@ -110,8 +112,8 @@ def test_every_layer_matches_single_device(results, mesh):
 
 @pytest.mark.slow
 @pytest.mark.parametrize("mesh, kind", [(m, k) for m in MESHES for k in MODELS]
-                         + [(m, k + "+sp") for m in MESHES[:2] for k in MODELS[:2]]
-                         + [("1d_tp2", k) for k in LLAMA_LAYOUT])
+                         + [(m, k + "+sp") for m in MESHES[:2] for k in MODELS]
+                         + [("1d_tp2", k + s) for k in LLAMA_LAYOUT for s in ("", "+sp")])
 def test_whole_model_matches_single_device(results, mesh, kind):
     for rank, res in enumerate(results):
         got = res["models"][mesh, kind]
@@ -165,12 +167,16 @@ def test_bad_input_is_refused_with_the_rule_named(results):
         assert 5.0 < res["direct_call"]["loss"] < 6.0, rank  # tessera's own call: ln 256
         assert res["direct_call"]["message"].startswith(
             "this model is laid out over tp=2 tensor-parallel ranks (tp_mode=1d)"), rank
-    # Megatron sequence parallelism: each rank takes 1/tp of the tokens, and needs the
-    # reference model (a Hugging Face model builds its masks from the local length).
-    assert got["length"].startswith("tp_seq=on splits the sequence over tp=2: this batch's "
-                                    "length 17 is not divisible by tp"), got["length"]
-    assert "tp_seq=on: Megatron sequence parallelism needs the reference model; " \
-           "GPT2LMHeadModel builds its masks" in got["hf"], got["hf"]
+    # Megatron sequence parallelism: each rank takes 1/tp of the tokens (the reference model
+    # splits in its embedding, a Hugging Face model at its first layer); a Hugging Face model
+    # that drops is refused (which dropout acts on a chunk is not told apart yet).
+    for key in ("length", "hf_length"):
+        assert got[key].startswith("tp_seq=on splits the sequence over tp=2: this batch's "
+                                   "length 17 is not divisible by tp"), got[key]
+    assert "with tp_seq=on: GPT2LMHeadModel drops activations (transformer.drop, " \
+           "transformer.h.0.attn, transformer.h.0.attn.attn_dropout, ...); Megatron sequence " \
+           "parallelism on a Hugging Face model is built without dropout" \
+           in got["hf_dropout"], got["hf_dropout"]
     # Gemma's scaled embedding and (1 + w) norms are built by the 1D layers only.
     assert got["one_d_style"].startswith("model.embed_tokens: GemmaTextScaledWordEmbedding "
                                          "scales its embedding (Gemma's): built for "

@@ -463,17 +463,22 @@ def refusals_tp_seq(mesh: Mesh) -> dict[str, str]:
     plan = Parallelized(module=model, model=model, loss_group=None)
     apply_tensor_parallel(plan, strategy, mesh)
     ids = torch.randint(0, 256, (1, mesh.strategy.tp * 8 + 1))
+    hf = build("hf-llama")
+    hf_plan = Parallelized(module=hf, model=hf, loss_group=None)
+    apply_tensor_parallel(hf_plan, strategy, mesh)
+    for key, runs in (("length", plan), ("hf_length", hf_plan)):
+        try:
+            runs.forward_loss(runs.module, {"input_ids": ids, "labels": ids})
+            out[key] = ""
+        except ValueError as err:
+            out[key] = str(err)
+    ref = preset("tiny", dropout=0.1)
+    dropping = build_hf_model("gpt2", **hf_config_from_reference("gpt2", ref))
     try:
-        plan.forward_loss(plan.module, {"input_ids": ids, "labels": ids})
-        out["length"] = ""
+        apply_tensor_parallel(Parallelized(dropping, dropping, None), strategy, mesh)
+        out["hf_dropout"] = ""
     except ValueError as err:
-        out["length"] = str(err)
-    hf = build("hf-gpt2")
-    try:
-        apply_tensor_parallel(Parallelized(hf, hf, None), strategy, mesh)
-        out["hf"] = ""
-    except ValueError as err:
-        out["hf"] = str(err)
+        out["hf_dropout"] = str(err)
     return out
 
 

@@ -15,7 +15,7 @@ from torch.distributed.tensor import DTensor, Replicate, Shard
 from tessera.mesh import Mesh
 from tessera.models.materialize import DeferredInit, FewAtATime, materialize_unit
 from tessera.parallel.plan import Parallelized
-from tessera.parallel.tensor.attention import install_head_dropout
+from tessera.parallel.tensor.attention import attention_dropout_p, install_head_dropout
 from tessera.parallel.tensor.comm import CommCounter, Grid, TPGroup
 from tessera.parallel.tensor.data_parallel import ShardGradSync
 from tessera.parallel.tensor.deferred import PendingShards, ShardRecipe
@@ -23,7 +23,8 @@ from tessera.parallel.tensor.loss import (make_clip_grad_norm, make_forward_loss
                                           make_forward_loss_2d)
 from tessera.parallel.tensor.modules import (BlockInput, ColumnLinear, Embedding2D, Linear2D,
                                              Norm1D, Norm2D, ReplicatedEmbedding, RowLinear,
-                                             VocabEmbedding)
+                                             SequenceScatter, VocabEmbedding,
+                                             gather_layer_output)
 from tessera.parallel.tensor.ops import register_group
 from tessera.parallel.tensor.probe import check_embedding, check_norm
 from tessera.parallel.tensor.ops2d import register_grid
@@ -44,8 +45,9 @@ def apply_tensor_parallel(plan: Parallelized, strategy: Strategy, mesh: Mesh,
     Args:
         plan: the plan being built; ``plan.model`` is changed in place.
         strategy: tp and tp_mode ("1d" Megatron, "2d" Optimus SUMMA); tp_seq="on" adds
-            Megatron sequence parallelism around norms and dropout (1D, the reference model
-            only: Hugging Face models build masks from the local length).
+            Megatron sequence parallelism around norms and dropout (1D; a Hugging Face model
+            keeps its embeddings whole for its masks and splits at its first layer, and may
+            have no dropout modules).
         mesh: gives the tp group (1D) or the grid's row and column groups (2D).
         counter: counts collective bytes (benchmarks).
         deferred: for a model on the meta device, how to materialise it. Each transformer
@@ -72,9 +74,7 @@ def apply_tensor_parallel(plan: Parallelized, strategy: Strategy, mesh: Mesh,
         plan.forward_loss = make_forward_loss_2d(grid)
     else:
         if sequence_parallel and dims.hf:
-            raise PolicyError(f"{what} with tp_seq=on: Megatron sequence parallelism needs "
-                              f"the reference model; {type(model).__name__} builds its masks "
-                              "from the local length (use tp_seq=off)")
+            _check_hf_dropouts(model, policy, what)
         group = TPGroup(mesh.group("tp"), counter)
         if sequence_parallel:  # each sequence chunk dropped as one device drops it
             shard_sequence_dropouts(model, group)
@@ -90,6 +90,8 @@ def apply_tensor_parallel(plan: Parallelized, strategy: Strategy, mesh: Mesh,
         plan.pending_shards = PendingShards(builder.source, builder.recipes)
     if isinstance(builder, _Builder1D):
         _check_block_inputs(model, builder)
+        if sequence_parallel and dims.hf:
+            _scatter_at_first_layer(model, builder)
     if strategy.pp > 1:  # the pipeline captures the model: collectives must be graph nodes
         _make_exportable(model, builder)
     if permuted_params(model):
@@ -184,6 +186,46 @@ def _replace_modules(model: nn.Module, policy, builder) -> None:
             f"modules {', '.join(missed)} of {type(model).__name__} have parameters but no "
             f"style: add patterns for them to POLICIES[{type(model).__name__!r}] in "
             "tessera/parallel/tensor/policy.py")
+
+
+def dropping_modules(model: nn.Module, policy) -> list[str]:
+    """Paths of ``model``'s modules that drop: dropout modules, and attention modules whose
+    probabilities drop (Llama's ``attention_dropout`` rate)."""
+    return [path for path, m in model.named_modules()
+            if (isinstance(m, nn.Dropout) and m.p > 0)
+            or (style_of(path, policy) == "attention" and attention_dropout_p(m) > 0)]
+
+
+def _check_hf_dropouts(model: nn.Module, policy, what: str) -> None:
+    """Megatron sequence parallelism on a Hugging Face model is built without dropout: which
+    dropout acts on a sequence chunk (GPT-2's resid_dropout) and which on the whole embedding
+    or on attention probabilities (its drop, attn_dropout) is not told apart yet."""
+    dropping = dropping_modules(model, policy)
+    if dropping:
+        raise PolicyError(f"{what} with tp_seq=on: {type(model).__name__} drops activations "
+                          f"({', '.join(dropping[:3])}{', ...' if len(dropping) > 3 else ''}); "
+                          "Megatron sequence parallelism on a Hugging Face model is built "
+                          "without dropout: set the model's dropout probabilities to 0, or "
+                          "use tp_seq=off")
+
+
+def _scatter_at_first_layer(model: nn.Module, builder: "_Builder1D") -> None:
+    """A Hugging Face model keeps its embeddings whole (its masks and positions follow their
+    length): the decoder layer holding the first attention cuts them to this rank's chunk,
+    the one holding the last gathers its output whole again, and the norms outside the
+    layers (the final one) run on the whole sequence, as plain 1D tp runs them."""
+    paths = {id(m): path for path, m in model.named_modules()}
+    layers = [paths.get(id(a), "").rpartition(".")[0] for a in builder.attentions]
+    if not layers or not all(layers):
+        raise PolicyError(f"tp_seq=on: {type(model).__name__} has no decoder layer around an "
+                          "attention module to split the sequence at")
+    model.get_submodule(layers[0]).register_forward_pre_hook(SequenceScatter(builder.group),
+                                                            with_kwargs=True)
+    model.get_submodule(layers[-1]).register_forward_hook(gather_layer_output(builder.group))
+    for path, module in model.named_modules():
+        if isinstance(module, Norm1D) and not any(path.startswith(f"{layer}.")
+                                                  for layer in layers):
+            module.seq_parallel = False
 
 
 def _check_block_inputs(model: nn.Module, builder: "_Builder1D") -> None:
@@ -301,13 +343,15 @@ class _Builder1D(_Builder):
         if style == "vocab_embed":
             scale = getattr(m, "scalar_embed_scale", None)  # Gemma's sqrt(hidden)
             check_embedding(m, style, scale)
-            return VocabEmbedding(self.param(m.weight, s0), g, sp, scale)
+            # A Hugging Face model's embeddings stay whole: its first layer scatters them
+            return VocabEmbedding(self.param(m.weight, s0), g, sp and not self.dims.hf, scale)
         if style == "vocab_head":
-            head_mode = "gather" if sp else "replicated"
+            # a Hugging Face model's last layer gathers the sequence (_scatter_at_first_layer)
+            head_mode = "gather" if sp and not self.dims.hf else "replicated"
             return ColumnLinear(self.param(m.weight, s0), self.param(m.bias, s0), g, head_mode,
                                 False)
         if style == "position":
-            return ReplicatedEmbedding(self.param(m.weight, rep), g, sp)
+            return ReplicatedEmbedding(self.param(m.weight, rep), g, sp and not self.dims.hf)
         if style in ("norm", "layernorm", "rmsnorm_1p"):
             rms = style == "rmsnorm_1p" or (style == "norm" and not isinstance(m, nn.LayerNorm))
             unit = style == "rmsnorm_1p"

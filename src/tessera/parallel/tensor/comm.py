@@ -166,6 +166,36 @@ class GatherSeq(torch.autograd.Function):
         return ctx.group.reduce_scatter(grad, dim=1), None
 
 
+class ScatterSeq(torch.autograd.Function):
+    """Sequence parallelism: keep this rank's chunk of the sequence dim (1) forward, all-gather
+    the gradient backward (each rank's chunk carries its own rows of it)."""
+
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, group: TPGroup) -> torch.Tensor:
+        ctx.group = group
+        return own_rows(x, group)  # (B, T, C) -> (B, T/tp, C)
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        return ctx.group.all_gather(grad.contiguous(), dim=1), None
+
+
+class GatherSeqWhole(GatherSeq):
+    """Sequence parallelism ending: all-gather the sequence dim (1) for computation every rank
+    repeats whole (a Hugging Face model's final norm and head); its gradient arrives whole and
+    equal on every rank, so the backward keeps this rank's chunk (no sum)."""
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        return own_rows(grad, ctx.group), None
+
+
+def own_rows(x: torch.Tensor, group: TPGroup) -> torch.Tensor:
+    """This rank's chunk of the sequence dim (1): (B, T, ...) -> (B, T/tp, ...)."""
+    rows = x.shape[1] // group.size
+    return x.narrow(1, group.rank * rows, rows).contiguous()
+
+
 class GatheredInput:
     """A block input gathered from sequence shards (Megatron sequence parallelism), as its
     column layers keep it for backward: each keeps the rank's shard, not the gathered

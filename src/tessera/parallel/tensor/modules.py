@@ -11,7 +11,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from tessera.parallel.tensor.comm import CopyToTP, GatheredInput, GatherSeq, Grid, TPGroup
+from tessera.parallel.tensor.comm import (CopyToTP, GatheredInput, GatherSeq, GatherSeqWhole,
+                                          Grid, ScatterSeq, TPGroup)
 from tessera.parallel.tensor.layers1d import ColumnLinearFn, RowLinearFn, VocabEmbeddingFn
 from tessera.parallel.tensor.layers2d import (AddBias2DFn, Conv1D2DFn, Embedding2DFn,
                                               Linear2DFn, Norm2DFn)
@@ -70,6 +71,19 @@ class ColumnLinear(nn.Module):
         return F.linear(x, w, b)  # (B, T, O/tp)
 
 
+def map_input(module: nn.Module, args: tuple, kwargs: dict, fn, why: str
+              ) -> tuple[tuple, dict]:
+    """A forward pre-hook's (args, kwargs) with ``fn`` applied to the module's input: the first
+    positional argument, or the ``hidden_states`` keyword (Hugging Face decoder layers pass
+    it to the attention that way)."""
+    if args:
+        return (fn(args[0]), *args[1:]), kwargs
+    if "hidden_states" in kwargs:
+        return args, {**kwargs, "hidden_states": fn(kwargs["hidden_states"])}
+    raise TypeError(f"tensor parallelism: {type(module).__name__} was called without a "
+                    f"positional input or a hidden_states keyword; its input cannot be {why}")
+
+
 class BlockInput:
     """Forward pre-hook of an attention or MLP block: its input enters tensor parallelism once.
 
@@ -91,13 +105,8 @@ class BlockInput:
         self.export_group: str | None = None
 
     def __call__(self, module: nn.Module, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
-        if args:
-            return (self.enter(args[0]), *args[1:]), kwargs
-        if "hidden_states" in kwargs:
-            return args, {**kwargs, "hidden_states": self.enter(kwargs["hidden_states"])}
-        raise TypeError(f"tensor parallelism: {type(module).__name__} was called without a "
-                        "positional input or a hidden_states keyword; its input cannot be "
-                        "marked for the one input-gradient all-reduce of the block")
+        return map_input(module, args, kwargs, self.enter, "marked for the one "
+                         "input-gradient all-reduce of the block")
 
     def enter(self, x: torch.Tensor) -> torch.Tensor:
         """f (or the sequence gather) applied to the block input (B, T, C)."""
@@ -139,10 +148,8 @@ class VocabEmbedding(nn.Module):
         self.export_group: str | None = None
 
     def forward(self, ids: torch.Tensor) -> torch.Tensor:
-        if self.seq_parallel and ids.shape[-1] % self.group.size:
-            raise ValueError(f"tp_seq=on splits the sequence over tp={self.group.size}: this "
-                             f"batch's length {ids.shape[-1]} is not divisible by tp (pad the "
-                             "batch to a multiple, or use tp_seq=off)")
+        if self.seq_parallel:
+            check_sequence_length(ids.shape[-1], self.group.size)
         out = self._lookup(ids)
         if self.scale is None:
             return out
@@ -159,6 +166,47 @@ class VocabEmbedding(nn.Module):
             out = F.embedding(local_ids.masked_fill(outside, 0), w)
             return tp_reduce(out.masked_fill(outside.unsqueeze(-1), 0.0), self.export_group)
         return VocabEmbeddingFn.apply(ids, local(self.weight), self.group, self.seq_parallel)
+
+
+def check_sequence_length(length: int, tp: int) -> None:
+    """Refuse a batch Megatron sequence parallelism cannot split evenly over tp ranks."""
+    if length % tp:
+        raise ValueError(f"tp_seq=on splits the sequence over tp={tp}: this batch's length "
+                         f"{length} is not divisible by tp (pad the batch to a multiple, or "
+                         "use tp_seq=off)")
+
+
+class SequenceScatter:
+    """Forward pre-hook of a Hugging Face model's first decoder layer under Megatron sequence
+    parallelism: the embeddings stay whole up to here (the model builds its attention masks
+    and positions from their length), and each rank keeps its chunk of the sequence from
+    here on (backward: the gradient all-gathered); :func:`gather_layer_output` makes the last
+    layer's output whole again, since the model reshapes it by the whole length (GPT-2). The
+    reference model scatters in its embedding and gathers in its LM head instead.
+    Registered ``with_kwargs=True`` (``hidden_states`` may be a keyword)."""
+
+    def __init__(self, group: TPGroup) -> None:
+        self.group = group
+
+    def __call__(self, module: nn.Module, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
+        return map_input(module, args, kwargs, self.cut, "split over the sequence (tp_seq=on)")
+
+    def cut(self, x: torch.Tensor) -> torch.Tensor:
+        check_sequence_length(x.shape[1], self.group.size)
+        return ScatterSeq.apply(x, self.group)  # (B, T, C) -> (B, T/tp, C)
+
+
+def gather_layer_output(group: TPGroup):
+    """Forward hook of a Hugging Face model's last decoder layer under Megatron sequence
+    parallelism: its output (a tensor, or a tuple led by one) gathered to the whole sequence,
+    which every rank then carries alike through the final norm and the head (backward: this
+    rank's chunk of the gradient)."""
+
+    def hook(module: nn.Module, args, output):
+        if isinstance(output, tuple):
+            return (GatherSeqWhole.apply(output[0], group), *output[1:])
+        return GatherSeqWhole.apply(output, group)  # (B, T/tp, C) -> (B, T, C)
+    return hook
 
 
 class ReplicatedEmbedding(nn.Module):
