@@ -221,7 +221,8 @@ def layer_activation(model: ModelConfig, s: Strategy, seq: int, flash: bool,
         # tessera's 1d tp keeps the norms and the layer's input whole on every rank (tp_seq=on:
         # on the rank's sequence shard, as everything the layer keeps)
         lay = layout(s.precision, s.memory)
-        whole_input = s.tp_mode == "1d" and s.tp_seq == "off"  # else a sequence shard
+        # else split t ways: 2d's grid, or 1d's sequence shard under tp_seq
+        whole_input = s.tp_mode == "1d" and s.tp_seq == "off"
         per_token = layer_bytes_per_token(model, lay, s.tp, s.tp_mode, host_is_device,
                                           s.tp_seq)
         full = n * per_token + scores / s.tp

@@ -66,7 +66,7 @@ def apply_tensor_parallel(plan: Parallelized, strategy: Strategy, mesh: Mesh,
     policy, dims = policy_for(model), model_dims(model)
     what = f"tp={strategy.tp} (tp_mode={strategy.tp_mode})"
     sequence_parallel = strategy.tp_seq == "on"
-    _check_mix(strategy, what, sequence_parallel)
+    _check_mix(strategy, what)
     if strategy.tp_mode == "2d":  # (Strategy refuses tp_seq=on with 2d)
         grid = Grid.from_mesh(mesh, counter)
         check_divisible(dims, grid.q, kv_ways_ok=False, what=what)
@@ -141,8 +141,10 @@ def _with_unpermute_hooks(base):
     return build
 
 
-def _check_mix(strategy: Strategy, what: str, sequence_parallel: bool) -> None:
-    """Refuse option mixes this runtime does not compose yet, naming the rule."""
+def _check_mix(strategy: Strategy, what: str) -> None:
+    """Refuse option mixes this runtime does not compose yet, naming the rule (also for a
+    direct call, which has not been through ``Strategy.require_available``)."""
+    sequence_parallel = strategy.tp_seq == "on"
     if strategy.sp > 1 and (strategy.tp_mode == "2d" or sequence_parallel):
         # sp x 1d works (parallel/sequence/compose.py); 2d and Megatron SP are not combined.
         raise PolicyError(f"{what} with sp={strategy.sp}: context (sp) parallelism composes "
