@@ -122,8 +122,8 @@ def test_unbuilt_features_are_refused_not_ignored():
     ("tp=4,sp=2,tp_mode=2d", "2d tensor (tp_mode=2d) and sequence (sp>1) parallelism together"),
     ("tp=4,tp_mode=2d,pp=2,mbs=2,gbs=4,tp_overlap=subpipe",
      "2d tensor parallelism (tp_mode=2d) and tp_overlap=subpipe together"),
-    ("tp=2,pp=2,mbs=1,gbs=4,tp_seq=on",
-     "Megatron sequence parallelism (tp_seq=on) and pipeline parallelism (pp>1) together"),
+    ("tp=2,pp=2,mbs=2,gbs=4,tp_seq=on,tp_overlap=subpipe",
+     "Megatron sequence parallelism (tp_seq=on) and tp_overlap=subpipe together"),
     ("tp=2,sp=2,tp_seq=on",
      "Megatron sequence parallelism (tp_seq=on) and sequence parallelism (sp>1) together"),
 ])

@@ -37,9 +37,15 @@ GRAD_TOL = 3e-5
 PARAM_TOL = 1e-4
 CASES = {  # name: (model, strategy); dp=2 x tp=2 x pp=2, 2 micro-batches per dp rank
     "ref_1f1b": ("ref", "dp=2,tp=2,pp=2,mbs=2,gbs=8,schedule=1f1b"),
+    # Megatron sequence parallelism (tensor/ops_seq.py): the reference model scatters in its
+    # embedding and gathers in its head; Hugging Face models at their first and after their
+    # last decoder layer (GPT-2 with recomputation, which runs the gathers again; Llama's
+    # separate q, k, v and gate, up share one re-gather per block in backward).
+    "ref_1f1b_seq": ("ref", "dp=2,tp=2,pp=2,mbs=2,gbs=8,schedule=1f1b,tp_seq=on"),
     # Built on meta: each rank materialises only its stages' shards, one block at a time.
-    "gpt2_meta_scp": ("gpt2-meta", "dp=2,tp=2,pp=2,mbs=2,gbs=8,schedule=scp,recompute=full"),
-    "llama_gpipe": ("llama", "dp=2,tp=2,pp=2,mbs=2,gbs=8,schedule=gpipe"),
+    "gpt2_meta_scp_seq": ("gpt2-meta", "dp=2,tp=2,pp=2,mbs=2,gbs=8,schedule=scp,"
+                                       "recompute=full,tp_seq=on"),
+    "llama_gpipe_seq": ("llama", "dp=2,tp=2,pp=2,mbs=2,gbs=8,schedule=gpipe,tp_seq=on"),
     # Sub-pipelined: each micro-batch of 2 runs as two interleaved halves of 1.
     "ref_1f1b_subpipe": ("ref", "dp=2,tp=2,pp=2,mbs=2,gbs=8,schedule=1f1b,tp_overlap=subpipe"),
     # ... with recomputation (a no-grad forward, then the interleaved one again), the tied
@@ -62,6 +68,8 @@ def _eight_ranks(rank, world_size, root):
     out = {name: tp_pp_checks.parity(arch, text) for name, (arch, text) in CASES.items()}
     out["ckpt"] = tp_pp_checks.checkpoint_to_one_device(root)
     out["estimate"] = pp_checks.estimate_against_saved("llama", "dp=2,tp=2,pp=2", ("bf16",))
+    out["estimate_seq"] = pp_checks.estimate_against_saved("llama", "dp=2,tp=2,pp=2,tp_seq=on",
+                                                           ("bf16",))
     # HF Llama with mbs=2: sub-pipelined halves of 1 row, whose capture export numbers
     # otherwise (program.stage_groups matches it by position).
     out["shard_casts"] = {name: tp_pp_checks.shard_casts_shared_against_not("llama", text)
@@ -79,7 +87,8 @@ def eight(tmp_path_factory):
 def test_dp2_tp2_pp2_equals_one_device(eight, name):
     for rank, out in enumerate(eight):
         got = out[name]
-        assert got["features"] == ["tensor_parallel_1d", "pipeline"], got["features"]
+        split = ["tp_sequence_parallel"] if name.endswith("_seq") else []
+        assert got["features"] == ["tensor_parallel_1d", *split, "pipeline"], got["features"]
         assert got["loss"] < TOL, (name, rank, got)
         assert got["grad_first_step"] < FIRST_GRAD_TOL, (name, rank, got)
         assert got["grad"] < GRAD_TOL, (name, rank, got)
@@ -90,14 +99,46 @@ def test_dp2_tp2_pp2_equals_one_device(eight, name):
         assert (got["shard_elements_left_on_meta"] > 0) == ("meta" in name), (name, rank, got)
 
 
+def test_megatron_sequence_parallel_stages_pass_sequence_shards(eight):
+    # Between the blocks every rank holds T/tp tokens: stage 0 sends (mbs, T/2, C), not
+    # (mbs, T, C), and the captured graph holds the ops of tensor/ops_seq.py in place of
+    # the all-reduces: per layer two block inputs gathered, two outputs reduce-scattered;
+    # the reference model's embedding reduce-scatters and its head gathers, a Hugging Face
+    # model scatters once and gathers once. 4 layers, whose column layers keep the shard:
+    # GPT-2's fused q|k|v and its MLP's input, the reference model's q, k, v and MLP input
+    # (and its head), Llama's q, k, v and gate, up.
+    want = {"ref_1f1b_seq": {"tp_seq_gather": 9, "tp_seq_reduce_scatter": 9,
+                             "tp_seq_linear": 17},
+            "gpt2_meta_scp_seq": {"tp_seq_gather": 8, "tp_seq_reduce_scatter": 8,
+                                  "tp_seq_linear": 8, "tp_seq_scatter": 1,
+                                  "tp_seq_gather_whole": 1},
+            "llama_gpipe_seq": {"tp_seq_gather": 8, "tp_seq_reduce_scatter": 8,
+                                "tp_seq_linear": 20, "tp_seq_scatter": 1,
+                                "tp_seq_gather_whole": 1}}
+    for rank, out in enumerate(eight):
+        assert {name: out[name]["seq_ops"] for name in want} == want, rank
+        for name in want:
+            assert [s[:2] for s in out[name]["boundary"]] == [(2, 32)], (rank, name, out[name])
+        for name in ("ref_1f1b", "gpt2_scp_subpipe"):
+            assert out[name]["seq_ops"] == {}, (rank, name, out[name]["seq_ops"])
+            assert [s[:2] for s in out[name]["boundary"]] == [(2, 64)], (rank, name, out[name])
+
+
 def test_a_tp_stage_activation_estimate_is_what_a_pipeline_step_saves(eight):
     # As test_pipeline_parity's check of plain stages, on 1d tensor-parallel stages of HF
     # Llama in bf16 (weights and activations sharded; autocast's copies of the shards): the
     # estimate leaves out only the loss's per-token tensors (its 2 x 64 int64 targets and
     # a few per-token values of the vocabulary-parallel loss: 1,796 bytes measured).
+    # Under Megatron sequence parallelism too (tp_seq=on), where the norms, the residual
+    # stream and the column layers' kept inputs (tensor/ops_seq.tp_seq_linear) are the
+    # rank's half of the tokens: the stage keeps about 0.7x (measured 0.66x on stage 0, 0.70x
+    # on stage 1; the attention and MLP insides are split by heads either way).
     for rank, out in enumerate(eight):
         for precision, (estimate, saved) in out["estimate"].items():
             assert abs(estimate - saved) <= 2048, (rank, precision, estimate, saved)
+            seq_estimate, seq_saved = out["estimate_seq"][precision]
+            assert abs(seq_estimate - seq_saved) <= 2048, (rank, seq_estimate, seq_saved)
+            assert seq_saved < 0.75 * saved, (rank, seq_saved, saved)
 
 
 def test_micro_batches_in_flight_share_one_16_bit_copy_of_each_shard(eight):

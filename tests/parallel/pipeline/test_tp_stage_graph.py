@@ -14,8 +14,8 @@ import torch.nn.functional as F
 from torch import nn
 
 from tessera.parallel.pipeline.capture import capture
-from tessera.parallel.pipeline.cost import DeviceRates
-from tessera.parallel.tensor import ops
+from tessera.parallel.pipeline.cost import ALL_REDUCE_TRAFFIC, DeviceRates
+from tessera.parallel.tensor import ops, ops_seq
 from tessera.strategy import Strategy, StrategyError
 
 GROUP = "tp:test"  # never resolved: nothing runs
@@ -111,3 +111,51 @@ def test_a_captured_row_bias_adds_in_the_dtype_the_product_runs_in():
     # 16-bit parameters (chunk memory) run the fp32 capture: nothing fixed the capture's dtype.
     low = graph.to(torch.bfloat16)
     assert low(x.to(torch.bfloat16)).dtype == torch.bfloat16
+
+
+class SeqBlock(nn.Module):
+    """A Megatron sequence-parallel block (tensor/ops_seq.py): the input shard gathered,
+    read by three column layers (q, k, v), one row layer's output reduce-scattered."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.embed = nn.Embedding(16, 8)
+        self.cols = nn.ModuleList(nn.Linear(8, 4) for _ in range(3))  # (O/tp, C)
+        self.row = nn.Linear(12, 8, bias=False)  # (C, 3 O/tp)
+
+    def forward(self, ids):
+        x = self.embed(ids)  # (B, T/tp, C): this rank's tokens
+        full = ops_seq.tp_seq_gather(x, SEQ_GROUP, "b0")  # (B, T, C)
+        h = torch.cat([ops_seq.tp_seq_linear(full, x, c.weight, c.bias, SEQ_GROUP, "b0")
+                       for c in self.cols], dim=-1)
+        return x + ops_seq.tp_seq_reduce_scatter(F.linear(h, self.row.weight), SEQ_GROUP)
+
+
+class TwoRanks:
+    """Stand-in for a 2-rank tp group: the ops' fakes read its size; nothing runs."""
+
+    size, rank = 2, 0
+
+
+SEQ_GROUP = "tp:test_seq"
+
+
+def test_sequence_parallel_ops_are_priced_as_the_all_reduce_plus_one_regather():
+    ops._GROUPS[SEQ_GROUP] = TwoRanks()
+    try:
+        graph = capture(SeqBlock(), batch_size=2, seq_len=4)
+    finally:
+        del ops._GROUPS[SEQ_GROUP]
+    costs = {}
+    for p in graph.nodes.values():
+        if p.kind == "compute" and "tp_seq" in str(p.node.target):
+            costs.setdefault(str(p.node.target).split(".")[1], []).append(p.cost)
+    payload = 2 * 8 * 8 * 4  # the gathered (B, T, C) in fp32
+    (gather,), (scatter,), columns = (costs["tp_seq_gather"], costs["tp_seq_reduce_scatter"],
+                                      costs["tp_seq_linear"])
+    # Forward: an all-gather and a reduce-scatter, together an all-reduce's traffic
+    assert gather.fwd_comm_bytes + scatter.fwd_comm_bytes == ALL_REDUCE_TRAFFIC * payload
+    # Backward: the same again, plus the kept shard gathered once for the three columns
+    assert gather.bwd_comm_bytes + scatter.bwd_comm_bytes == ALL_REDUCE_TRAFFIC * payload
+    assert len(columns) == 3 and sum(c.bwd_comm_bytes for c in columns) == payload
+    assert all(c.fwd_comm_bytes == 0 and c.fwd_flops == 2 * 2 * 8 * 4 * 8 for c in columns)

@@ -77,10 +77,24 @@ def parity(arch: str, text: str) -> dict[str, float]:
         ref_opt.step(), opt.step()
         ref_opt.zero_grad(), opt.zero_grad()
     params = _whole(plan.module, lambda p: p.detach())
+    built = plan.pipeline.program.get((pp_checks.MBS, pp_checks.SEQ), training=True)
     return {"loss": loss_diff, "grad": grad_diff, "grad_first_step": first,
             "param": _diff(params, ref, lambda p: p),
             "saved": _saved_diff(plan.module, ref), "losses": losses,
-            "features": list(plan.features), "shard_elements_left_on_meta": on_meta}
+            "features": list(plan.features), "shard_elements_left_on_meta": on_meta,
+            "seq_ops": _seq_ops(built.graph.program.graph),
+            "boundary": [tuple(spec.shape) for spec in built.out_specs[0]]}
+
+
+def _seq_ops(graph) -> dict[str, int]:
+    """How many nodes of each Megatron sequence-parallel op (tensor/ops_seq.py) the whole
+    captured model holds."""
+    out: dict[str, int] = {}
+    for node in graph.nodes:
+        name = str(node.target).split(".")
+        if node.op == "call_function" and len(name) > 1 and name[1].startswith("tp_seq"):
+            out[name[1]] = out.get(name[1], 0) + 1
+    return out
 
 
 def _saved_diff(stage: torch.nn.Module, ref: torch.nn.Module) -> float:

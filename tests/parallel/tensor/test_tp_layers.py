@@ -177,6 +177,9 @@ def test_bad_input_is_refused_with_the_rule_named(results):
            "transformer.h.0.attn, transformer.h.0.attn.attn_dropout, ...); Megatron sequence " \
            "parallelism on a Hugging Face model is built without dropout" \
            in got["hf_dropout"], got["hf_dropout"]
+    assert "with tp_overlap=subpipe: sub-pipelined tensor parallelism overlaps the 1D " \
+           "all-reduces, which Megatron sequence parallelism (tp_seq=on) replaces" \
+           in got["subpipe"], got["subpipe"]
     # Gemma's scaled embedding and (1 + w) norms are built by the 1D layers only.
     assert got["one_d_style"].startswith("model.embed_tokens: GemmaTextScaledWordEmbedding "
                                          "scales its embedding (Gemma's): built for "

@@ -106,13 +106,13 @@ class _Recorder(fx.Interpreter):
         # op's copy of one is a copy of that weight (shared per step, shard_casts.py).
         self.weight_of: dict[str, str] = {}
         self.copies: list[torch.Tensor] = []  # alive, so their storages' ids stay theirs
-        from tessera.parallel.tensor.ops2d import AUTOCAST_OUTPUT  # the 2D layers' ops
+        from tessera.parallel.tensor.ops2d import AUTOCAST_OUTPUT  # custom linear ops
         self.autocast_output = AUTOCAST_OUTPUT
 
     def run_node(self, n: fx.Node):
         self.current, self.current_op = n.name, op_name(n)
-        # A 2D linear's op casts its input itself, for the product and for what it keeps:
-        # its copies are its own, never autocast's shared ones.
+        # A 2D linear's op (and tp_seq's column op) casts its input itself, for the product
+        # and for what it keeps: its copies are its own, never autocast's shared ones.
         self.converting = n.op == "call_function" and (
             op_name(n) in _CONVERSIONS or n.target in self.autocast_output)
         if n.op == "call_function" and op_name(n) == "access_subclass_inner_tensor":

@@ -21,10 +21,10 @@ from tessera.parallel.tensor.data_parallel import ShardGradSync
 from tessera.parallel.tensor.deferred import PendingShards, ShardRecipe
 from tessera.parallel.tensor.loss import (make_clip_grad_norm, make_forward_loss_1d,
                                           make_forward_loss_2d)
-from tessera.parallel.tensor.modules import (BlockInput, ColumnLinear, Embedding2D, Linear2D,
-                                             Norm1D, Norm2D, ReplicatedEmbedding, RowLinear,
-                                             SequenceScatter, VocabEmbedding,
-                                             gather_layer_output)
+from tessera.parallel.tensor.modules import (BlockInput, ColumnLinear, Embedding2D,
+                                             LayerOutputGather, Linear2D, Norm1D, Norm2D,
+                                             ReplicatedEmbedding, RowLinear, SequenceScatter,
+                                             VocabEmbedding)
 from tessera.parallel.tensor.ops import register_group
 from tessera.parallel.tensor.probe import check_embedding, check_norm
 from tessera.parallel.tensor.ops2d import register_grid
@@ -122,9 +122,10 @@ def _make_exportable(model: nn.Module, builder: "_Builder1D | _Builder2D") -> No
         return
     name = register_group(builder.group)
     for module in model.modules():
-        if isinstance(module, (ColumnLinear, RowLinear, VocabEmbedding, Norm1D)):
+        if isinstance(module, (ColumnLinear, RowLinear, VocabEmbedding, Norm1D,
+                               ReplicatedEmbedding)):
             module.export_group = name
-    for hook in builder.block_inputs.values():
+    for hook in [*builder.block_inputs.values(), *builder.sequence_hooks]:
         hook.export_group = name
 
 
@@ -150,9 +151,11 @@ def _check_mix(strategy: Strategy, what: str) -> None:
         raise PolicyError(f"{what} with sp={strategy.sp}: context (sp) parallelism composes "
                           "with 1d tensor parallelism only, without Megatron sequence "
                           "parallelism (tp_seq=off); see docs/sequence_parallel.md")
-    if strategy.pp > 1 and sequence_parallel:
-        raise PolicyError(f"{what} with pp={strategy.pp}: Megatron sequence parallelism "
-                          "inside pipeline stages is not built; use tp_seq=off")
+    if strategy.tp_overlap == "subpipe" and sequence_parallel:
+        raise PolicyError(f"{what} with tp_overlap=subpipe: sub-pipelined tensor parallelism "
+                          "overlaps the 1D all-reduces, which Megatron sequence parallelism "
+                          "(tp_seq=on) replaces by all-gathers and reduce-scatters; use "
+                          "tp_overlap=none or tp_seq=off")
     if strategy.pp > 1 and strategy.tp_mode == "2d" and strategy.tp_overlap == "subpipe":
         raise PolicyError(f"{what} with pp={strategy.pp}: tp_overlap=subpipe overlaps 1D "
                           "all-reduces; 2D (SUMMA) layers have none to overlap. Use "
@@ -221,9 +224,10 @@ def _scatter_at_first_layer(model: nn.Module, builder: "_Builder1D") -> None:
     if not layers or not all(layers):
         raise PolicyError(f"tp_seq=on: {type(model).__name__} has no decoder layer around an "
                           "attention module to split the sequence at")
-    model.get_submodule(layers[0]).register_forward_pre_hook(SequenceScatter(builder.group),
-                                                            with_kwargs=True)
-    model.get_submodule(layers[-1]).register_forward_hook(gather_layer_output(builder.group))
+    scatter, gather = SequenceScatter(builder.group), LayerOutputGather(builder.group)
+    model.get_submodule(layers[0]).register_forward_pre_hook(scatter, with_kwargs=True)
+    model.get_submodule(layers[-1]).register_forward_hook(gather)
+    builder.sequence_hooks += [scatter, gather]
     for path, module in model.named_modules():
         if isinstance(module, Norm1D) and not any(path.startswith(f"{layer}.")
                                                   for layer in layers):
@@ -315,10 +319,13 @@ class _Builder1D(_Builder):
         self.inner = "gathered"
         self.block_inputs: dict[int, BlockInput] = {}  # id(block module) -> its pre-hook
         self.attentions: list[nn.Module] = []  # the modules of style "attention"
+        # A Hugging Face model's scatter at its first layer, gather after its last (tp_seq)
+        self.sequence_hooks: list[SequenceScatter | LayerOutputGather] = []
 
     def hook_block_input(self, block: nn.Module) -> None:
-        """Give ``block`` (attention or MLP) the pre-hook that applies f to its input once."""
-        hook = BlockInput(self.group, self.sp)
+        """Give ``block`` (attention or MLP) the pre-hook that applies f to its input once
+        (its key names the block for its column layers' shared re-gather under tp_seq)."""
+        hook = BlockInput(self.group, self.sp, key=f"block{len(self.block_inputs)}")
         block.register_forward_pre_hook(hook, with_kwargs=True)
         self.block_inputs[id(block)] = hook
 

@@ -17,14 +17,16 @@ from tessera.parallel.tensor.layers1d import ColumnLinearFn, RowLinearFn, VocabE
 from tessera.parallel.tensor.layers2d import (AddBias2DFn, Conv1D2DFn, Embedding2DFn,
                                               Linear2DFn, Norm2DFn)
 from tessera.parallel.tensor.ops import tp_add_bias, tp_copy, tp_reduce
+from tessera.parallel.tensor.ops_seq import (tp_seq_gather, tp_seq_gather_whole, tp_seq_linear,
+                                             tp_seq_reduce_scatter, tp_seq_scatter)
 from tessera.parallel.tensor.ops2d import (summa_add_bias, summa_embedding, summa_linear,
                                            summa_norm)
 from tessera.parallel.tensor.shard import local
 
 # 1D modules run through autograd Functions by default. With ``export_group`` set (the name
 # of their group in tensor/ops.py) they use the custom ops instead, so torch.export keeps
-# their collectives, backward included, as graph nodes (pipeline stages; see ops.py).
-# apply.py refuses Megatron sequence parallelism there, so these paths never see it.
+# their collectives, backward included, as graph nodes (pipeline stages; see ops.py), and
+# Megatron sequence parallelism's those of ops_seq.py.
 # The 2D modules likewise switch to the ops of tensor/ops2d.py when ``export_grid`` is set.
 
 def _opt(param: nn.Parameter | None) -> torch.Tensor | None:
@@ -61,13 +63,17 @@ class ColumnLinear(nn.Module):
         return ColumnLinearFn.apply(x, w, b, self.group, self.mode, gathered)
 
     def _exportable(self, x, w, b, name: str) -> torch.Tensor:
-        if self.mode == "gather":
-            raise RuntimeError("exportable 1D layers do not take sequence parallelism")
         if self.rows is not None:  # replicated k/v weight: every rank's slice adds to it
             w = tp_copy(w, name)[self.rows]
             b = None if b is None else tp_copy(b, name)[self.rows]
+        if self.mode == "gather":  # x: (B, T/tp, C), kept; gathered again in backward
+            return tp_seq_linear(tp_seq_gather(x, name, ""), x, w, b, name, "")
         if self.mode == "replicated":  # else the enclosing block's BlockInput applied f
             x = tp_copy(x, name)
+        # Under sequence parallelism the block's pre-hook gathered x: keep its shard instead
+        shard = getattr(x, BlockInput.SHARD, None) if self.mode == "gathered" else None
+        if shard is not None:
+            return tp_seq_linear(x, shard[0], w, b, name, shard[1])
         return F.linear(x, w, b)  # (B, T, O/tp)
 
 
@@ -96,12 +102,19 @@ class BlockInput:
     that the column layers keep the shard for backward. With ``export_group`` set, f is the
     custom op ``tp_copy`` (tensor/ops.py), so torch.export keeps its backward all-reduce.
 
+    Exportable and under sequence parallelism, the gather is the custom op
+    ``tp_seq_gather`` and the gathered input carries (shard, ``key``) as :attr:`SHARD`: the
+    block's column layers keep the shard through ``tp_seq_linear``, which shares one
+    re-gather per block by ``key`` (tensor/ops_seq.py).
+
     Registered with ``with_kwargs=True``: Hugging Face decoder layers pass ``hidden_states``
     to the attention as a keyword.
     """
 
-    def __init__(self, group: TPGroup, seq_parallel: bool) -> None:
-        self.group, self.seq_parallel = group, seq_parallel
+    SHARD = "tessera_gathered_shard"  # exportable: (shard, block key) on the gathered input
+
+    def __init__(self, group: TPGroup, seq_parallel: bool, key: str = "") -> None:
+        self.group, self.seq_parallel, self.key = group, seq_parallel, key
         self.export_group: str | None = None
 
     def __call__(self, module: nn.Module, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
@@ -110,6 +123,10 @@ class BlockInput:
 
     def enter(self, x: torch.Tensor) -> torch.Tensor:
         """f (or the sequence gather) applied to the block input (B, T, C)."""
+        if self.seq_parallel and self.export_group is not None:
+            full = tp_seq_gather(x, self.export_group, self.key)  # (B, T/tp, C) -> (B, T, C)
+            setattr(full, self.SHARD, (x, self.key))
+            return full
         if self.seq_parallel:
             full = GatherSeq.apply(x, self.group)  # (B, T/tp, C) -> (B, T, C)
             setattr(full, GatheredInput.ATTRIBUTE, (x, GatheredInput(self.group)))
@@ -132,9 +149,16 @@ class RowLinear(nn.Module):
         w = local(self.weight)
         w = w.t() if self.conv1d else w  # (O, C/tp)
         if self.export_group is not None:
-            y = tp_reduce(F.linear(x, w), self.export_group)  # (B, T, O), summed partials
-            return y if self.bias is None else tp_add_bias(y, local(self.bias))
+            return self._exportable(F.linear(x, w), self.export_group)  # (B, T, O) partials
         return RowLinearFn.apply(x, w, _opt(self.bias), self.group, self.seq_parallel)
+
+    def _exportable(self, partial: torch.Tensor, name: str) -> torch.Tensor:
+        if not self.seq_parallel:
+            y = tp_reduce(partial, name)  # (B, T, O), summed
+            return y if self.bias is None else tp_add_bias(y, local(self.bias))
+        y = tp_seq_reduce_scatter(partial, name)  # (B, T/tp, O): this rank's tokens, summed
+        # each rank adds the bias to 1/tp of the tokens: its gradient is summed over tp
+        return y if self.bias is None else tp_add_bias(y, tp_copy(local(self.bias), name))
 
 
 class VocabEmbedding(nn.Module):
@@ -164,7 +188,10 @@ class VocabEmbedding(nn.Module):
             local_ids = ids - self.group.rank * w.shape[0]
             outside = (local_ids < 0) | (local_ids >= w.shape[0])
             out = F.embedding(local_ids.masked_fill(outside, 0), w)
-            return tp_reduce(out.masked_fill(outside.unsqueeze(-1), 0.0), self.export_group)
+            out = out.masked_fill(outside.unsqueeze(-1), 0.0)  # (B, T, C), a partial sum
+            if self.seq_parallel:  # (B, T/tp, C): this rank's tokens
+                return tp_seq_reduce_scatter(out, self.export_group)
+            return tp_reduce(out, self.export_group)
         return VocabEmbeddingFn.apply(ids, local(self.weight), self.group, self.seq_parallel)
 
 
@@ -187,26 +214,38 @@ class SequenceScatter:
 
     def __init__(self, group: TPGroup) -> None:
         self.group = group
+        self.export_group: str | None = None  # pipeline stages: the custom op
 
     def __call__(self, module: nn.Module, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
         return map_input(module, args, kwargs, self.cut, "split over the sequence (tp_seq=on)")
 
     def cut(self, x: torch.Tensor) -> torch.Tensor:
         check_sequence_length(x.shape[1], self.group.size)
+        if self.export_group is not None:
+            return tp_seq_scatter(x, self.export_group)
         return ScatterSeq.apply(x, self.group)  # (B, T, C) -> (B, T/tp, C)
 
 
-def gather_layer_output(group: TPGroup):
+class LayerOutputGather:
     """Forward hook of a Hugging Face model's last decoder layer under Megatron sequence
     parallelism: its output (a tensor, or a tuple led by one) gathered to the whole sequence,
     which every rank then carries alike through the final norm and the head (backward: this
     rank's chunk of the gradient)."""
 
-    def hook(module: nn.Module, args, output):
+    def __init__(self, group: TPGroup) -> None:
+        self.group = group
+        self.export_group: str | None = None  # pipeline stages: the custom op
+
+    def __call__(self, module: nn.Module, args, output):
         if isinstance(output, tuple):
-            return (GatherSeqWhole.apply(output[0], group), *output[1:])
-        return GatherSeqWhole.apply(output, group)  # (B, T/tp, C) -> (B, T, C)
-    return hook
+            return (self.gather(output[0]), *output[1:])
+        return self.gather(output)
+
+    def gather(self, x: torch.Tensor) -> torch.Tensor:
+        """(B, T/tp, C) -> (B, T, C), equal on every rank."""
+        if self.export_group is not None:
+            return tp_seq_gather_whole(x, self.export_group)
+        return GatherSeqWhole.apply(x, self.group)
 
 
 class ReplicatedEmbedding(nn.Module):
@@ -215,12 +254,16 @@ class ReplicatedEmbedding(nn.Module):
     def __init__(self, weight, group: TPGroup, seq_parallel: bool) -> None:
         super().__init__()
         self.weight, self.group, self.seq_parallel = weight, group, seq_parallel
+        self.export_group: str | None = None
 
     def forward(self, ids: torch.Tensor) -> torch.Tensor:
         w = local(self.weight)
         if not self.seq_parallel:
             return F.embedding(ids, w)
-        out = F.embedding(ids, CopyToTP.apply(w, self.group))  # (..., T, C)
+        # each rank reads its positions' rows: the weight's gradient is summed over tp
+        w = (CopyToTP.apply(w, self.group) if self.export_group is None
+             else tp_copy(w, self.export_group))
+        out = F.embedding(ids, w)  # (..., T, C)
         return out.chunk(self.group.size, dim=-2)[self.group.rank]  # (..., T/tp, C)
 
 

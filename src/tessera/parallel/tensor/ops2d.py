@@ -25,6 +25,7 @@ from typing import Optional
 import torch
 
 from tessera.parallel.tensor.comm import Grid
+from tessera.parallel.tensor.ops_seq import TP_SEQ_LINEAR
 from tessera.parallel.tensor.layers2d import (add_bias2d, autocast_operands, bias2d_grad,
                                               embedding2d_backward, embedding2d_forward,
                                               linear2d_backward, linear2d_forward,
@@ -172,10 +173,11 @@ def _embedding_backward(ctx, grad):
 summa_embedding.register_autograd(_embedding_backward, setup_context=_embedding_setup)
 
 SUMMA_LINEAR = torch.ops.tessera.summa_linear.default
-# Ops whose output takes autocast's dtype when autocast is on. Their fakes cannot say so:
-# autocast reads as off inside a fake implementation, so a fake run under autocast (the
-# pipeline's activation estimate, pipeline/kept.py) converts their outputs itself.
-AUTOCAST_OUTPUT = (SUMMA_LINEAR,)
+# Ops whose output takes autocast's dtype when autocast is on (also Megatron sequence
+# parallelism's column layer). Their fakes cannot say so: autocast reads as off inside a fake
+# implementation, so a fake run under autocast (the pipeline's activation estimate,
+# pipeline/kept.py) converts their outputs itself.
+AUTOCAST_OUTPUT = (SUMMA_LINEAR, TP_SEQ_LINEAR)
 
 
 def summa_linear_flops(node) -> float:
