@@ -128,6 +128,12 @@ def test_weight_copies_follow_the_micro_batches_in_flight():
     assert weight_copies(LLAMA, tp2, 4, 3, 0, 0) == pytest.approx(3 * one / 2)
     assert weight_copies(LLAMA, tp2, 4, 3, 4, 0) == pytest.approx(one / 2 / 4)
     assert weight_copies(LLAMA, s.replace(tp=2, pp=1), 4, 1, 0, 0) == 0  # eager tp ops
+    # Under Megatron sequence parallelism the stages' column layers keep their fp32 shard
+    # (tensor/ops_seq.tp_seq_linear, measured in test_tp_pipeline's estimate check): only
+    # the row layers' copies, the attention output's (h, h) and the MLP's (f, h) weight.
+    rows = LLAMA.d_model * (LLAMA.d_model + LLAMA.d_ff) / matrix_params(LLAMA)
+    assert weight_copies(LLAMA, tp2.replace(tp_seq="on"), 4, 3, 0, 0) == pytest.approx(
+        3 * one / 2 * rows)
 
 
 def test_weight_casts_are_shared_where_the_runtime_shares_them():

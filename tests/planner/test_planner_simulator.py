@@ -130,13 +130,23 @@ def test_megatron_sequence_parallelism_trades_collectives_for_activations():
     for model, cluster in ((preset("gpt2"), parse_cluster("a100-80gb:4x1")),
                            (preset("small"), parse_cluster("cpu:4x1"))):
         off, on = (estimate(model, cluster, plain.replace(tp_seq=v)) for v in ("off", "on"))
-        # The norms, dropout and residual adds hold 1/t of the tokens; the column layers'
-        # gathered input stays whole (planner/activations.py, measured in test_activations).
+        # The norms, dropout and residual adds hold 1/t of the tokens, and so do the column
+        # layers' kept inputs (planner/activations.py, measured in test_activations).
         assert on.memory.activations < off.memory.activations
         # An all-gather and a reduce-scatter for each all-reduce (the same ring bytes), plus
         # the embedding's and head's sequence collectives and the norms' gradient sums.
         assert on.breakdown["tp_comm"] > off.breakdown["tp_comm"]
         assert on.breakdown["compute"] <= off.breakdown["compute"]
+
+
+def test_megatron_sequence_parallel_stages_send_sequence_shards():
+    # Between pipeline stages each tp rank sends its 1/t of the tokens, not the whole
+    # (mbs, T, C) activation every tp rank of a stage holds without tp_seq.
+    piped = Strategy.parse("dp=1,tp=4,pp=2,mbs=4,gbs=32,precision=bf16")
+    model, cluster = preset("gpt2"), parse_cluster("a100-80gb:4x2")
+    off, on = (estimate(model, cluster, piped.replace(tp_seq=v)) for v in ("off", "on"))
+    assert 0 < on.breakdown["pp_comm"] < 0.5 * off.breakdown["pp_comm"]
+    assert on.memory.activations < off.memory.activations
 
 
 def test_tp_across_nodes_is_slower():

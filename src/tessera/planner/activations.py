@@ -130,6 +130,17 @@ def stages_read_shards(s: Strategy) -> bool:
     return s.tp > 1 and s.pp > 1 and s.tp_mode == "1d"
 
 
+def copied_matrix_params(model: ModelConfig, s: Strategy) -> int:
+    """Elements of one layer's weight matrices whose 16-bit copies it keeps under autocast
+    (:func:`keeps_weight_copies`): all of them, except in 1d tensor-parallel pipeline stages
+    under Megatron sequence parallelism, whose column layers (tensor/ops_seq.tp_seq_linear)
+    keep their fp32 shard and cast it themselves, forward and backward; the row layers (the
+    attention's output, the MLP's down projection) still read theirs through autocast."""
+    if stages_read_shards(s) and s.tp_seq == "on":
+        return model.d_model * (model.d_model + model.d_ff)  # (h, h) and (h, f) rows
+    return matrix_params(model)
+
+
 def matrix_params(model: ModelConfig) -> int:
     """Elements of one layer's weight matrices (what autocast copies to 16 bits)."""
     h, f = model.d_model, model.d_ff

@@ -47,8 +47,9 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from tessera.models.config import ModelConfig
-from tessera.planner.activations import (FP32_BYTES, keeps_weight_copies, layer_bytes_per_token,
-                                          layout, matrix_params, stages_read_shards)
+from tessera.planner.activations import (FP32_BYTES, copied_matrix_params, keeps_weight_copies,
+                                          layer_bytes_per_token, layout,
+                                          stages_read_shards)
 from tessera.planner.compute import bytes_per_element
 from tessera.planner.split import Split, equal_split, head_is_sliced, stage_split
 from tessera.strategy import Strategy, blocks_to_recompute
@@ -247,7 +248,7 @@ def weight_copies(model: ModelConfig, s: Strategy, layers: int, in_flight: float
     lay = layout(s.precision, s.memory)
     if not tessera or not keeps_weight_copies(lay, s):
         return 0.0
-    per_layer = lay.weight_copy_bytes * matrix_params(model) / s.tp  # the rank's shards
+    per_layer = lay.weight_copy_bytes * copied_matrix_params(model, s) / s.tp  # rank's shards
     if shared:
         return layers * per_layer
     dropping = in_flight - whole

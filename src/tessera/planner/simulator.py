@@ -368,7 +368,8 @@ def _pipeline(s: Strategy, stages: list[_Stage], m: int, cl: Cluster, model: Mod
     if s.pp > 1:
         n = s.micro_batch_size * model.max_seq_len / s.sp
         nbytes = n * model.d_model * bytes_per_element(s.precision)
-        nbytes /= s.tp if s.tp_mode == "2d" else 1
+        # 2d splits the boundary activation over the grid, Megatron SP over the sequence
+        nbytes /= s.tp if s.tp_mode == "2d" or s.tp_seq == "on" else 1
         p2p = comm.collective_time(cl, "p2p", nbytes, comm.Group(2, groups["pp"].stride))
     recs = []
     for i, st in enumerate(stages):
