@@ -119,22 +119,20 @@ def test_auto_plans_at_the_training_length_and_takes_any_valid_fixed_field(monke
     assert planned("auto,gbs=8,schedule=interleaved").pp == 2
     assert planned("auto,gbs=8,precision=fp16").precision == "fp16"  # CPU autocast runs it
     assert planned("auto,gbs=8,tp=2,tp_seq=on").tp_seq == "on"
-    # Megatron sequence parallelism takes a Hugging Face model without dropout: the planner
-    # holds it off for one with dropout (what it is asked, recorded), a config refuses it.
+    # Megatron sequence parallelism takes the Hugging Face models a config builds, with
+    # their dropout too (GPT-2's modules are placed by its policy; Llama drops only
+    # attention probabilities): nothing is held off for them, nothing refused.
     import tessera.train.auto as auto
 
     drops = ("model.hf=gpt2", "model.dropout=0.1")
     asked, plan = [], auto.best_runnable
     monkeypatch.setattr(auto, "best_runnable", lambda *a: asked.append(a[4]) or plan(*a))
-    assert planned("auto,gbs=8,tp=2", *drops).tp_seq == "off"
-    planned("auto,gbs=8,tp=2", "model.hf=gpt2")
+    planned("auto,gbs=8,tp=2", *drops)
     monkeypatch.undo()
-    assert asked == [{"tp_seq": "off", "tp": 2}, {"tp": 2}]
-    assert planned("dp=1,tp=2,mbs=8,gbs=8,tp_seq=on", "model.hf=gpt2").tp_seq == "on"
-    with pytest.raises(ConfigError, match="tp_seq=on .Megatron sequence parallelism. on a "
-                                          "Hugging Face model is built without dropout; "
-                                          "model.hf=gpt2 has dropout=0.1"):
-        planned("dp=1,tp=2,mbs=8,gbs=8,tp_seq=on", *drops)
+    assert asked == [{"tp": 2}]
+    for hf in ("model.hf=gpt2", "model.hf=llama"):
+        assert planned("dp=1,tp=2,mbs=8,gbs=8,tp_seq=on", hf, "model.dropout=0.1",
+                       "model.attention_dropout=0.1").tp_seq == "on"
     for text, fragment in [
             ("auto,gbs=8,sp=2,sp=1", "strategy field 'sp' given twice"),
             ("auto,gbs=eight", "gbs (global_batch_size) must be an integer, got 'eight'"),

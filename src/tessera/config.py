@@ -257,12 +257,6 @@ class RunConfig(_Section):
             self.strategy.check_leaf_modules(self.train.pipeline_leaf_modules)
         except StrategyError as err:
             raise ValueError(f"strategy: {err}") from None
-        if self.strategy.tp_seq == "on" and _hf_drops(self.model.hf, model):
-            raise ValueError(f"strategy: tp_seq=on (Megatron sequence parallelism) on a "
-                             f"Hugging Face model is built without dropout; "
-                             f"model.hf={self.model.hf} has dropout={model.dropout}, "
-                             f"attention_p={model.attention_p} (set them to 0, or use "
-                             "tp_seq=off)")
         self._check_memory()
         return self
 
@@ -343,21 +337,11 @@ def _plan(raw: dict[str, Any], text: str, world_size: int | None) -> str:
                               "give strategy text with pp > 1, not auto")
     probe = config_from_dict({**raw, "strategy": "dp=1,mbs=1,gbs=1"})  # validates the rest
     try:
-        # Megatron sequence parallelism takes no Hugging Face dropout modules (RunConfig checks)
-        limits = ({"tp_seq": "off"} if _hf_drops(probe.model.hf, probe.model.build_config())
-                  else None)
         return resolve_auto_text(text, probe.model.build_config(), world_size,
                                  probe.train.device, seq_len=probe.data.seq_len,
-                                 cluster_file=probe.train.planner_cluster,
-                                 limits=limits).to_text()
+                                 cluster_file=probe.train.planner_cluster).to_text()
     except StrategyError as err:
         raise ConfigError(f"strategy: {err}") from None
-
-
-def _hf_drops(hf: str | None, model) -> bool:
-    """Whether a Hugging Face model built from this config drops anything (GPT-2's
-    embedding, residual and attention dropout; Llama's attention dropout)."""
-    return hf is not None and (model.dropout > 0 or model.attention_p > 0)
 
 
 def config_from_dict(raw: Mapping[str, Any]) -> RunConfig:

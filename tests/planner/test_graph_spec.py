@@ -214,15 +214,18 @@ def test_auto_holds_tensor_and_sequence_parallelism_off_without_a_policy(monkeyp
         gemma = hf.AutoModelForCausalLM.from_config(hf.GemmaConfig(
             vocab_size=256, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
             num_attention_heads=4, num_key_value_heads=2, head_dim=16, use_cache=False))
-    # Megatron sequence parallelism (tp_seq) takes Hugging Face models without dropout
-    # modules; the reference model's dropout it runs.
+    # Megatron sequence parallelism (tp_seq) takes Hugging Face models whose dropout modules
+    # the policy places (GPT-2's, dropping by default); the reference model's dropout it runs.
     assert auto.layout_limits(neox) == {"tp": 1, "sp": 1} and auto.layout_limits(gpt2) == {}
     assert auto.layout_limits(Transformer(preset("tiny", dropout=0.1))) == {}
     # A policy (Gemma's): tensor parallelism may be planned, sequence parallelism is planned
     # only for the classes the suite checks it on.
     assert auto.layout_limits(gemma) == {"sp": 1}
     # GPT-2's default dropout (0.1): sequence parallelism trains it (each sp rank on its own
-    # random stream, attention dropout by hashed masks), so auto may plan it; not tp_seq.
+    # random stream, attention dropout by hashed masks), so auto may plan it, and tp_seq.
+    # A dropout module the policy gives no dropout style holds tp_seq off.
+    assert auto.layout_limits(dropping) == {}
+    dropping.transformer.h[0].mlp.extra = torch.nn.Dropout(0.1)  # a user's own module
     assert auto.layout_limits(dropping) == {"tp_seq": "off"}
     # A vocabulary or MLP width some tp degree of the world cannot cut (GPT-2's 50257
     # tokens): the planner checks heads only, so tp is held at 1 (it picked tp=2, refused).
@@ -235,7 +238,7 @@ def test_auto_holds_tensor_and_sequence_parallelism_off_without_a_policy(monkeyp
     assert auto.layout_limits(odd_vocab, 2) == {"tp": 1}
     assert auto.layout_limits(odd_ffn, 4) == {"tp": 1}  # 130 splits 2 ways, not 4
     assert auto.layout_limits(odd_ffn, 2) == {}
-    assert auto.layout_limits(odd_vocab, 1) == {"tp_seq": "off"}  # GPT-2's default dropout
+    assert auto.layout_limits(odd_vocab, 1) == {}
     # On 8 A100s (not this machine's CPU workers, so the pick does not depend on the host) the
     # planner, free to choose, would split this 1.2B model with tensor parallelism, which the
     # runtime cannot apply to GPT-NeoX (no policy); held to tp=1 it picks another layout.

@@ -89,13 +89,14 @@ def layout_limits(model: nn.Module, world_size: int | None = None) -> dict[str, 
     planned only for the models the suite tests it on (the reference, GPT-2, Llama: its
     Hugging Face route, AttentionInterface, is generic, but models refuse it for their own
     attention variants); Megatron sequence parallelism (tp_seq) takes a Hugging Face model
-    that drops nothing. Pipeline and data parallelism need only a capture.
+    whose dropout modules the policy places (apply.unplaced_dropouts). Pipeline and data
+    parallelism need only a capture.
 
     With ``world_size``, tensor parallelism is also held at 1 where some tp degree it could
     take (a divisor of the world) would not cut heads, hidden size, vocabulary and MLP width
     evenly (GPT-2's 50257 tokens): the planner checks heads only, and the runtime refuses
     the rest. Held for every degree, as the planner takes no set of allowed values."""
-    from tessera.parallel.tensor.apply import dropping_modules
+    from tessera.parallel.tensor.apply import unplaced_dropouts
     from tessera.parallel.tensor.policy import PolicyError, policy_for, style_of
 
     try:
@@ -113,8 +114,8 @@ def layout_limits(model: nn.Module, world_size: int | None = None) -> dict[str, 
     limits: dict[str, int | str] = {} if type(model).__name__ in SP_PLANNED else {"sp": 1}
     if world_size is not None and not _tp_cuts_evenly(model, world_size):
         limits["tp"] = 1
-    elif type(model).__name__ != "Transformer" and dropping_modules(model, policy):
-        limits["tp_seq"] = "off"  # Megatron SP on a Hugging Face model: built without dropout
+    elif type(model).__name__ != "Transformer" and unplaced_dropouts(model, policy):
+        limits["tp_seq"] = "off"  # Megatron SP: a dropout whose tensor is not known
     return limits
 
 
@@ -162,16 +163,14 @@ def best_runnable(model_config, world_size: int, global_batch_size: int, precisi
 
 
 def resolve_auto_text(text: str, model_config, world_size: int, device: str = "auto",
-                      seq_len: int | None = None, cluster_file: str | None = None,
-                      limits: dict | None = None) -> Strategy:
+                      seq_len: int | None = None, cluster_file: str | None = None
+                      ) -> Strategy:
     """Resolve ``auto[,field=value...]`` (e.g. ``auto,gbs=64,precision=bf16``) for a job
     whose samples hold ``seq_len`` tokens (default: the model's position count).
 
     The fields after ``auto`` are held fixed, each checked on its own as strategy text
     checks it (``strategy.fixed_fields``); ``gbs`` is required, since the batch size is a
-    training decision and not the planner's. ``limits``: fields held for what the model's
-    runtime cannot take (a Hugging Face model with dropout: ``tp_seq`` off); a field the text
-    gives wins, and the run's own checks then name the rule it breaks.
+    training decision and not the planner's.
     """
     from tessera.planner.model_spec import describe_model
     from tessera.strategy import fixed_fields
@@ -184,7 +183,6 @@ def resolve_auto_text(text: str, model_config, world_size: int, device: str = "a
     if "global_batch_size" not in fixed:
         raise StrategyError(f"strategy {text!r}: auto needs the global batch size, e.g. "
                             "'auto,gbs=64'")
-    fixed = {**(limits or {}), **fixed}
     gbs = fixed.pop("global_batch_size")
     precision = str(fixed.pop("precision", "fp32"))
     model = describe_model(model_config, seq_len) if seq_len else model_config

@@ -1,10 +1,9 @@
 """Training with dropout under 1D tensor parallelism through the Trainer, in one 4-rank launch.
 
 GPT-2-like dropout (0.1 on embeddings, residuals and attention probabilities) on the reference
-model: dp=2 x tp=2 eagerly and tp=2 x pp=2 as captured pipeline stages (also with Megatron
-sequence parallelism), each with and without full recomputation, and dp=2 x tp=2 without
-dropout to compare with; Hugging Face GPT-2 at
-tp=2 x pp=2 with and without recomputation. Attention dropout runs
+model: dp=2 x tp=2 eagerly and tp=2 x pp=2 as captured pipeline stages, each with and without
+full recomputation, and dp=2 x tp=2 without dropout to compare with; Hugging Face GPT-2 at
+tp=2 x pp=2 with and without recomputation, also with Megatron sequence parallelism. Attention dropout runs
 the hashed masks per head (tensor/attention.py); the other dropout draws from the stream tp
 peers share (parallel/rank_rng.py). Each run is 5 steps of a tiny model on 32-token samples.
 
@@ -40,15 +39,15 @@ RUNS = {  # name: (model, strategy)
     "dropout_dp2_tp2_recompute": ("gpt_dropout", "dp=2,tp=2,mbs=4,gbs=8,recompute=full"),
     "dropout_tp2_pp2": ("gpt_dropout", "dp=1,tp=2,pp=2,mbs=4,gbs=8"),
     "dropout_tp2_pp2_recompute": ("gpt_dropout", "dp=1,tp=2,pp=2,mbs=4,gbs=8,recompute=full"),
-    # Megatron sequence parallelism in the stages: embedding and residual dropout on each
-    # rank's sequence chunk (tensor/seq_dropout.py), captured.
-    "dropout_tp2_pp2_seq": ("gpt_dropout", "dp=1,tp=2,pp=2,mbs=4,gbs=8,tp_seq=on"),
-    "dropout_tp2_pp2_seq_recompute": ("gpt_dropout",
-                                      "dp=1,tp=2,pp=2,mbs=4,gbs=8,tp_seq=on,recompute=full"),
     # Hugging Face GPT-2 (attn_pdrop through transformers' AttentionInterface), captured.
     "hf_dropout_tp2_pp2": ("hf_gpt2_dropout", "dp=1,tp=2,pp=2,mbs=4,gbs=8"),
     "hf_dropout_tp2_pp2_recompute": ("hf_gpt2_dropout",
                                      "dp=1,tp=2,pp=2,mbs=4,gbs=8,recompute=full"),
+    # ... with Megatron sequence parallelism in the stages: residual and MLP dropout on each
+    # rank's sequence chunk (its policy's seq_dropout, tensor/seq_dropout.py), captured.
+    "hf_dropout_tp2_pp2_seq": ("hf_gpt2_dropout", "dp=1,tp=2,pp=2,mbs=4,gbs=8,tp_seq=on"),
+    "hf_dropout_tp2_pp2_seq_recompute": ("hf_gpt2_dropout", "dp=1,tp=2,pp=2,mbs=4,gbs=8,"
+                                                            "tp_seq=on,recompute=full"),
 }
 
 
@@ -96,8 +95,8 @@ def _close(a, b, **tol):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("name", ["dropout_dp2_tp2", "dropout_tp2_pp2", "dropout_tp2_pp2_seq",
-                                  "hf_dropout_tp2_pp2"])
+@pytest.mark.parametrize("name", ["dropout_dp2_tp2", "dropout_tp2_pp2", "hf_dropout_tp2_pp2",
+                                  "hf_dropout_tp2_pp2_seq"])
 def test_tp_trains_with_dropout_and_recomputes_its_masks(runs, name):
     got = runs[0][name]
     losses = got["losses"]

@@ -69,8 +69,8 @@ def _all_checks(rank, world_size, folder):
     out["scaler"] = tp_checks.grad_scaler_overflow(meshes["1d_tp2"])
     out["refusals"] = tp_checks.refusals(meshes["2d_2x2"])
     out["refusals"]["no_block"] = tp_checks.refusal_without_block(meshes["1d_tp2"])
-    out["megatron_sp_dropout"] = {name: tp_checks.megatron_sp_dropout_parity(meshes[name])
-                                  for name in ("1d_tp2", "1d_tp4")}
+    out["megatron_sp_dropout"] = {(name, kind): tp_checks.megatron_sp_dropout_parity(
+        meshes[name], kind) for name in ("1d_tp2", "1d_tp4") for kind in ("ref", "hf-gpt2")}
     out["refusals"]["one_d_style"] = tp_checks.refusal_one_d_style(meshes["2d_2x2"])
     out["direct_call"] = tp_checks.refusal_direct_call(meshes["1d_tp2"])
     out["refusals"].update(tp_checks.refusals_tp_seq(meshes["1d_tp2"]))
@@ -126,12 +126,15 @@ def test_whole_model_matches_single_device(results, mesh, kind):
 
 @pytest.mark.slow
 @pytest.mark.parametrize("mesh", ["1d_tp2", "1d_tp4"])
-def test_megatron_sequence_parallel_dropout_drops_each_chunk_as_one_device(results, mesh):
+@pytest.mark.parametrize("kind", ["ref", "hf-gpt2"])
+def test_megatron_sequence_parallel_dropout_drops_each_chunk_as_one_device(results, mesh, kind):
     # Until 2026-11-28 a model with dropout was refused here: tp peers share a random stream
     # and would have dropped their sequence chunks alike. Each chunk now takes its rows of
-    # the mask one device draws. Tolerance: TOL, as every model parity here.
+    # the mask one device draws; Hugging Face GPT-2's too since 2026-11-29 (its policy says
+    # which dropout acts on a chunk: resid and MLP dropout; its embedding dropout runs before
+    # the first layer cuts the sequence). Tolerance: TOL, as every model parity here.
     for rank, res in enumerate(results):
-        got = res["megatron_sp_dropout"][mesh]
+        got = res["megatron_sp_dropout"][(mesh, kind)]
         assert got["loss"] < TOL and got["grad"] < TOL, (rank, got)
         assert got["params"] > 0
         # Another mask moves the loss ~1e-3 (9e-4 seen), 10x TOL and more: parity within
@@ -169,13 +172,14 @@ def test_bad_input_is_refused_with_the_rule_named(results):
             "this model is laid out over tp=2 tensor-parallel ranks (tp_mode=1d)"), rank
     # Megatron sequence parallelism: each rank takes 1/tp of the tokens (the reference model
     # splits in its embedding, a Hugging Face model at its first layer); a Hugging Face model
-    # that drops is refused (which dropout acts on a chunk is not told apart yet).
+    # with a dropout module its policy gives no dropout style is refused (what it drops is
+    # not known).
     for key in ("length", "hf_length"):
         assert got[key].startswith("tp_seq=on splits the sequence over tp=2: this batch's "
                                    "length 17 is not divisible by tp"), got[key]
-    assert "with tp_seq=on: GPT2LMHeadModel drops activations (transformer.drop, " \
-           "transformer.h.0.attn, transformer.h.0.attn.attn_dropout, ...); Megatron sequence " \
-           "parallelism on a Hugging Face model is built without dropout" \
+    assert "with tp_seq=on: GPT2LMHeadModel drops activations in modules of no dropout " \
+           "style (transformer.h.1.mlp.extra): Megatron sequence parallelism splits the " \
+           "tokens between the layers and must know what each dropout acts on" \
            in got["hf_dropout"], got["hf_dropout"]
     assert "with tp_overlap=subpipe: sub-pipelined tensor parallelism overlaps the 1D " \
            "all-reduces, which Megatron sequence parallelism (tp_seq=on) replaces" \

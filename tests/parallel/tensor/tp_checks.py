@@ -310,19 +310,27 @@ def refusal_direct_call(mesh: Mesh) -> dict[str, str | float]:
     return out
 
 
-def megatron_sp_dropout_parity(mesh: Mesh) -> dict[str, float]:
-    """Loss and gradients of the reference model with embedding and residual dropout under 1D
-    tp with Megatron sequence parallelism against one device's, from one seed.
+def megatron_sp_dropout_parity(mesh: Mesh, kind: str = "ref") -> dict[str, float]:
+    """Loss and gradients of the reference model (``kind`` "ref") or Hugging Face GPT-2
+    ("hf-gpt2") with embedding and residual dropout under 1D tp with Megatron sequence
+    parallelism against one device's, from one seed.
 
     Attention dropout is set to 0 on both: under tp it runs hashed masks per head
     (attention.py), one device SDPA's own, so those masks differ by design (their parity is
-    attention_dropout_parity's). The embedding and residual dropout, on sequence chunks here,
-    must drop exactly what one device drops."""
+    attention_dropout_parity's). The embedding and residual dropout, on sequence chunks here
+    (GPT-2's embedding dropout before its first layer, on the whole sequence), must drop
+    exactly what one device drops."""
     torch.manual_seed(0)
-    single = Transformer(preset("tiny", dropout=0.1))
+    if kind == "ref":
+        single = Transformer(preset("tiny", dropout=0.1))
+    else:
+        config = hf_config_from_reference("gpt2", preset("tiny", dropout=0.1))
+        single = build_hf_model("gpt2", **config).train()
     for module in single.modules():
         if hasattr(module, "attention_fn"):
             module.dropout = 0.0
+        if hasattr(module, "attn_dropout"):  # GPT-2's
+            module.attn_dropout.p = 0.0
     parallel = copy.deepcopy(single)
     data = batch()
     torch.manual_seed(7)
@@ -456,8 +464,8 @@ def refusal_without_block(mesh: Mesh) -> str:
 
 def refusals_tp_seq(mesh: Mesh) -> dict[str, str]:
     """Megatron sequence parallelism (tp_seq=on): a batch length tp does not divide, a
-    Hugging Face model (whose masks follow the local length) that drops, and sub-pipelined
-    tensor parallelism (not built with it)."""
+    Hugging Face model (whose masks follow the local length) with a dropout module its
+    policy does not place, and sub-pipelined tensor parallelism (not built with it)."""
     strategy = mesh.strategy.replace(dp=1, global_batch_size=1, tp_seq="on")
     out = {}
     model = Transformer(preset("tiny"))
@@ -475,6 +483,7 @@ def refusals_tp_seq(mesh: Mesh) -> dict[str, str]:
             out[key] = str(err)
     ref = preset("tiny", dropout=0.1)
     dropping = build_hf_model("gpt2", **hf_config_from_reference("gpt2", ref))
+    dropping.transformer.h[1].mlp.extra = nn.Dropout(0.1)  # of no dropout style
     try:
         apply_tensor_parallel(Parallelized(dropping, dropping, None), strategy, mesh)
         out["hf_dropout"] = ""

@@ -15,7 +15,7 @@ from torch.distributed.tensor import DTensor, Replicate, Shard
 from tessera.mesh import Mesh
 from tessera.models.materialize import DeferredInit, FewAtATime, materialize_unit
 from tessera.parallel.plan import Parallelized
-from tessera.parallel.tensor.attention import attention_dropout_p, install_head_dropout
+from tessera.parallel.tensor.attention import install_head_dropout
 from tessera.parallel.tensor.comm import CommCounter, Grid, TPGroup
 from tessera.parallel.tensor.data_parallel import ShardGradSync
 from tessera.parallel.tensor.deferred import PendingShards, ShardRecipe
@@ -28,9 +28,9 @@ from tessera.parallel.tensor.modules import (BlockInput, ColumnLinear, Embedding
 from tessera.parallel.tensor.ops import register_group
 from tessera.parallel.tensor.probe import check_embedding, check_norm
 from tessera.parallel.tensor.ops2d import register_grid
-from tessera.parallel.tensor.policy import (ONE_D_STYLES, ModelDims, PolicyError, check_divisible,
-                                            model_dims, policy_for, style_of)
-from tessera.parallel.tensor.seq_dropout import shard_sequence_dropouts
+from tessera.parallel.tensor.policy import (DROPOUT_STYLES, ONE_D_STYLES, ModelDims, PolicyError,
+                                            check_divisible, model_dims, policy_for, style_of)
+from tessera.parallel.tensor.seq_dropout import SequenceChunkDropout, shard_sequence_dropouts
 from tessera.parallel.tensor.shard import (accept_full_tensors, add_optimizer_unpermute_hooks,
                                            add_unpermute_hooks, fused_perm, make_param,
                                            permuted_params)
@@ -76,8 +76,8 @@ def apply_tensor_parallel(plan: Parallelized, strategy: Strategy, mesh: Mesh,
         if sequence_parallel and dims.hf:
             _check_hf_dropouts(model, policy, what)
         group = TPGroup(mesh.group("tp"), counter)
-        if sequence_parallel:  # each sequence chunk dropped as one device drops it
-            shard_sequence_dropouts(model, group)
+        if sequence_parallel and not dims.hf:  # each chunk dropped as one device drops it
+            shard_sequence_dropouts(model, group)  # (a Hugging Face model's: its policy's)
         check_divisible(dims, group.size, kv_ways_ok=True, what=what)
         builder = _Builder1D(dims, group, mesh.submesh("tp"), sequence_parallel)
         plan.forward_loss = make_forward_loss_1d(group)
@@ -193,25 +193,31 @@ def _replace_modules(model: nn.Module, policy, builder) -> None:
             "tessera/parallel/tensor/policy.py")
 
 
-def dropping_modules(model: nn.Module, policy) -> list[str]:
-    """Paths of ``model``'s modules that drop: dropout modules, and attention modules whose
-    probabilities drop (Llama's ``attention_dropout`` rate)."""
+def unplaced_dropouts(model: nn.Module, policy) -> list[str]:
+    """Paths of ``model``'s dropout modules that drop but have no dropout style in its
+    policy (policy.DROPOUT_STYLES): Megatron sequence parallelism cannot tell whether they
+    act on a sequence chunk, on a whole tensor or on attention probabilities. An attention
+    module's own rate (Llama's ``attention_dropout``) goes to tensor/attention.py's per-head
+    masks and needs no style."""
     return [path for path, m in model.named_modules()
-            if (isinstance(m, nn.Dropout) and m.p > 0)
-            or (style_of(path, policy) == "attention" and attention_dropout_p(m) > 0)]
+            if isinstance(m, nn.Dropout) and m.p > 0
+            and style_of(path, policy) not in DROPOUT_STYLES]
 
 
 def _check_hf_dropouts(model: nn.Module, policy, what: str) -> None:
-    """Megatron sequence parallelism on a Hugging Face model is built without dropout: which
-    dropout acts on a sequence chunk (GPT-2's resid_dropout) and which on the whole embedding
-    or on attention probabilities (its drop, attn_dropout) is not told apart yet."""
-    dropping = dropping_modules(model, policy)
-    if dropping:
+    """Megatron sequence parallelism on a Hugging Face model drops the sequence chunks of its
+    ``seq_dropout`` modules as one device drops those tokens; a dropout module of no dropout
+    style is refused (its tensor is not known)."""
+    unplaced = unplaced_dropouts(model, policy)
+    if unplaced:
         raise PolicyError(f"{what} with tp_seq=on: {type(model).__name__} drops activations "
-                          f"({', '.join(dropping[:3])}{', ...' if len(dropping) > 3 else ''}); "
-                          "Megatron sequence parallelism on a Hugging Face model is built "
-                          "without dropout: set the model's dropout probabilities to 0, or "
-                          "use tp_seq=off")
+                          f"in modules of no dropout style ({', '.join(unplaced[:3])}"
+                          f"{', ...' if len(unplaced) > 3 else ''}): Megatron sequence "
+                          "parallelism splits the tokens between the layers and must know "
+                          "what each dropout acts on. Give them a style in the policy "
+                          "(seq_dropout, whole_dropout or probs_dropout; "
+                          "tessera/parallel/tensor/policy.py), set their p to 0, or use "
+                          "tp_seq=off")
 
 
 def _scatter_at_first_layer(model: nn.Module, builder: "_Builder1D") -> None:
@@ -379,6 +385,10 @@ class _Builder1D(_Builder):
                                   f"not divisible by tp={g.size}")
             check_norm(m, style, _eps(m), False)
             return Norm1D(self.param(m.weight, s0), None, _eps(m), False, g, False)
+        if style == "seq_dropout" and sp and m.p > 0:  # on this rank's sequence chunk
+            return SequenceChunkDropout(m.p, g)
+        if style in DROPOUT_STYLES:
+            return None
         if style in ("attention", "mlp"):
             if style == "attention":
                 kv = self.dims.n_kv_heads
@@ -426,7 +436,7 @@ class _Builder2D(_Builder):
                           _eps(m), not isinstance(m, nn.LayerNorm), self.dims.d_model, self.grid)
         if style == "attention":
             self.attention(m, self.grid.q, self.dims.n_kv_heads // self.grid.q)
-        if style in ("attention", "mlp"):
+        if style in ("attention", "mlp") or style in DROPOUT_STYLES:
             return None
         if style in ONE_D_STYLES:
             raise PolicyError(f"style {style!r} ({type(m).__name__}) is built for tp_mode=1d "

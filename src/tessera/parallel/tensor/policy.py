@@ -23,6 +23,17 @@ pattern that matches a module's full path decides its style. Styles:
                  its input gets Megatron's f once for all its column layers (under
                  sequence parallelism: is gathered along the sequence)
     mlp          the MLP module: (1D) its input gets f once (under SP: is gathered)
+    seq_dropout  a dropout on the residual stream inside the decoder layers (GPT-2's
+                 resid_dropout, its MLP's dropout): kept, except under Megatron sequence
+                 parallelism (1D), where each rank drops its sequence chunk's rows of the
+                 mask one device draws (seq_dropout.SequenceChunkDropout)
+    whole_dropout  a dropout on what every tp rank holds whole (GPT-2's embedding dropout,
+                 before its first layer): kept
+    probs_dropout  a dropout of attention probabilities (GPT-2's attn_dropout): kept; under
+                 1D its rate goes to the per-head masks of tensor/attention.py
+
+Megatron sequence parallelism on a Hugging Face model needs every dropout module that drops
+to have one of the three dropout styles (an attention module's dropout rate needs none).
 
 Adding an architecture means adding one entry to ``POLICIES`` (keyed by model class name) and,
 if its config names differ, to ``model_dims``. A norm or token embedding whose forward is not
@@ -57,6 +68,9 @@ POLICIES: dict[str, list[tuple[str, str]]] = {
         (r"lm_head", "vocab_head"),
     ],
     "GPT2LMHeadModel": [
+        (rf"{_H}\.(attn\.resid_dropout|mlp\.dropout)", "seq_dropout"),
+        (rf"{_H}\.attn\.attn_dropout", "probs_dropout"),
+        (r"transformer\.drop", "whole_dropout"),
         (r"transformer\.wte", "vocab_embed"),
         (r"transformer\.wpe", "position"),
         (rf"{_H}\.attn\.c_attn", "colwise_qkv"),
@@ -118,6 +132,8 @@ POLICIES["CohereForCausalLM"] = [(rf"{_L}\.self_attn\.(q|k)_norm", "head_norm"),
                                  *_llama_with_norm("layernorm", "input")]
 # Styles the 2D builder does not build (refused there by name).
 ONE_D_STYLES = ("layernorm", "rmsnorm_1p", "head_norm", "head_rmsnorm_1p")
+# Where a dropout module acts (kept as they are but for seq_dropout under tp_seq)
+DROPOUT_STYLES = ("seq_dropout", "whole_dropout", "probs_dropout")
 
 
 class PolicyError(StrategyError):
@@ -152,7 +168,8 @@ def policy_for(model: nn.Module) -> list[tuple[re.Pattern, str]]:
             f"Trainer is built: tessera.parallel.tensor.policy.POLICIES[{name!r}] = "
             "[(module-path regex, style), ...] (styles: colwise, colwise_kv, colwise_qkv, "
             "rowwise, vocab_embed, vocab_head, position, norm, layernorm, rmsnorm_1p, "
-            "head_norm, head_rmsnorm_1p, attention, mlp; "
+            "head_norm, head_rmsnorm_1p, attention, mlp, seq_dropout, whole_dropout, "
+            "probs_dropout; "
             "docs/tensor_parallel.md), and check its losses against tp=1")
     return [(re.compile(pattern), style) for pattern, style in POLICIES[name]]
 
