@@ -14,7 +14,8 @@ import torch
 import torch.nn.functional as F
 
 from tessera.parallel.tensor import ops
-from tessera.parallel.tensor.ops_seq import tp_seq_gather, tp_seq_linear
+from tessera.parallel.tensor.ops_seq import (tp_seq_gather, tp_seq_gather_whole, tp_seq_linear,
+                                             tp_seq_reduce_scatter, tp_seq_scatter)
 
 NAME = "tp:test_ops_seq"
 
@@ -116,3 +117,15 @@ def test_under_autocast_the_product_and_its_backward_run_in_the_low_dtype(group)
     for a, b in ((x, x2), (weights[0], weights2[0]), (biases[0], biases2[0])):
         assert a.grad.dtype == torch.float32
         torch.testing.assert_close(a.grad, b.grad, rtol=1e-2, atol=1e-2)
+
+
+@pytest.mark.parametrize("op", [tp_seq_scatter, tp_seq_gather_whole, tp_seq_reduce_scatter])
+def test_a_one_sample_batch_passes_through_as_a_new_tensor(group, op):
+    # With B = 1 a rank's rows of the sequence are contiguous already: a view of them would
+    # be an alias of the op's input, which custom ops may not return (mbs=1 failed so).
+    x = torch.randn(1, 6, 8, requires_grad=True)
+    y = op(x, NAME)
+    assert y.data_ptr() != x.data_ptr()
+    torch.testing.assert_close(y, x, rtol=0, atol=0)
+    y.backward(torch.ones_like(y))
+    torch.testing.assert_close(x.grad, torch.ones_like(x), rtol=0, atol=0)
