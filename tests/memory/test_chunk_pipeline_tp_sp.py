@@ -11,7 +11,8 @@ Trainer's gradient clipping, 3 AdamW steps of:
 - tp=4 as a 2 x 2 SUMMA grid x pp=2, gpipe (the 2d layers are custom ops in the graph);
 - dp=2 x sp=2 (ring) x pp=2, 1f1b (chunks ZeRO-sharded over dp x sp);
 - Hugging Face GPT-2 at dp=2 x tp=2 x pp=2, scp with full recomputation (fused q|k|v shards
-  stored permuted, the embedding tied to the LM head across stages);
+  stored permuted, the embedding tied to the LM head across stages), with Megatron sequence
+  parallelism (tp_seq=on);
 - Hugging Face Llama at dp=2 x sp=2 (ulysses, grouped key/value heads) x pp=2, gpipe;
 - tp=2 (1d) x sp=2 (ring, zigzag) x pp=2, 1f1b (chunks hold each tp rank's shards,
   ZeRO-sharded over the sp ranks);
@@ -56,8 +57,9 @@ CASES = {  # name: (model section or None for the reference model, strategy, mem
                          "offload=cpu", AUTO),
     "dp2_sp2_pp2": (None, "dp=2,sp=2,pp=2,mbs=2,gbs=8,schedule=1f1b,memory=chunk,offload=cpu",
                     AUTO),
-    "gpt2_dp2_tp2_pp2": (GPT2, "dp=2,tp=2,pp=2,mbs=2,gbs=8,schedule=scp,recompute=full,"
-                               "memory=chunk,offload=cpu", AUTO),
+    # ... with Megatron sequence parallelism in the stages (tensor/ops_seq.py)
+    "gpt2_dp2_tp2_pp2_seq": (GPT2, "dp=2,tp=2,pp=2,mbs=2,gbs=8,schedule=scp,recompute=full,"
+                                   "tp_seq=on,memory=chunk,offload=cpu", AUTO),
     "llama_dp2_sp2_pp2": (LLAMA, "dp=2,sp=2,pp=2,mbs=2,gbs=8,schedule=gpipe,sp_mode=ulysses,"
                                  "memory=chunk,offload=cpu", AUTO),
     "tp2_sp2_pp2": (None, "tp=2,sp=2,pp=2,mbs=2,gbs=8,schedule=1f1b,sp_mode=ring,"
