@@ -1,10 +1,12 @@
 """dp x tp x pp (2 x 2 x 2 on 8 CPU workers) equals one device; its checkpoints are single-device.
 
-One launch of 8 ranks runs every check: the reference model (1f1b, and 1f1b sub-pipelined),
-Hugging Face GPT-2 (scp with recomputation, fused q|k|v, tied embedding across stages; also
-sub-pipelined), Llama (gpipe), Gemma 3 and Cohere with their own q/k norms, then the
-checkpoint round trip, and Llama in bf16 with
-and without the shared 16-bit shard copies.
+One launch of 8 ranks runs every check: the reference model (1f1b, also with Megatron
+sequence parallelism, and 1f1b sub-pipelined), Hugging Face GPT-2 (scp with recomputation,
+fused q|k|v, tied embedding across stages: built on meta with Megatron sequence parallelism,
+and sub-pipelined), Llama (gpipe, Megatron sequence parallelism), Gemma 3 and Cohere with
+their own q/k norms, then the checkpoint round trip, Llama in bf16 with and without the
+shared 16-bit shard copies, and the activation estimate of Llama's stages (with and without
+Megatron sequence parallelism) against what a step keeps.
 
 Each dp rank trains on its own micro-batches, one device on all of them (tp_pp_checks.parity),
 so the data-parallel average over DTensor shards is exercised.
