@@ -412,10 +412,10 @@ _COMBINATIONS_NOT_BUILT = [
     (lambda s: s.tp > 1 and s.pp > 1 and s.tp_mode == "2d" and s.tp_overlap == "subpipe",
      "2d tensor parallelism (tp_mode=2d) and tp_overlap=subpipe", 6),
     # Sub-pipelining overlaps the captured all-reduces, which Megatron sequence parallelism
-    # replaces by all-gathers and reduce-scatters; sp's attention would need the gather
-    # stopped at its shard.
+    # replaces by all-gathers and reduce-scatters.
     (lambda s: s.tp_seq == "on" and s.tp_overlap == "subpipe",
      "Megatron sequence parallelism (tp_seq=on) and tp_overlap=subpipe", 6),
+    # sp's attention would need tp_seq's gather stopped at its shard.
     (lambda s: s.tp_seq == "on" and s.sp > 1,
      "Megatron sequence parallelism (tp_seq=on) and sequence parallelism (sp>1)", 5),
 ]

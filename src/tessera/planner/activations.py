@@ -33,9 +33,10 @@ Per token of one layer (h hidden, kv the key/value width, f the MLP width):
 
 Under 1d tensor parallelism see :func:`layer_bytes_per_token`. Against the tensors autograd
 saves for a real block, alone, under 2-rank 1d tp and 2 x 2 2d tp
-(tests/planner/test_activations.py), these counts are exact but for LayerNorm's statistics under 16-bit parameters (0.2%). With
-attention dropout on CPU, SDPA's math path keeps the scores (``memory.unfused_attention_bytes``). A
-checkpointed layer keeps only its input, ``r h``.
+(tests/planner/test_activations.py), these counts are exact but for LayerNorm's statistics
+under 16-bit parameters (0.2%). With attention dropout on CPU, SDPA's math path keeps the
+scores (``memory.unfused_attention_bytes``). A checkpointed layer keeps only its input,
+``r h``.
 """
 
 from __future__ import annotations
@@ -128,6 +129,13 @@ def keeps_weight_copies(lay: Layout, s: Strategy) -> bool:
 def stages_read_shards(s: Strategy) -> bool:
     """Whether tensor-parallel weights are read as shards by captured pipeline stages."""
     return s.tp > 1 and s.pp > 1 and s.tp_mode == "1d"
+
+
+def boundary_split(s: Strategy) -> int:
+    """How many ways the activation crossing a pipeline stage boundary is split over a stage's
+    tp ranks: each sends its own part under 2d (the grid's) and under Megatron sequence
+    parallelism (the sequence shard); 1d without it sends the whole from every rank."""
+    return s.tp if s.tp_mode == "2d" or s.tp_seq == "on" else 1
 
 
 def copied_matrix_params(model: ModelConfig, s: Strategy) -> int:

@@ -47,8 +47,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from tessera.models.config import ModelConfig
-from tessera.planner.activations import (FP32_BYTES, copied_matrix_params, keeps_weight_copies,
-                                          layer_bytes_per_token, layout,
+from tessera.planner.activations import (FP32_BYTES, boundary_split, copied_matrix_params,
+                                          keeps_weight_copies, layer_bytes_per_token, layout,
                                           stages_read_shards)
 from tessera.planner.compute import bytes_per_element
 from tessera.planner.split import Split, equal_split, head_is_sliced, stage_split
@@ -449,7 +449,8 @@ def _buffers(model: ModelConfig, s: Strategy, seq: int, p: float, stage: StagePa
         extra += 2 * stage.block_params / s.tp * w_b
     if s.pp > 1:
         n = s.micro_batch_size * seq / s.sp
-        extra += 2 * n * model.d_model * bytes_per_element(s.precision)  # send/recv buffers
+        # send/recv buffers, each this rank's part of the boundary activation
+        extra += 2 * n * model.d_model * bytes_per_element(s.precision) / boundary_split(s)
     return extra
 
 

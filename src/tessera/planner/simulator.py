@@ -28,7 +28,8 @@ from typing import Any
 
 from tessera.models.config import ModelConfig
 from tessera.planner import comm
-from tessera.planner.activations import layout, matrix_params, stages_read_shards
+from tessera.planner.activations import (boundary_split, layout, matrix_params,
+                                          stages_read_shards)
 from tessera.planner.cluster import Cluster
 from tessera.planner.compute import (LayerTime, bytes_per_element, embedding_time, head_time,
                                      layer_time, weight_cast_time)
@@ -368,8 +369,7 @@ def _pipeline(s: Strategy, stages: list[_Stage], m: int, cl: Cluster, model: Mod
     if s.pp > 1:
         n = s.micro_batch_size * model.max_seq_len / s.sp
         nbytes = n * model.d_model * bytes_per_element(s.precision)
-        # 2d splits the boundary activation over the grid, Megatron SP over the sequence
-        nbytes /= s.tp if s.tp_mode == "2d" or s.tp_seq == "on" else 1
+        nbytes /= boundary_split(s)
         p2p = comm.collective_time(cl, "p2p", nbytes, comm.Group(2, groups["pp"].stride))
     recs = []
     for i, st in enumerate(stages):

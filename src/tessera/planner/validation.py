@@ -66,7 +66,7 @@ _CANDIDATES = {
         "dp=1,sp=4,mbs=8,gbs=8,sp_mode=ulysses",
         "dp=2,sp=2,mbs=4,gbs=8,sp_mode=ring,recompute=full",
         "dp=2,sp=2,mbs=4,gbs=8,sp_mode=ulysses",
-        # Compositions that run once their refusal is lifted (filtered out until then).
+        # Compositions (each was filtered out until its refusal was lifted).
         "dp=1,tp=2,pp=2,mbs=2,gbs=8,schedule=1f1b",
         "dp=1,tp=2,pp=2,mbs=2,gbs=8,schedule=1f1b,tp_seq=on",
         "dp=1,tp=2,sp=2,mbs=8,gbs=8,sp_mode=ulysses",

@@ -16,12 +16,13 @@ whole) 1e-6, on later steps' 3e-5. Tensor parallelism sums partial products over
 another order than one device's matmul, and the dp average adds two ranks' means where one
 device takes one mean, so the first step's gradients differ by rounding (measured 1.4e-8).
 Later gradients are taken at weights AdamW has already moved apart (below): measured up to
-1.9e-5 on Llama (1.4e-5 on its first stage at step 3, the rest its gradient norm). Weights after 3 steps: 1e-4, because Adam
-divides each gradient by its own running magnitude, so a 1e-9 rounding difference on a
-gradient of 1e-6 becomes a 1e-3 relative difference of that weight's step (lr 1e-2: 1e-5 per
-step; measured <= 4.3e-5 on Llama). A lost backward all-reduce (what torch.export's inlining of
-autograd Functions would cause) or a gradient counted twice is off by 1e-3 or more on
-gradients and by about lr = 1e-2 on weights. The checkpoint test compares losses at 1e-5.
+1.9e-5 on Llama (1.4e-5 on its first stage at step 3, the rest its gradient norm). Weights
+after 3 steps: 1e-4, because Adam divides each gradient by its own running magnitude, so a
+1e-9 rounding difference on a gradient of 1e-6 becomes a 1e-3 relative difference of that
+weight's step (lr 1e-2: 1e-5 per step; measured <= 4.3e-5 on Llama). A lost backward
+all-reduce (what torch.export's inlining of autograd Functions would cause) or a gradient
+counted twice is off by 1e-3 or more on gradients and by about lr = 1e-2 on weights. The
+checkpoint test compares losses at 1e-5.
 """
 
 from __future__ import annotations

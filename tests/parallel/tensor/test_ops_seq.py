@@ -13,7 +13,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from tessera.parallel.tensor import ops
+from tessera.parallel.tensor import ops, ops_seq
 from tessera.parallel.tensor.ops_seq import (tp_seq_gather, tp_seq_gather_whole, tp_seq_linear,
                                              tp_seq_reduce_scatter, tp_seq_scatter)
 
@@ -42,6 +42,7 @@ def group():
     ops._GROUPS[NAME] = CountingGroup()
     yield ops._GROUPS[NAME]
     del ops._GROUPS[NAME]
+    ops_seq._REGATHERED.clear()
 
 
 def _block(x, weights, biases, block: str):
@@ -82,22 +83,39 @@ def test_columns_equal_linear_and_share_one_regather_per_block(group, block):
 
 
 def test_a_new_forward_of_the_block_never_reuses_an_old_gather(group):
-    # A block input that needs no gradient (frozen embeddings and norms) never runs the
+    # A backward asked for the weights' gradients only (torch.autograd.grad) never runs the
     # gather's backward, which drops the block's entry. The next micro-batch's shard may
     # then sit in the same memory with an unchanged version (here: written through .data);
     # its forward drops the entry, so its backward gathers its own values.
     x, weights, biases = _inputs()
+    torch.autograd.grad(_block(x, weights, biases, "block0"), weights)
+    assert "block0" in ops_seq._REGATHERED  # left by that backward
+    x.data.mul_(2.0)  # same storage and version, new values
+    got = torch.autograd.grad(_block(x, weights, biases, "block0"), weights)
+    x2, weights2, biases2 = _inputs()
+    want = torch.autograd.grad(_plain(x2.detach() * 2.0, weights2, biases2), weights2)
+    for ours, theirs in zip(got, want):
+        torch.testing.assert_close(ours, theirs, rtol=0, atol=0)
+
+
+def test_frozen_inputs_keep_nothing_and_frozen_weights_gather_nothing(group):
+    # An input that needs no gradient: the columns gather each for itself, keeping nothing
+    # after the backward (the block input's backward, which would drop it, never runs).
+    x, weights, biases = _inputs()
     x.requires_grad_(False)
     _block(x, weights, biases, "block0").backward()
-    x.data.mul_(2.0)  # same storage and version, new values
-    for t in (*weights, *biases):
-        if t is not None:
-            t.grad = None
+    assert "block0" not in ops_seq._REGATHERED
+    assert group.calls["all_gather"] == 1 + 3
+    # Frozen weights: only the input's gradient, which needs no gathered input.
+    x, weights, biases = _inputs()
+    for w in weights:
+        w.requires_grad_(False)
+    before = group.calls["all_gather"]
     _block(x, weights, biases, "block0").backward()
+    assert group.calls["all_gather"] == before + 1  # the forward's only
     x2, weights2, biases2 = _inputs()
-    _plain(x2.detach() * 2.0, weights2, biases2).backward()
-    for ours, theirs in zip(_grads(None, weights, biases), _grads(None, weights2, biases2)):
-        torch.testing.assert_close(ours, theirs, rtol=0, atol=0)
+    _plain(x2, weights2, biases2).backward()
+    torch.testing.assert_close(x.grad, x2.grad, rtol=0, atol=0)
 
 
 def test_under_autocast_the_product_and_its_backward_run_in_the_low_dtype(group):

@@ -3,9 +3,10 @@
 GPT-2-like dropout (0.1 on embeddings, residuals and attention probabilities) on the reference
 model: dp=2 x tp=2 eagerly and tp=2 x pp=2 as captured pipeline stages, each with and without
 full recomputation, and dp=2 x tp=2 without dropout to compare with; Hugging Face GPT-2 at
-tp=2 x pp=2 with and without recomputation, also with Megatron sequence parallelism. Attention dropout runs
-the hashed masks per head (tensor/attention.py); the other dropout draws from the stream tp
-peers share (parallel/rank_rng.py). Each run is 5 steps of a tiny model on 32-token samples.
+tp=2 x pp=2 with and without recomputation, also with Megatron sequence parallelism.
+Attention dropout runs the hashed masks per head (tensor/attention.py); the other dropout
+draws from the stream tp peers share (parallel/rank_rng.py). Each run is 5 steps of a tiny
+model on 32-token samples.
 
 No single-device twin exists (dp ranks and pipeline stages draw their own masks), so the
 checks are: it trains (finite losses that fall), dropout took effect (the losses differ from

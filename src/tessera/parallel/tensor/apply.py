@@ -46,8 +46,8 @@ def apply_tensor_parallel(plan: Parallelized, strategy: Strategy, mesh: Mesh,
         plan: the plan being built; ``plan.model`` is changed in place.
         strategy: tp and tp_mode ("1d" Megatron, "2d" Optimus SUMMA); tp_seq="on" adds
             Megatron sequence parallelism around norms and dropout (1D; a Hugging Face model
-            keeps its embeddings whole for its masks, splits at its first layer, and must not
-            drop).
+            keeps its embeddings whole for its masks and splits at its first layer; its
+            dropout modules need a dropout style in its policy, ``unplaced_dropouts``).
         mesh: gives the tp group (1D) or the grid's row and column groups (2D).
         counter: counts collective bytes (benchmarks).
         deferred: for a model on the meta device, how to materialise it. Each transformer

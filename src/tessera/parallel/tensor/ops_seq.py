@@ -143,21 +143,28 @@ def _linear_setup(ctx, inputs, output):
 
 def _linear_backward(ctx, grad):
     shard, weight = ctx.saved_tensors
-    low = weight.to(ctx.dtype)
+    needs_full, needs_w, needs_b = (ctx.needs_input_grad[i] for i in (0, 2, 3))
     grad = grad.to(ctx.dtype)
-    full = _regathered(shard, ctx.dtype, ctx.group, ctx.block)  # (B, T, C)
     flat = grad.reshape(-1, grad.shape[-1])  # (N, O/tp)
-    grad_full = (grad @ low).to(ctx.full_dtype)  # this rank's part of the sum over outputs
-    grad_w = (flat.t() @ full.reshape(-1, full.shape[-1])).to(weight.dtype)  # (O/tp, C)
-    grad_b = None if ctx.bias_dtype is None else flat.sum(0).to(ctx.bias_dtype)
+    grad_full = grad_w = grad_b = None
+    if needs_full:  # this rank's part of the sum over output features
+        grad_full = (grad @ weight.to(ctx.dtype)).to(ctx.full_dtype)
+    if needs_w:  # the only use of the gathered input (the same answer on every rank)
+        # Shared by the block's columns only while the block input's backward is to come
+        # and drop it: with an input that needs no gradient, that backward never runs.
+        block = ctx.block if needs_full else ""
+        full = _regathered(shard, ctx.dtype, ctx.group, block)  # (B, T, C)
+        grad_w = (flat.t() @ full.reshape(-1, full.shape[-1])).to(weight.dtype)  # (O/tp, C)
+    if needs_b and ctx.bias_dtype is not None:
+        grad_b = flat.sum(0).to(ctx.bias_dtype)
     return grad_full, None, grad_w, grad_b, None, None
 
 
 def _regathered(shard: torch.Tensor, dtype: torch.dtype, group: str, block: str
                 ) -> torch.Tensor:
     """The gathered input, in ``dtype``, from this rank's ``shard``: gathered once per block
-    backward, a later column layer of the same block reusing it while ``shard`` is the same
-    tensor (same storage and version)."""
+    backward, a later column layer of the same ``block`` ("" for none) reusing it while
+    ``shard`` is the same tensor (same storage and version)."""
     key = (shard.data_ptr(), shard._version, dtype)
     held = _REGATHERED.get(block) if block else None
     if held is not None and held[:3] == key:
@@ -197,10 +204,14 @@ def seq_comm_bytes(op: str, node) -> tuple[float, float]:
     if op == "tp_seq_scatter":
         return 0.0, partial
     if op == "tp_seq_linear":  # backward gathers the kept shard again, once per block
-        readers = sum(1 for user in node.args[1].users if _is_seq_linear(user))
-        return 0.0, whole(node.args[0]) / max(readers, 1)
+        block = node.args[5]
+        readers = sum(1 for user in node.args[1].users if _is_seq_linear(user, block))
+        return 0.0, whole(node.args[0]) / (max(readers, 1) if block else 1)
     raise ValueError(f"{op} is not one of Megatron sequence parallelism's ops")
 
 
-def _is_seq_linear(node) -> bool:
-    return "tp_seq_linear" in str(getattr(node, "target", ""))
+def _is_seq_linear(node, block: str) -> bool:
+    """Whether ``node`` is a ``tp_seq_linear`` of ``block`` (sharing its re-gather; one
+    shard may feed two blocks, as Cohere's norm feeds its attention and its MLP)."""
+    return ("tp_seq_linear" in str(getattr(node, "target", ""))
+            and len(node.args) > 5 and node.args[5] == block)

@@ -32,15 +32,15 @@ class SequenceChunkDropout(nn.Module):
         self.p, self.group = p, group
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # x: (B, T/t, ...)
-        if self.p == 0:
+        # A pipeline stage's eval capture must hold the ops of the training capture its
+        # partition names (pipeline/program.py), as nn.Dropout's own node stays in an eval
+        # capture: while exporting, eval multiplies by ones all the same.
+        if self.p == 0 or not (self.training or torch.compiler.is_exporting()):
             return x
         rows = x.shape[1]
         whole = (x.shape[0], rows * self.group.size, *x.shape[2:])
         # F.dropout of ones is the scaled keep mask (0 or 1/(1-p)) dropout multiplies by,
         # drawn in the same order and dtype as one device's dropout of the whole activation.
-        # In eval it is ones, multiplied all the same: a pipeline stage's eval capture must
-        # hold the ops of the training capture its partition names (pipeline/program.py),
-        # as nn.Dropout's own node stays in an eval capture.
         ones = torch.ones(whole, dtype=x.dtype, device=x.device)
         noise = F.dropout(ones, self.p, self.training)
         mine = noise.narrow(1, self.group.rank * rows, rows).contiguous()  # (B, T/t, ...)
