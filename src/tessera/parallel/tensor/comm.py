@@ -191,9 +191,11 @@ class GatherSeqWhole(GatherSeq):
 
 
 def own_rows(x: torch.Tensor, group: TPGroup) -> torch.Tensor:
-    """This rank's chunk of the sequence dim (1): (B, T, ...) -> (B, T/tp, ...)."""
+    """This rank's chunk of the sequence dim (1): (B, T, ...) -> (B, T/tp, ...), always a new
+    tensor (a custom op may not return a view of its input, and with B = 1 the chunk is
+    contiguous already: ``contiguous()`` would return the view)."""
     rows = x.shape[1] // group.size
-    return x.narrow(1, group.rank * rows, rows).contiguous()
+    return x.narrow(1, group.rank * rows, rows).clone(memory_format=torch.contiguous_format)
 
 
 class GatheredInput:

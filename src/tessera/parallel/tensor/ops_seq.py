@@ -23,6 +23,7 @@ from typing import Optional
 import torch
 import torch.nn.functional as F
 
+from tessera.parallel.tensor.comm import own_rows
 from tessera.parallel.tensor.ops import group_named
 
 # block -> (the shard's data pointer, its version, its dtype, the gathered input (B, T, C))
@@ -39,11 +40,7 @@ def _own_rows_shape(x: torch.Tensor, group: str) -> list[int]:
 
 
 def _rows(x: torch.Tensor, group: str) -> torch.Tensor:
-    """This rank's rows of dim 1, always a new tensor: a custom op may not return a view of
-    its input, and ``own_rows`` returns one where the rows are contiguous already (B = 1)."""
-    tp = group_named(group)
-    rows = x.shape[1] // tp.size
-    return x.narrow(1, tp.rank * rows, rows).clone(memory_format=torch.contiguous_format)
+    return own_rows(x, group_named(group))
 
 
 def _gather(x: torch.Tensor, group: str) -> torch.Tensor:
