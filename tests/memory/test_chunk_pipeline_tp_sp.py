@@ -16,7 +16,7 @@ Trainer's gradient clipping, 3 AdamW steps of:
 - Hugging Face Llama at dp=2 x sp=2 (ulysses, grouped key/value heads) x pp=2, gpipe;
 - tp=2 (1d) x sp=2 (ring, zigzag) x pp=2, 1f1b (chunks hold each tp rank's shards,
   ZeRO-sharded over the sp ranks);
-- a checkpoint saved after 2 steps of the first strategy and resumed for the third.
+- a checkpoint the first strategy's run saves after 2 steps, resumed for the third.
 
 Each rank's stage state dict (tp shards gathered whole, in the single-device layout) must
 equal the single-device one. A stage runs the same aten ops on the same micro-batches, so
@@ -39,6 +39,7 @@ import torch
 from torch.distributed.tensor import DTensor
 
 from tessera.testing import run_distributed, tiny_trainer
+from tessera.train.checkpoint import step_dirname
 from tessera.train.trainer import Trainer
 
 TOL, WEIGHT_TOL = dict(rtol=0, atol=1e-5), dict(rtol=0, atol=3e-5)
@@ -65,7 +66,7 @@ CASES = {  # name: (model section or None for the reference model, strategy, mem
     "tp2_sp2_pp2": (None, "tp=2,sp=2,pp=2,mbs=2,gbs=8,schedule=1f1b,sp_mode=ring,"
                           "memory=chunk,offload=cpu", AUTO),
 }
-
+RESUMED = "dp2_tp2_pp2_budget"  # its run saves after step 2, resumed for step 3
 
 
 def _trainer(out: Path, strategy: str, model=None, memory=None, **train) -> Trainer:
@@ -83,8 +84,8 @@ def _whole_state(trainer: Trainer) -> dict[str, torch.Tensor]:
             for k, v in state.items()}
 
 
-def _run(out: Path, model, strategy: str, memory=None) -> dict:
-    trainer = _trainer(out, strategy, model, memory)
+def _run(out: Path, model, strategy: str, memory=None, **train) -> dict:
+    trainer = _trainer(out, strategy, model, memory, **train)
     losses = trainer.train().losses
     runtime = trainer.plan.memory
     return {"losses": losses, "params": _whole_state(trainer),
@@ -101,15 +102,14 @@ def _reference(rank, world, root):
 
 def _eight_ranks(rank, world, root):
     root = Path(root)
-    out = {name: _run(root / name, model, text, memory)
+    out = {name: _run(root / name, model, text, memory, save_steps=2 if name == RESUMED else 0)
            for name, (model, text, memory) in CASES.items()}
-    # Resume: 2 steps, save, then 1 more from the checkpoint = 3 uninterrupted steps.
-    memory = CASES["dp2_tp2_pp2_budget"][2]
-    first = _trainer(root / "resume", TP1D, memory=memory)
-    out["first"] = first.train(until_step=2).losses
-    second = _trainer(root / "resume", TP1D, memory=memory, resume=True)
-    out["second"] = second.train().losses
-    out["resumed_params"] = _whole_state(second)
+    # Resume: step 3 from the checkpoint of step 2 = the uninterrupted run's step 3.
+    _, text, memory = CASES[RESUMED]
+    resumed = _trainer(root / "resumed", text, memory=memory,
+                       resume_from=str(root / RESUMED / "checkpoints" / step_dirname(2)))
+    out["resumed"] = resumed.train().losses
+    out["resumed_params"] = _whole_state(resumed)
     return out
 
 
@@ -154,7 +154,7 @@ def test_the_budget_forces_evictions_in_tp_stages(runs):
 def test_tp_pp_chunk_checkpoint_resumes_exactly(runs):
     one, eight = runs
     for out in eight:
-        assert len(out["first"]) == 2 and len(out["second"]) == 1
-        torch.testing.assert_close(torch.tensor(out["first"] + out["second"]),
-                                   torch.tensor(one["ref"]["losses"]), **TOL)
+        assert len(out["resumed"]) == 1  # step 3 only
+        torch.testing.assert_close(torch.tensor(out["resumed"]),
+                                   torch.tensor(one["ref"]["losses"][2:]), **TOL)
         _same_params(out["resumed_params"], one["ref"]["params"])

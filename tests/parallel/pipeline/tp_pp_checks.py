@@ -18,6 +18,7 @@ from tessera.mesh import Mesh
 from tessera.models.materialize import DeferredInit, has_meta, materialize
 from tessera.parallel import parallelize
 from tessera.parallel.pipeline import PipelineEngine
+from tessera.parallel.pipeline.tp import stage_batch
 from tessera.parallel.plan import Parallelized
 from tessera.parallel.tensor.shard import unsharded
 from tessera.strategy import Strategy
@@ -77,7 +78,9 @@ def parity(arch: str, text: str) -> dict[str, float]:
         ref_opt.step(), opt.step()
         ref_opt.zero_grad(), opt.zero_grad()
     params = _whole(plan.module, lambda p: p.detach())
-    built = plan.pipeline.program.get((pp_checks.MBS, pp_checks.SEQ), training=True)
+    # The stages built for the run (under 2D, each grid row's mbs / q rows; another shape
+    # would capture again).
+    built = plan.pipeline.program.get((stage_batch(strategy), pp_checks.SEQ), training=True)
     return {"loss": loss_diff, "grad": grad_diff, "grad_first_step": first,
             "param": _diff(params, ref, lambda p: p),
             "saved": _saved_diff(plan.module, ref), "losses": losses,
@@ -151,10 +154,11 @@ def checkpoint_to_one_device(root: str, three_d: str = "dp=2,tp=2,pp=2,mbs=2,gbs
 
 
 def shard_casts_shared_against_not(arch: str, text: str) -> dict[str, object]:
-    """Two steps of ``text`` (bf16) with the micro-batches in flight sharing one 16-bit copy
-    of each tp shard (shard_casts.py) and with every micro-batch casting its own, from the
-    same initial weights: losses, gradients (this rank's shards) and the peak bytes saved
-    for backward of each, how many shard reads the stages' graphs rewrote, and this rank's
+    """One step of ``text`` (bf16) with the micro-batches in flight sharing one 16-bit copy
+    of each tp shard (shard_casts.py) and the same step again, from the same weights, with
+    every micro-batch casting its own (the sharing is a context around the step: one build
+    serves both): losses, gradients (this rank's shards) and the peak bytes saved for
+    backward of each, how many shard reads the stages' graphs rewrote, and this rank's
     pipeline stage."""
     from unittest import mock
 
@@ -163,33 +167,30 @@ def shard_casts_shared_against_not(arch: str, text: str) -> dict[str, object]:
 
     strategy = Strategy.parse(text)
     n = strategy.grad_accum_steps
+    model = pp_checks.make_model(arch)
+    mesh = Mesh(strategy, "cpu")
+    plan = parallelize(model, strategy, mesh, seq_len=pp_checks.SEQ)
+    engine = PipelineEngine(plan, strategy, torch.device("cpu"))
+    engine.forward_backward(pp_checks.micro_batches(0, n))  # builds the stages (a capture)
     runs = {}
     for shared in (True, False):
-        model = pp_checks.make_model(arch)
-        mesh = Mesh(strategy, "cpu")
-        plan = parallelize(model, strategy, mesh, seq_len=pp_checks.SEQ)
-        engine = PipelineEngine(plan, strategy, torch.device("cpu"))
-        losses, peaks = [], []
+        plan.module.zero_grad(set_to_none=True)
         with (mock.patch.object(program, "shared_shard_casts", _no_sharing) if not shared
-              else contextlib.nullcontext()):
-            for step in range(2):  # the first builds the stages (a capture: not probed)
-                with SavedPeak(model.parameters()) if step else contextlib.nullcontext() as probe:
-                    out = engine.forward_backward(pp_checks.micro_batches(step, n))
-                losses.append(float(out.loss))
-                peaks.append(probe.peak if step else 0)
+              else contextlib.nullcontext()), SavedPeak(model.parameters()) as probe:
+            out = engine.forward_backward(pp_checks.micro_batches(1, n))
         grads = {name: p.grad.to_local().clone() for name, p in plan.module.named_parameters()}
-        reads = sum(node.target is shard_casts.dtensor_local_cast
-                    for runner in plan.pipeline.program.get(
-                        (strategy.micro_batch_size, pp_checks.SEQ), True).runners.values()
-                    for _, piece in runner.pieces()
-                    for gm in piece.module.modules() if isinstance(gm, torch.fx.GraphModule)
-                    for node in gm.graph.nodes)  # a sub-pipelined piece: its segments
-        runs[shared] = dict(losses=losses, grads=grads, peak=max(peaks), reads=reads)
+        runs[shared] = dict(loss=float(out.loss), grads=grads, peak=probe.peak)
+    reads = sum(node.target is shard_casts.dtensor_local_cast
+                for runner in plan.pipeline.program.get(
+                    (strategy.micro_batch_size, pp_checks.SEQ), True).runners.values()
+                for _, piece in runner.pieces()
+                for gm in piece.module.modules() if isinstance(gm, torch.fx.GraphModule)
+                for node in gm.graph.nodes)  # a sub-pipelined piece: its segments
     on, off = runs[True], runs[False]
-    return {"losses": (on["losses"], off["losses"]), "peaks": (on["peak"], off["peak"]),
+    return {"losses": (on["loss"], off["loss"]), "peaks": (on["peak"], off["peak"]),
             "grad_diff": max((on["grads"][k] - off["grads"][k]).abs().max().item()
                              for k in on["grads"]),
-            "reads": on["reads"], "stage": mesh.rank("pp")}
+            "reads": reads, "stage": mesh.rank("pp")}
 
 
 @contextlib.contextmanager

@@ -16,7 +16,7 @@ from typing import Any
 import torch
 from torch import fx
 
-from tessera.parallel.tensor.ops_seq import SEQ_COLLECTIVES, seq_comm_bytes
+from tessera.parallel.tensor.ops_seq import SEQ_COLLECTIVES, SEQ_LINEAR_NAME, seq_comm_bytes
 
 BWD_MATMUL = 2.0
 BWD_ATTENTION = 2.5
@@ -41,9 +41,6 @@ COPY_OPS = frozenset({"clone", "contiguous"})
 # A ring all-reduce sends and receives about twice the payload, whatever the group size.
 TP_COMM_FWD = frozenset({"tp_reduce"})
 TP_COMM_BWD = frozenset({"tp_copy"})
-# Megatron sequence parallelism's all-gathers and reduce-scatters (tensor/ops_seq.py), and its
-# column layer that keeps the input shard and gathers it again in backward.
-TP_SEQ_LINEAR = "tp_seq_linear"
 ALL_REDUCE_TRAFFIC = 2.0
 # Matmuls of row groups by their own matrices: Mixture-of-Experts layers, as transformers
 # (grouped_mm_fallback) and torch (_grouped_mm) capture them.
@@ -128,7 +125,7 @@ def matmul_flops(node: fx.Node) -> float:
         return 2.0 * math.prod(out) * _shape(args[0])[-1]
     if op in ("baddbmm", "addbmm"):  # input + batch1 (b, M, K) @ batch2 (b, K, N)
         return 2.0 * math.prod(_shape(args[1])) * _shape(args[2])[-1]
-    if op == TP_SEQ_LINEAR:  # linear(full (..., K), shard, w (N, K), bias)
+    if op == SEQ_LINEAR_NAME:  # linear(full (..., K), shard, w (N, K), bias)
         return 2.0 * math.prod(out) * _shape(args[0])[-1]
     if op == "summa_linear":  # a 2D tensor-parallel layer (tensor/ops2d.py)
         from tessera.parallel.tensor.ops2d import summa_linear_flops
@@ -181,7 +178,7 @@ def node_cost(node: fx.Node) -> NodeCost:
 
         comm = summa_linear_comm_bytes(node)
         return NodeCost(flops, BWD_MATMUL * flops, out, out, comm, BWD_MATMUL * comm)
-    if op == TP_SEQ_LINEAR:  # a matmul whose backward gathers its input again
+    if op == SEQ_LINEAR_NAME:  # a matmul whose backward gathers its input again
         return NodeCost(flops, BWD_MATMUL * flops, out, out, 0.0, seq_comm_bytes(op, node)[1])
     if flops:
         factor = BWD_ATTENTION if "attention" in op else BWD_MATMUL

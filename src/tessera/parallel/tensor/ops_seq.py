@@ -180,6 +180,7 @@ TP_SEQ_LINEAR = torch.ops.tessera.tp_seq_linear.default
 # ------------------------------------------------------------------- the partitioner's price
 SEQ_COLLECTIVES = frozenset({"tp_seq_gather", "tp_seq_reduce_scatter", "tp_seq_scatter",
                              "tp_seq_gather_whole"})
+SEQ_LINEAR_NAME = "tp_seq_linear"  # the op name of TP_SEQ_LINEAR in a graph node
 
 
 def seq_comm_bytes(op: str, node) -> tuple[float, float]:
@@ -200,7 +201,7 @@ def seq_comm_bytes(op: str, node) -> tuple[float, float]:
         return partial, partial  # backward: the gradient all-gathered
     if op == "tp_seq_scatter":
         return 0.0, partial
-    if op == "tp_seq_linear":  # backward gathers the kept shard again, once per block
+    if op == SEQ_LINEAR_NAME:  # backward gathers the kept shard again, once per block
         block = node.args[5]
         readers = sum(1 for user in node.args[1].users if _is_seq_linear(user, block))
         return 0.0, whole(node.args[0]) / (max(readers, 1) if block else 1)
@@ -210,5 +211,5 @@ def seq_comm_bytes(op: str, node) -> tuple[float, float]:
 def _is_seq_linear(node, block: str) -> bool:
     """Whether ``node`` is a ``tp_seq_linear`` of ``block`` (sharing its re-gather; one
     shard may feed two blocks, as Cohere's norm feeds its attention and its MLP)."""
-    return ("tp_seq_linear" in str(getattr(node, "target", ""))
+    return (SEQ_LINEAR_NAME in str(getattr(node, "target", ""))
             and len(node.args) > 5 and node.args[5] == block)

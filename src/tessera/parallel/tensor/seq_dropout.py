@@ -50,15 +50,12 @@ class SequenceChunkDropout(nn.Module):
         return f"p={self.p}, sequence chunk {self.group.rank} of {self.group.size}"
 
 
-def shard_sequence_dropouts(model: nn.Module, group: TPGroup) -> int:
+def shard_sequence_dropouts(model: nn.Module, group: TPGroup) -> None:
     """Replace every ``nn.Dropout`` of ``model`` (whose inputs Megatron sequence parallelism
     splits along the sequence: the reference model's embedding and residual dropout) with a
-    :class:`SequenceChunkDropout`; returns how many were replaced."""
-    replaced = 0
+    :class:`SequenceChunkDropout`."""
     for path, module in list(model.named_modules()):
         if type(module) is nn.Dropout and module.p > 0:
             parent, _, name = path.rpartition(".")
             setattr(model.get_submodule(parent) if parent else model, name,
                     SequenceChunkDropout(module.p, group))
-            replaced += 1
-    return replaced
