@@ -154,8 +154,6 @@ def estimate_against_saved(arch: str, layout: str = "pp=2",
     recomputation): (estimated, measured) bytes by precision. ``layout`` gives the pp (and
     dp, tp, sp) degrees; each dp rank runs 4 micro-batches."""
     from tessera.memory.saved_peak import SavedPeak
-    from tessera.parallel.pipeline import priced_under
-    from tessera.parallel.pipeline.partition import in_flight
 
     out, m = {}, 4
     dp = int(dict(field.split("=") for field in layout.split(",")).get("dp", 1))
@@ -171,15 +169,22 @@ def estimate_against_saved(arch: str, layout: str = "pp=2",
         probe = SavedPeak(model.parameters())
         with probe:
             engine.forward_backward(batches)
-        pipe = plan.pipeline
-        stage, part = pipe.local_stages[0], pipe.partition
-        table = CostTable(priced_under(pipe.program.graph, strategy, "cpu"), DeviceRates())
-        a, b = part.bounds[stage], part.bounds[stage + 1]
-        held = in_flight(stage, pipe.n_stages, m, "1f1b")
-        estimate = (table.memory(a, b, 0.0, held, stage == pipe.n_stages - 1)
-                    - table.state_bytes(a, b))
-        out[precision] = (estimate, float(probe.peak))
+        out[precision] = (stage_activation_estimate(plan, strategy, m), float(probe.peak))
     return out
+
+
+def stage_activation_estimate(plan: Parallelized, strategy: Strategy, m: int) -> float:
+    """The partition's estimate of the bytes this rank's stage keeps for backward at the
+    peak of a 1F1B step of ``m`` micro-batches, recomputing nothing."""
+    from tessera.parallel.pipeline import priced_under
+    from tessera.parallel.pipeline.partition import in_flight
+
+    pipe = plan.pipeline
+    stage, part = pipe.local_stages[0], pipe.partition
+    table = CostTable(priced_under(pipe.program.graph, strategy, "cpu"), DeviceRates())
+    a, b = part.bounds[stage], part.bounds[stage + 1]
+    held = in_flight(stage, pipe.n_stages, m, "1f1b")
+    return table.memory(a, b, 0.0, held, stage == pipe.n_stages - 1) - table.state_bytes(a, b)
 
 
 def _layout(plan: Parallelized) -> dict[str, int]:

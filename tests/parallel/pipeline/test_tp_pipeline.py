@@ -71,9 +71,9 @@ SHARD_CASTS = {"plain": "dp=2,tp=2,pp=2,mbs=2,gbs=16,schedule=1f1b,precision=bf1
 def _eight_ranks(rank, world_size, root):
     out = {name: tp_pp_checks.parity(arch, text) for name, (arch, text) in CASES.items()}
     out["ckpt"] = tp_pp_checks.checkpoint_to_one_device(root)
-    out["estimate"] = pp_checks.estimate_against_saved("llama", "dp=2,tp=2,pp=2", ("bf16",))
+    # Llama's plain stages: the estimate is checked on the shard-cast run of the same layout.
     out["estimate_seq"] = pp_checks.estimate_against_saved("llama", "dp=2,tp=2,pp=2,tp_seq=on",
-                                                           ("bf16",))
+                                                           ("bf16",))["bf16"]
     # HF Llama with mbs=2: sub-pipelined halves of 1 row, whose capture export numbers
     # otherwise (program.stage_groups matches it by position).
     out["shard_casts"] = {name: tp_pp_checks.shard_casts_shared_against_not("llama", text)
@@ -138,12 +138,15 @@ def test_a_tp_stage_activation_estimate_is_what_a_pipeline_step_saves(eight):
     # stream and the column layers' kept inputs (tensor/ops_seq.tp_seq_linear) are the
     # rank's half of the tokens: the stage keeps about 0.7x (measured 0.66x on stage 0, 0.70x
     # on stage 1; the attention and MLP insides are split by heads either way).
+    # Plain stages: the shard-cast run of the same layout (4 micro-batches per dp rank,
+    # 1f1b, bf16), its micro-batches sharing their casts as a run's do.
     for rank, out in enumerate(eight):
-        for precision, (estimate, saved) in out["estimate"].items():
-            assert abs(estimate - saved) <= 2048, (rank, precision, estimate, saved)
-            seq_estimate, seq_saved = out["estimate_seq"][precision]
-            assert abs(seq_estimate - seq_saved) <= 2048, (rank, seq_estimate, seq_saved)
-            assert seq_saved < 0.75 * saved, (rank, seq_saved, saved)
+        plain = out["shard_casts"]["plain"]
+        estimate, saved = plain["estimate"], plain["peaks"][0]
+        assert abs(estimate - saved) <= 2048, (rank, estimate, saved)
+        seq_estimate, seq_saved = out["estimate_seq"]
+        assert abs(seq_estimate - seq_saved) <= 2048, (rank, seq_estimate, seq_saved)
+        assert seq_saved < 0.75 * saved, (rank, seq_saved, saved)
 
 
 def test_micro_batches_in_flight_share_one_16_bit_copy_of_each_shard(eight):

@@ -158,8 +158,8 @@ def shard_casts_shared_against_not(arch: str, text: str) -> dict[str, object]:
     of each tp shard (shard_casts.py) and the same step again, from the same weights, with
     every micro-batch casting its own (the sharing is a context around the step: one build
     serves both): losses, gradients (this rank's shards) and the peak bytes saved for
-    backward of each, how many shard reads the stages' graphs rewrote, and this rank's
-    pipeline stage."""
+    backward of each, the partition's estimate of that peak (with the sharing), how many
+    shard reads the stages' graphs rewrote, and this rank's pipeline stage."""
     from unittest import mock
 
     from tessera.memory.saved_peak import SavedPeak
@@ -188,6 +188,7 @@ def shard_casts_shared_against_not(arch: str, text: str) -> dict[str, object]:
                 for node in gm.graph.nodes)  # a sub-pipelined piece: its segments
     on, off = runs[True], runs[False]
     return {"losses": (on["loss"], off["loss"]), "peaks": (on["peak"], off["peak"]),
+            "estimate": pp_checks.stage_activation_estimate(plan, strategy, n),
             "grad_diff": max((on["grads"][k] - off["grads"][k]).abs().max().item()
                              for k in on["grads"]),
             "reads": reads, "stage": mesh.rank("pp")}
