@@ -175,13 +175,15 @@ def estimate_against_saved(arch: str, layout: str = "pp=2",
 
 def stage_activation_estimate(plan: Parallelized, strategy: Strategy, m: int) -> float:
     """The partition's estimate of the bytes this rank's stage keeps for backward at the
-    peak of a 1F1B step of ``m`` micro-batches, recomputing nothing."""
+    peak of a 1F1B step of ``m`` micro-batches, recomputing nothing (sub-pipelined: both
+    halves of each micro-batch, from the graph of one)."""
     from tessera.parallel.pipeline import priced_under
     from tessera.parallel.pipeline.partition import in_flight
 
     pipe = plan.pipeline
     stage, part = pipe.local_stages[0], pipe.partition
-    table = CostTable(priced_under(pipe.program.graph, strategy, "cpu"), DeviceRates())
+    table = CostTable(priced_under(pipe.program.graph, strategy, "cpu"), DeviceRates(),
+                      pipe.program.sub_batches)
     a, b = part.bounds[stage], part.bounds[stage + 1]
     held = in_flight(stage, pipe.n_stages, m, "1f1b")
     return table.memory(a, b, 0.0, held, stage == pipe.n_stages - 1) - table.state_bytes(a, b)

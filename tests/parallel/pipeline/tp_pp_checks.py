@@ -86,6 +86,9 @@ def parity(arch: str, text: str) -> dict[str, float]:
             "saved": _saved_diff(plan.module, ref), "losses": losses,
             "features": list(plan.features), "shard_elements_left_on_meta": on_meta,
             "seq_ops": _seq_ops(built.graph.program.graph),
+            # the stages run the partition's capture, not a second one (sub-pipelined: both
+            # are at half the micro-batch)
+            "one_capture": built.graph is plan.pipeline.program.graph,
             "boundary": [tuple(spec.shape) for spec in built.out_specs[0]]}
 
 

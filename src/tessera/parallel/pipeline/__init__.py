@@ -147,7 +147,11 @@ def apply_pipeline(plan: Parallelized, strategy: Strategy, mesh: Mesh,
     model.train()
     extra = inputs.example if inputs is not None else None
     local_len = rank_tokens(inputs, seq_len) if seq_len else None
-    graph = capture_for_partition(model, stage_batch(strategy), extra, local_len)
+    # Sub-pipelined stages run the graph on each half of a micro-batch: captured at half of
+    # it, the partition prices both halves (CostTable's batch_parts) and the stages reuse it.
+    sub_batches = 2 if strategy.tp_overlap == "subpipe" else 1
+    graph = capture_for_partition(model, stage_batch(strategy) // sub_batches, extra,
+                                  local_len)
     if strategy.tp == 1 and extra is None and not has_meta(model):
         warn_if_capture_differs(graph, model)  # stages run the capture, not the forward
     loss_fn = tp_loss(strategy, mesh) or lm_loss
@@ -157,7 +161,7 @@ def apply_pipeline(plan: Parallelized, strategy: Strategy, mesh: Mesh,
         graph = slice_head(graph, head_slices_for(graph, n_virtual))
         loss_fn = sliced_head_loss if graph.head_slices > 1 else lm_loss
     part = _cut(priced_under(graph, strategy, mesh.device_type), n_virtual, micro_batches,
-                strategy, ratios, budget, split_points)
+                strategy, ratios, budget, split_points, sub_batches)
     if budget is not None:
         ratios = list(part.recompute)  # chosen per stage for the budget
     pp_rank = mesh.rank("pp")
@@ -173,7 +177,6 @@ def apply_pipeline(plan: Parallelized, strategy: Strategy, mesh: Mesh,
                                    strategy)
     carry_permutations(model, module)  # fused q|k|v shards keep saving unpermuted
     autocast = _autocast_factory(strategy, _device_of(model))
-    sub_batches = 2 if strategy.tp_overlap == "subpipe" else 1
     program = PipelineProgram(model, graph, part, ratios, local, autocast, extra, sub_batches)
     if autocast is not contextlib.nullcontext:
         device_type = _device_of(model).type
@@ -215,11 +218,11 @@ def priced_under(graph: ProxyGraph, strategy: Strategy, device_type: str) -> Pro
 
 
 def _cut(graph: ProxyGraph, stages: int, micro_batches: int, strategy: Strategy,
-         ratios: list[float], budget: int | None, split_points: list[str] | None = None
-         ) -> Partition:
+         ratios: list[float], budget: int | None, split_points: list[str] | None = None,
+         batch_parts: int = 1) -> Partition:
     """The partition into ``stages`` (with each stage's ratio chosen under ``budget``), at
     the modules ``split_points`` names when given; refused as a StrategyError naming pp, the
-    schedule and, under a budget, its need."""
+    schedule and, under a budget, its need. ``batch_parts``: as for ``partition``."""
     cuts = None
     if split_points:
         allowed = candidate_cuts(CostTable(graph, DeviceRates()))
@@ -233,7 +236,8 @@ def _cut(graph: ProxyGraph, stages: int, micro_batches: int, strategy: Strategy,
         return partition(graph, stages, micro_batches, strategy.schedule,
                          memory_limit=limit,
                          recompute=None if budget is not None else tuple(ratios),
-                         cuts=cuts, finer=strategy.tp == 1 and strategy.sp == 1)
+                         cuts=cuts, finer=strategy.tp == 1 and strategy.sp == 1,
+                         batch_parts=batch_parts)
     except PartitionError as err:
         if err.max_stages is not None:  # too few cut points: say which pp would fit
             chunks = chunks_for(strategy.schedule)
@@ -245,8 +249,8 @@ def _cut(graph: ProxyGraph, stages: int, micro_batches: int, strategy: Strategy,
             raise StrategyError(f"pp={strategy.pp}, schedule={strategy.schedule}{per}: {err}; "
                                 f"{advice}") from None
         raise StrategyError(f"pp={strategy.pp}, schedule={strategy.schedule}: {err}"
-                            + _least_need(graph, stages, micro_batches, strategy, budget, cuts)
-                            ) from None
+                            + _least_need(graph, stages, micro_batches, strategy, budget, cuts,
+                                          batch_parts)) from None
 
 
 def _materialise_share(model: nn.Module, graph: ProxyGraph, holders: dict[str, set[int]],
@@ -277,14 +281,15 @@ def _stage_optimizer(module: StageModule, base, *args):
 
 
 def _least_need(graph: ProxyGraph, stages: int, micro_batches: int, strategy: Strategy,
-                budget: int | None, cuts: list[int] | None = None) -> str:
+                budget: int | None, cuts: list[int] | None = None, batch_parts: int = 1
+                ) -> str:
     """What a refused budget would have to be: the fullest stage under full recomputation
     (at the split points' ``cuts`` when given)."""
     if budget is None:
         return ""
     try:
         full = partition(graph, stages, micro_batches, strategy.schedule, recompute=(1.0,),
-                         cuts=cuts)
+                         cuts=cuts, batch_parts=batch_parts)
     except PartitionError:  # refused for another reason (too few cuts): said already
         return ""
     chunks = chunks_for(strategy.schedule)

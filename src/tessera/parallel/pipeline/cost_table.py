@@ -93,25 +93,32 @@ class CostTable:
 
     Activation bytes (``activations``) are measured lazily, on the first memory
     question, by a fake run of the graph (kept.py): tables that only cut and time a graph (the
-    runtime's) never run it."""
+    runtime's) never run it.
 
-    def __init__(self, graph: ProxyGraph, rates: DeviceRates) -> None:
-        self.graph, self.rates = graph, rates
+    ``batch_parts``: how many times a micro-batch runs the graph (2 for sub-pipelined
+    stages, whose graph is captured at half the micro-batch and run on both halves). Time,
+    crossings, logits and activations count every part; weights and their states once, and
+    so do autocast's 16-bit weight copies, which the parts share (shard_casts.py)."""
+
+    def __init__(self, graph: ProxyGraph, rates: DeviceRates, batch_parts: int = 1) -> None:
+        self.graph, self.rates, self.parts = graph, rates, batch_parts
         n = len(graph.compute)
         self.fwd, self.bwd = [0.0] * (n + 1), [0.0] * (n + 1)
         for i, name in enumerate(graph.compute):
             cost = graph.nodes[name].cost
-            self.fwd[i + 1] = self.fwd[i] + cost.fwd_time(rates)
-            self.bwd[i + 1] = self.bwd[i] + cost.bwd_time(rates)
+            self.fwd[i + 1] = self.fwd[i] + batch_parts * cost.fwd_time(rates)
+            self.bwd[i + 1] = self.bwd[i] + batch_parts * cost.bwd_time(rates)
         # Crossings and logits in the captured dtypes: the cuts do not depend on precision,
         # a residual stream crossing a cut stays fp32 under autocast, and the loss upcasts
         # the logits to fp32 (lm_loss) whatever the head's output dtype.
-        self.cross_count, self.cross_bytes, self.cross_non_tensor = _crossings(graph)
+        self.cross_count, cross_bytes, self.cross_non_tensor = _crossings(graph)
+        self.cross_bytes = [batch_parts * nbytes for nbytes in cross_bytes]
         self.block_bounds = _block_bounds(graph)
         self._activations: dict[tuple[int, int], float] = {}
         self._bytes: dict[tuple[int, int], tuple[float, ...]] = {}  # _stage_bytes
         self._spread_from: dict[int, tuple[list[int], list[float]]] = {}  # _spread_bytes
-        self.logits_bytes = value_bytes(graph.nodes[graph.output].node.meta.get("val"))
+        self.logits_bytes = batch_parts * value_bytes(
+            graph.nodes[graph.output].node.meta.get("val"))
         self.weights = [_WeightUse.of(graph, p, users)
                         for p, users in graph.param_users.items() if users]
         # Most weights are read by one node: their states are prefix sums over the nodes, so
@@ -166,9 +173,11 @@ class CostTable:
         key = (a, b)
         if key not in self._activations:  # the search asks again for each ratio
             kept = self._kept
-            self._activations[key] = (
-                kept.prefix[b] - kept.prefix[a] + self._spread_bytes(a, b)
-                - kept.shared_cast_bytes(a, b))
+            part = (kept.prefix[b] - kept.prefix[a] + self._spread_bytes(a, b)
+                    - kept.shared_cast_bytes(a, b))
+            # the parts of a micro-batch share one 16-bit copy of each weight
+            self._activations[key] = (self.parts * part
+                                      - (self.parts - 1) * self.weight_copies(a, b))
         return self._activations[key]
 
     def _spread_bytes(self, a: int, b: int) -> float:
@@ -235,7 +244,8 @@ class CostTable:
         key = (a, b)
         if key not in self._bytes:
             self._bytes[key] = (self.activations(a, b), self.segment_inputs(a, b),
-                                self.weight_copies(a, b), self._kept.shared_cast_bytes(a, b),
+                                self.weight_copies(a, b),
+                                self.parts * self._kept.shared_cast_bytes(a, b),
                                 self.largest_block(a, b), self.state_bytes(a, b))
         return self._bytes[key]
 

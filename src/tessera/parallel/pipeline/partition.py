@@ -116,7 +116,7 @@ def _interleaved_in_flight(stage: int, stages: int, micro_batches: int) -> int:
 def partition(graph: ProxyGraph, stages: int, micro_batches: int = 1, schedule: str = "1f1b",
               memory_limit: float | None = None, recompute: tuple[float, ...] | None = (0.0,),
               rates: DeviceRates = DeviceRates(), cuts: list[int] | None = None,
-              finer: bool = False) -> Partition:
+              finer: bool = False, batch_parts: int = 1) -> Partition:
     """Split ``graph`` into ``stages`` stages of balanced estimated time.
 
     Args:
@@ -137,12 +137,14 @@ def partition(graph: ProxyGraph, stages: int, micro_batches: int = 1, schedule: 
             over FINER_BALANCE x the mean, also try cuts inside attention and the MLP, where
             a second, wider tensor crosses (its send is priced), and keep that split if its
             slowest stage is faster.
+        batch_parts: how many parts of a micro-batch run ``graph`` (2 when it was captured
+            at half the micro-batch for sub-pipelined stages; CostTable).
 
     Raises:
         PartitionError: when the model has fewer candidate cuts than stages - 1, or no split
             fits the memory limit.
     """
-    table = CostTable(graph, rates)
+    table = CostTable(graph, rates, batch_parts)
     options = candidate_cuts(table) if cuts is None else sorted(cuts)
     if len(options) < stages - 1:
         raise PartitionError(f"{stages} stages need {stages - 1} cuts, but the graph has only "
