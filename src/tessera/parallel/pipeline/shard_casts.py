@@ -13,8 +13,8 @@ in 16 bits (through layout-only views: ``view_as``, ``t``, slices, splits) reads
 which the stage's micro-batches share casts) it returns one copy of the shard, made on the
 first read and kept until the step ends; elsewhere the plain shard, which autocast casts as
 before. A sub-pipelined piece's forward shares one copy between its two halves in any case
-(``subpipe_run.py``). Other reads (norm weights, embeddings, biases added outside a matmul) keep reading
-the fp32 shard.
+(``subpipe_run.py``). Other reads (norm weights, embeddings, biases added outside a matmul)
+keep reading the fp32 shard.
 
 The results are bit-for-bit those of autocast's own casts: casting commutes with the views,
 and every read is its own autograd node (:class:`_SharedCast`, over a copy made without
