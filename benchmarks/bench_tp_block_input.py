@@ -7,6 +7,12 @@ Prints JSON lines, one per (model, tp): {"name", "value", "unit", "compared_agai
   does) over the same model with f in every column layer (q, k, v, up; + gate for Llama),
   which is what tessera did before 2026-11-22. Lower is better; < 1.0 means the saving shows.
 
+- tp1d_shared_norm_step_ratio_cohere_tp{2,4}[_seq]: Hugging Face Cohere, whose attention and
+  MLP read one norm's output: entered once for both (policy.PARALLEL_LAYERS, tessera since
+  2026-11-29) over once per block (the same model built without that entry, what tessera
+  did before), plain 1D and with Megatron sequence parallelism (``_seq``, tp=2).
+  The line counts both variants' collectives of one step (``collectives``).
+
 Both variants live in the same workers: the second is the first's twin (same seed) with the
 blocks' pre-hooks removed and its column layers switched to mode "replicated", so it runs the
 same code but for where the input gradient is summed. Steps alternate between the two, so load
@@ -14,7 +20,7 @@ from other programs on a shared machine falls on both alike. Model: the planner-
 model (4 layers, d_model 128, 4 heads, vocab 256, seq 128), micro-batch 8, dp=1; "llama" is the
 same with rmsnorm, swiglu and rope.
 
-    python benchmarks/bench_tp_block_input.py [--steps 30]
+    python benchmarks/bench_tp_block_input.py [--steps 30] [--only-cohere]
 """
 
 from __future__ import annotations
@@ -59,6 +65,53 @@ def _plan(config: ModelConfig, strategy: Strategy, mesh: Mesh, per_layer: bool):
     return plan, torch.optim.AdamW(model.parameters(), lr=1e-4)
 
 
+def _cohere_plan(strategy: Strategy, mesh: Mesh, shared: bool):
+    """HF Cohere at the model's shape, its norm output entered once (``shared``) or once
+    per block (the policy's PARALLEL_LAYERS entry left out while it is built)."""
+    import transformers
+
+    from tessera.parallel.tensor import policy
+
+    torch.manual_seed(0)
+    config = transformers.CohereConfig(
+        hidden_size=MODEL["d_model"], num_hidden_layers=MODEL["n_layers"],
+        num_attention_heads=MODEL["n_heads"], num_key_value_heads=MODEL["n_heads"],
+        intermediate_size=4 * MODEL["d_model"], vocab_size=MODEL["vocab_size"],
+        max_position_embeddings=MODEL["max_seq_len"], use_cache=False, logit_scale=1.0,
+        pad_token_id=None, bos_token_id=None, eos_token_id=None)
+    model = transformers.CohereForCausalLM(config)
+    plan = Parallelized(module=model, model=model, loss_group=None)
+    entry = policy.PARALLEL_LAYERS.pop("CohereForCausalLM") if not shared else None
+    try:
+        apply_tensor_parallel(plan, strategy, mesh)
+    finally:
+        if entry is not None:
+            policy.PARALLEL_LAYERS["CohereForCausalLM"] = entry
+    return plan, torch.optim.AdamW(model.parameters(), lr=1e-4)
+
+
+def _count_collectives(plan, batch) -> dict[str, int]:
+    """Calls of each tp collective in one forward and backward."""
+    calls = {"all_reduce": 0, "all_gather": 0, "reduce_scatter": 0}
+    originals = {name: getattr(TPGroup, name) for name in calls}
+
+    def counting(name):
+        def call(self, *args, **kwargs):
+            calls[name] += 1
+            return originals[name](self, *args, **kwargs)
+        return call
+
+    for name in calls:
+        setattr(TPGroup, name, counting(name))
+    try:
+        plan.forward_loss(plan.module, batch).backward()
+    finally:
+        for name, original in originals.items():
+            setattr(TPGroup, name, original)
+    plan.model.zero_grad(set_to_none=True)
+    return calls
+
+
 def _count_backward_all_reduces(plan, batch) -> int:
     calls = []
     original = TPGroup.all_reduce
@@ -89,18 +142,38 @@ def _step(plan, optimizer, batch) -> tuple[float, float]:
     return float(elapsed), loss.item()
 
 
+def _batch() -> dict[str, torch.Tensor]:
+    gen = torch.Generator().manual_seed(0)
+    ids = torch.randint(0, MODEL["vocab_size"], (MBS, MODEL["max_seq_len"] + 1), generator=gen)
+    return {"input_ids": ids[:, :-1], "labels": ids[:, 1:]}
+
+
 def _worker(rank, world, llama: bool, steps: int):
     config = ModelConfig(**MODEL, **(LLAMA if llama else {}))
     strategy = Strategy(tp=world, micro_batch_size=MBS, global_batch_size=MBS)
     mesh = Mesh(strategy, "cpu")
-    gen = torch.Generator().manual_seed(0)
-    ids = torch.randint(0, config.vocab_size, (MBS, config.max_seq_len + 1), generator=gen)
-    batch = {"input_ids": ids[:, :-1], "labels": ids[:, 1:]}
+    batch = _batch()
     variants = {"block": _plan(config, strategy, mesh, False),
                 "per_layer": _plan(config, strategy, mesh, True)}
     out = {name: {"all_reduces": _count_backward_all_reduces(plan, batch), "times": [],
                   "losses": []} for name, (plan, _) in variants.items()}
-    for i in range(steps + 3):  # 3 warm-up steps each
+    return _alternate(variants, batch, steps, out)
+
+
+def _cohere_worker(rank, world, tp_seq: str, steps: int):
+    strategy = Strategy(tp=world, micro_batch_size=MBS, global_batch_size=MBS, tp_seq=tp_seq)
+    mesh = Mesh(strategy, "cpu")
+    batch = _batch()
+    variants = {"shared": _cohere_plan(strategy, mesh, True),
+                "per_block": _cohere_plan(strategy, mesh, False)}
+    out = {name: {"collectives": _count_collectives(plan, batch), "times": [], "losses": []}
+           for name, (plan, _) in variants.items()}
+    return _alternate(variants, batch, steps, out)
+
+
+def _alternate(variants, batch, steps: int, out: dict) -> dict:
+    """Steps of the variants in turn (3 warm-up steps each), times and losses into ``out``."""
+    for i in range(steps + 3):
         for name, (plan, optimizer) in variants.items():
             elapsed, loss = _step(plan, optimizer, batch)
             out[name]["losses"].append(loss)
@@ -109,10 +182,36 @@ def _worker(rank, world, llama: bool, steps: int):
     return out
 
 
+def _cohere_lines(steps: int) -> None:
+    for tp, tp_seq in ((2, "off"), (4, "off"), (2, "on")):
+        load = os.getloadavg()[0]
+        res = run_distributed(_cohere_worker, world_size=tp, args=(tp_seq, steps),
+                              timeout=900)[0]
+        med = {k: statistics.median(v["times"]) for k, v in res.items()}
+        loss_diff = max(abs(a - b) for a, b in zip(res["shared"]["losses"],
+                                                   res["per_block"]["losses"]))
+        suffix = "_seq" if tp_seq == "on" else ""
+        print(json.dumps({
+            "name": f"tp1d_shared_norm_step_ratio_cohere_tp{tp}{suffix}",
+            "value": round(med["shared"] / med["per_block"], 3), "unit": "ratio",
+            "compared_against": "the norm output entered once per block (former tessera)",
+            "shared_median_ms": round(1e3 * med["shared"], 1),
+            "per_block_median_ms": round(1e3 * med["per_block"], 1),
+            "collectives": {k: v["collectives"] for k, v in res.items()},
+            "max_loss_diff": loss_diff, "steps": steps, "tp": tp, "tp_seq": tp_seq,
+            "load_before": round(load, 2), "load_after": round(os.getloadavg()[0], 2),
+            "model": f"HF Cohere, 4 layers, hidden 128, seq 128, mbs {MBS}"}), flush=True)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--steps", type=int, default=30, help="timed steps per variant")
+    parser.add_argument("--only-cohere", action="store_true",
+                        help="only the shared-norm lines (Hugging Face Cohere)")
     args = parser.parse_args()
+    _cohere_lines(args.steps)
+    if args.only_cohere:
+        return
     for llama in (False, True):
         for tp in (2, 4):
             load = os.getloadavg()[0]

@@ -31,10 +31,14 @@ MODELS = ("ref-gpt", "ref-llama", "hf-gpt2", "hf-llama")
 # q/k norms), at 1D tp=2.
 LLAMA_LAYOUT = ("hf-mistral", "hf-qwen2", "hf-granite", "hf-smollm3", "hf-arcee", "hf-helium",
                 "hf-gemma", "hf-gemma2", "hf-gemma3_text", "hf-cohere", "hf-cohere_qk")
-# (mesh, model, exportable layers): tp=2 reference Llama (plain and as pipeline stages run
-# it), GPT-2's fused q|k|v, and tp=4 Llama whose 2 kv heads are replicated.
-ALL_REDUCE_CASES = (("1d_tp2", "ref-llama", False), ("1d_tp2", "ref-llama", True),
-                    ("1d_tp2", "hf-gpt2", False), ("1d_tp4", "hf-llama", False))
+# (mesh, model, layers): tp=2 reference Llama (eager, and the custom ops pipeline stages
+# run), GPT-2's fused q|k|v, tp=4 Llama whose 2 kv heads are replicated, and Cohere's parallel
+# layers (one norm feeding attention and MLP: policy.PARALLEL_LAYERS), eager, as custom ops
+# and under chunk memory (whose hooks hand the blocks a view of the norm's output).
+ALL_REDUCE_CASES = (("1d_tp2", "ref-llama", "eager"), ("1d_tp2", "ref-llama", "ops"),
+                    ("1d_tp2", "hf-gpt2", "eager"), ("1d_tp4", "hf-llama", "eager"),
+                    ("1d_tp2", "hf-cohere", "eager"), ("1d_tp2", "hf-cohere", "ops"),
+                    ("1d_tp4", "hf-cohere", "chunk"))
 # Attention dropout under 1D tp (tensor/attention.py): (mesh, model, exportable) for every
 # model at tp=2, Llama at tp=4 (each rank holds one query head and a replicated kv head), and
 # two models as pipeline stages build them (the custom op in eval too), run eagerly.
@@ -64,11 +68,12 @@ def _all_checks(rank, world_size, folder):
                                                                          *case[1:])
                                 for case in ATTENTION_DROPOUT_CASES}
     out["counts"] = counts
-    out["all_reduces"] = {(m, kind, exp): tp_checks.backward_all_reduces(meshes[m], kind, exp)
-                          for m, kind, exp in ALL_REDUCE_CASES}
+    out["all_reduces"] = {case: tp_checks.backward_all_reduces(meshes[case[0]], *case[1:])
+                          for case in ALL_REDUCE_CASES}
     out["scaler"] = tp_checks.grad_scaler_overflow(meshes["1d_tp2"])
     out["refusals"] = tp_checks.refusals(meshes["2d_2x2"])
     out["refusals"]["no_block"] = tp_checks.refusal_without_block(meshes["1d_tp2"])
+    out["refusals"]["parallel_layer"] = tp_checks.refusal_parallel_layer(meshes["1d_tp2"])
     out["megatron_sp_dropout"] = {(name, kind): tp_checks.megatron_sp_dropout_parity(
         meshes[name], kind) for name in ("1d_tp2", "1d_tp4") for kind in ("ref", "hf-gpt2")}
     out["refusals"]["one_d_style"] = tp_checks.refusal_one_d_style(meshes["2d_2x2"])
@@ -164,6 +169,11 @@ def test_bad_input_is_refused_with_the_rule_named(results):
     # 1D column layers leave the input-gradient sum to their attention / MLP block's hook.
     assert "blocks.0.attn.q_proj of Transformer is column-parallel but not inside a module " \
            "of style 'attention' or 'mlp'" in got["no_block"]
+    # A module listed as a parallel layer must hold an attention and an MLP.
+    assert got["parallel_layer"].startswith(
+        "norm of Transformer is listed in PARALLEL_LAYERS (tessera/parallel/tensor/policy.py) "
+        "as a layer whose attention and MLP read one input, but it holds 0 modules of style "
+        "'attention' or 'mlp'"), got["parallel_layer"]
     # The model called directly after parallelize would give each rank its vocabulary
     # slice of the logits (until 2026-11-28 it did, generate disagreeing across ranks).
     for rank, res in enumerate(results):
@@ -227,10 +237,13 @@ def test_one_input_gradient_all_reduce_per_attention_and_mlp_block(results):
     # MLP) + 1 for the output layer's input, where summing in each column layer took 5 per
     # Llama layer (q, k, v, gate, up) and 4 per GPT-2 layer (fused q|k|v counts 1, plus c_fc
     # counts 1: 2 already, checked for the fused path). The embedding's backward needs none.
+    # Cohere's attention and MLP read one norm's output, which enters once for both: 1 per
+    # layer (2 before policy.PARALLEL_LAYERS; its parity: test_whole_model_matches_...).
     for rank, res in enumerate(results):
-        for (mesh, kind, exportable), got in res["all_reduces"].items():
-            case = (rank, mesh, kind, exportable, got)
-            assert got["activations"] == 2 * got["layers"] + 1, case
+        for (mesh, kind, layers), got in res["all_reduces"].items():
+            case = (rank, mesh, kind, layers, got)
+            per_layer = 1 if kind == "hf-cohere" else 2
+            assert got["activations"] == per_layer * got["layers"] + 1, case
             # tp=4 replicates tiny-llama's 2 kv heads: k and v weight gradients are summed.
             assert got["other"] == (2 * got["layers"] if mesh == "1d_tp4" else 0), case
 

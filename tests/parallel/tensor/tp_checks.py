@@ -16,6 +16,7 @@ from tessera.models import Transformer
 from tessera.models.config import preset
 from tessera.models.hf import build_hf_model, hf_config_from_reference
 from tessera.models.materialize import DeferredInit, materialize, materialize_unit
+from tessera.parallel import parallelize
 from tessera.parallel.plan import Parallelized, default_forward_loss, lm_loss
 from tessera.parallel.tensor import apply_tensor_parallel
 from tessera.parallel.tensor import comm, layers1d, layers2d, loss
@@ -412,19 +413,23 @@ def _max_state_diff(model_sd, ref_model, optim_sd, ref_optim) -> float:
     return worst
 
 
-def backward_all_reduces(mesh: Mesh, kind: str, exportable: bool = False) -> dict[str, int]:
+def backward_all_reduces(mesh: Mesh, kind: str, layers: str = "eager") -> dict[str, int]:
     """How many all-reduces one backward of a 1D TP model issues, by what they sum.
 
     ``activations``: (B, T, C) input gradients (each block input, the output layer's input);
-    ``other``: anything else (e.g. replicated k/v weights when kv heads < tp). ``exportable``
-    builds the layers as the custom ops pipeline stages use (run eagerly here).
+    ``other``: anything else (e.g. replicated k/v weights when kv heads < tp). ``layers``:
+    "ops" builds them as the custom ops pipeline stages use (run eagerly here), "chunk"
+    under chunk memory (whose hooks wrap each parameter owner's output; a mesh of dp=1).
     """
     model = build(kind)
-    plan = Parallelized(module=model, model=model, loss_group=None)
     strategy = mesh.strategy.replace(dp=1, global_batch_size=1)
-    if exportable:  # pp > 1 is what switches the layers to tensor/ops.py
-        strategy = strategy.replace(pp=2)
-    apply_tensor_parallel(plan, strategy, mesh)
+    if layers == "chunk":
+        plan = parallelize(model, strategy.replace(memory="chunk", offload="cpu"), mesh)
+    else:
+        plan = Parallelized(module=model, model=model, loss_group=None)
+        # pp > 1 is what switches the layers to tensor/ops.py
+        apply_tensor_parallel(plan, strategy.replace(pp=2) if layers == "ops" else strategy,
+                              mesh)
     loss_value = plan.forward_loss(plan.module, batch())
     seen: list[tuple[int, ...]] = []
     original = TPGroup.all_reduce
@@ -460,6 +465,23 @@ def refusal_without_block(mesh: Mesh) -> str:
         return str(err)
     finally:
         tp_policy.POLICIES["Transformer"] = saved
+
+
+def refusal_parallel_layer(mesh: Mesh) -> str:
+    """The message when policy.PARALLEL_LAYERS names a module that does not hold an
+    attention and an MLP (the reference model's final norm)."""
+    from tessera.parallel.tensor import policy as tp_policy
+
+    tp_policy.PARALLEL_LAYERS["Transformer"] = r"norm"
+    model = Transformer(preset("tiny"))
+    try:
+        apply_tensor_parallel(Parallelized(model, model, None), mesh.strategy.replace(
+            dp=1, global_batch_size=1), mesh)
+        return ""
+    except ValueError as err:
+        return str(err)
+    finally:
+        del tp_policy.PARALLEL_LAYERS["Transformer"]
 
 
 def refusals_tp_seq(mesh: Mesh) -> dict[str, str]:

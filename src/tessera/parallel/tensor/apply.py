@@ -8,6 +8,8 @@ logits and a gradient clip that counts each shard once.
 
 from __future__ import annotations
 
+import re
+
 import torch
 from torch import nn
 from torch.distributed.tensor import DTensor, Replicate, Shard
@@ -24,12 +26,13 @@ from tessera.parallel.tensor.loss import (make_clip_grad_norm, make_forward_loss
 from tessera.parallel.tensor.modules import (BlockInput, ColumnLinear, Embedding2D,
                                              LayerOutputGather, Linear2D, Norm1D, Norm2D,
                                              ReplicatedEmbedding, RowLinear, SequenceScatter,
-                                             VocabEmbedding)
+                                             SharedEntry, VocabEmbedding)
 from tessera.parallel.tensor.ops import register_group
 from tessera.parallel.tensor.probe import check_embedding, check_norm
 from tessera.parallel.tensor.ops2d import register_grid
-from tessera.parallel.tensor.policy import (DROPOUT_STYLES, ONE_D_STYLES, ModelDims, PolicyError,
-                                            check_divisible, model_dims, policy_for, style_of)
+from tessera.parallel.tensor.policy import (DROPOUT_STYLES, ONE_D_STYLES, ModelDims,
+                                            PARALLEL_LAYERS, PolicyError, check_divisible,
+                                            model_dims, policy_for, style_of)
 from tessera.parallel.tensor.seq_dropout import SequenceChunkDropout, shard_sequence_dropouts
 from tessera.parallel.tensor.shard import (accept_full_tensors, add_optimizer_unpermute_hooks,
                                            add_unpermute_hooks, fused_perm, make_param,
@@ -89,6 +92,7 @@ def apply_tensor_parallel(plan: Parallelized, strategy: Strategy, mesh: Mesh,
     if builder.recipes:  # under pp: the pipeline fills its stages' shards
         plan.pending_shards = PendingShards(builder.source, builder.recipes)
     if isinstance(builder, _Builder1D):
+        _share_block_entries(model, builder)
         _check_block_inputs(model, builder)
         if sequence_parallel and dims.hf:
             _scatter_at_first_layer(model, builder)
@@ -238,6 +242,28 @@ def _scatter_at_first_layer(model: nn.Module, builder: "_Builder1D") -> None:
         if isinstance(module, Norm1D) and not any(path.startswith(f"{layer}.")
                                                   for layer in layers):
             module.seq_parallel = False
+
+
+def _share_block_entries(model: nn.Module, builder: "_Builder1D") -> None:
+    """Parallel layers (policy.PARALLEL_LAYERS): their attention and MLP share one
+    :class:`SharedEntry`, so the one input both read enters tensor parallelism once."""
+    pattern = PARALLEL_LAYERS.get(type(model).__name__)
+    if pattern is None:
+        return
+    for path, layer in list(model.named_modules()):
+        if not re.fullmatch(pattern, path):
+            continue
+        hooks = [builder.block_inputs[id(m)] for m in layer.children()
+                 if id(m) in builder.block_inputs]
+        if len(hooks) != 2:
+            raise PolicyError(f"{path or 'the model'} of {type(model).__name__} is listed in "
+                              "PARALLEL_LAYERS (tessera/parallel/tensor/policy.py) as a layer "
+                              f"whose attention and MLP read one input, but it holds "
+                              f"{len(hooks)} modules of style 'attention' or 'mlp'")
+        shared = SharedEntry()
+        for hook in hooks:
+            hook.shared = shared
+        layer.register_forward_hook(shared.clear, always_call=True)
 
 
 def _check_block_inputs(model: nn.Module, builder: "_Builder1D") -> None:

@@ -109,6 +109,10 @@ class BlockInput:
 
     Registered with ``with_kwargs=True``: Hugging Face decoder layers pass ``hidden_states``
     to the attention as a keyword.
+
+    The two blocks of a parallel layer (Cohere's ``x + attn(norm(x)) + mlp(norm(x))``) share
+    a :class:`SharedEntry` (``shared``): the second block handed the very tensor the first
+    entered takes the first one's result, so the input enters once for both.
     """
 
     SHARD = "tessera_gathered_shard"  # exportable: (shard, block key) on the gathered input
@@ -116,10 +120,16 @@ class BlockInput:
     def __init__(self, group: TPGroup, seq_parallel: bool, key: str = "") -> None:
         self.group, self.seq_parallel, self.key = group, seq_parallel, key
         self.export_group: str | None = None
+        self.shared: SharedEntry | None = None
 
     def __call__(self, module: nn.Module, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
-        return map_input(module, args, kwargs, self.enter, "marked for the one "
-                         "input-gradient all-reduce of the block")
+        fn = self.enter if self.shared is None else self._enter_shared
+        return map_input(module, args, kwargs, fn, "marked for the one input-gradient "
+                         "all-reduce of the block")
+
+    def _enter_shared(self, x: torch.Tensor) -> torch.Tensor:
+        entered = self.shared.take(x)
+        return self.shared.keep(x, self.enter(x)) if entered is None else entered
 
     def enter(self, x: torch.Tensor) -> torch.Tensor:
         """f (or the sequence gather) applied to the block input (B, T, C)."""
@@ -134,6 +144,38 @@ class BlockInput:
         if self.export_group is not None:
             return tp_copy(x, self.export_group)
         return CopyToTP.apply(x, self.group)
+
+
+class SharedEntry:
+    """What the first block of a parallel layer entered, for the second (both pre-hooks hold
+    this object). Entering a tensor once for two readers is exact: f is the identity forward
+    and all-reducing the sum of two partial gradients equals summing two all-reduces (a
+    gather and a reduce-scatter likewise), so a second block handed another tensor, or the
+    same one changed in place, enters its own. Autograd adds both blocks' gradients before
+    the one backward collective; under sequence parallelism both blocks' column layers then
+    share one re-gather. The entry is held from the first block's pre-hook to the second's
+    (the layer's forward hook, ``clear``, drops one the second never took)."""
+
+    def __init__(self) -> None:
+        self._input: torch.Tensor | None = None
+        self._entered: torch.Tensor | None = None
+        self._version = -1
+
+    def take(self, x: torch.Tensor) -> torch.Tensor | None:
+        """The entered ``x`` if it was kept for it (and ``x`` is unchanged), else None."""
+        held, entered = self._input, self._entered
+        self.clear()
+        if held is x and not x.is_inference() and x._version == self._version:
+            return entered
+        return None
+
+    def keep(self, x: torch.Tensor, entered: torch.Tensor) -> torch.Tensor:
+        if not x.is_inference():  # (an inference tensor has no version to check)
+            self._input, self._entered, self._version = x, entered, x._version
+        return entered
+
+    def clear(self, *hook_args) -> None:
+        self._input = self._entered = None
 
 
 class RowLinear(nn.Module):

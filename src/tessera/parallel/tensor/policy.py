@@ -130,6 +130,12 @@ POLICIES["Gemma3ForCausalLM"] = [(rf"{_L}\.self_attn\.(q|k)_norm", "head_rmsnorm
                                  *_llama_with_norm("rmsnorm_1p", _GEMMA2_NORMS)]
 POLICIES["CohereForCausalLM"] = [(rf"{_L}\.self_attn\.(q|k)_norm", "head_norm"),
                                  *_llama_with_norm("layernorm", "input")]
+# Parallel layers (1D): decoder layers whose attention and MLP read one input (Cohere:
+# ``x + attn(norm(x)) + mlp(norm(x))``). The two blocks share their entry (modules.SharedEntry):
+# the input enters tensor parallelism once, one input-gradient all-reduce a layer instead of
+# one per block (under tp_seq: one gather, one reduce-scatter, one re-gather instead of two
+# each). Exact whatever the layer does: a block handed another tensor enters its own.
+PARALLEL_LAYERS: dict[str, str] = {"CohereForCausalLM": _L}
 # Styles the 2D builder does not build (refused there by name).
 ONE_D_STYLES = ("layernorm", "rmsnorm_1p", "head_norm", "head_rmsnorm_1p")
 # Where a dropout module acts (kept as they are but for seq_dropout under tp_seq)
