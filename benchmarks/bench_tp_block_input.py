@@ -182,25 +182,30 @@ def _alternate(variants, batch, steps: int, out: dict) -> dict:
     return out
 
 
+def _emit(name: str, res: dict, ours: str, theirs: str, against: str, load: float,
+          **context) -> None:
+    """One JSON line: the median step of variant ``ours`` over ``theirs`` in ``res``."""
+    med = {k: statistics.median(v["times"]) for k, v in res.items()}
+    loss_diff = max(abs(a - b) for a, b in zip(res[ours]["losses"], res[theirs]["losses"]))
+    print(json.dumps({
+        "name": name, "value": round(med[ours] / med[theirs], 3), "unit": "ratio",
+        "compared_against": against,
+        f"{ours}_median_ms": round(1e3 * med[ours], 1),
+        f"{theirs}_median_ms": round(1e3 * med[theirs], 1),
+        "max_loss_diff": loss_diff, **context, "load_before": round(load, 2),
+        "load_after": round(os.getloadavg()[0], 2)}), flush=True)
+
+
 def _cohere_lines(steps: int) -> None:
     for tp, tp_seq in ((2, "off"), (4, "off"), (2, "on")):
         load = os.getloadavg()[0]
         res = run_distributed(_cohere_worker, world_size=tp, args=(tp_seq, steps),
                               timeout=900)[0]
-        med = {k: statistics.median(v["times"]) for k, v in res.items()}
-        loss_diff = max(abs(a - b) for a, b in zip(res["shared"]["losses"],
-                                                   res["per_block"]["losses"]))
         suffix = "_seq" if tp_seq == "on" else ""
-        print(json.dumps({
-            "name": f"tp1d_shared_norm_step_ratio_cohere_tp{tp}{suffix}",
-            "value": round(med["shared"] / med["per_block"], 3), "unit": "ratio",
-            "compared_against": "the norm output entered once per block (former tessera)",
-            "shared_median_ms": round(1e3 * med["shared"], 1),
-            "per_block_median_ms": round(1e3 * med["per_block"], 1),
-            "collectives": {k: v["collectives"] for k, v in res.items()},
-            "max_loss_diff": loss_diff, "steps": steps, "tp": tp, "tp_seq": tp_seq,
-            "load_before": round(load, 2), "load_after": round(os.getloadavg()[0], 2),
-            "model": f"HF Cohere, 4 layers, hidden 128, seq 128, mbs {MBS}"}), flush=True)
+        _emit(f"tp1d_shared_norm_step_ratio_cohere_tp{tp}{suffix}", res, "shared", "per_block",
+              "the norm output entered once per block (former tessera)", load,
+              collectives={k: v["collectives"] for k, v in res.items()}, steps=steps, tp=tp,
+              tp_seq=tp_seq, model=f"HF Cohere, 4 layers, hidden 128, seq 128, mbs {MBS}")
 
 
 def main() -> None:
@@ -217,22 +222,12 @@ def main() -> None:
             load = os.getloadavg()[0]
             res = run_distributed(_worker, world_size=tp, args=(llama, args.steps),
                                   timeout=900)[0]
-            block, per_layer = res["block"], res["per_layer"]
-            med = {k: statistics.median(v["times"]) for k, v in res.items()}
-            loss_diff = max(abs(a - b) for a, b in zip(block["losses"], per_layer["losses"]))
             name = "llama" if llama else "gpt"
-            print(json.dumps({
-                "name": f"tp1d_block_f_step_ratio_{name}_tp{tp}",
-                "value": round(med["block"] / med["per_layer"], 3), "unit": "ratio",
-                "compared_against": "f in every column layer (former tessera)",
-                "block_median_ms": round(1e3 * med["block"], 1),
-                "per_layer_median_ms": round(1e3 * med["per_layer"], 1),
-                "backward_all_reduces": {k: v["all_reduces"] for k, v in res.items()},
-                "max_loss_diff": loss_diff, "steps": args.steps, "tp": tp,
-                "load_before": round(load, 2), "load_after": round(os.getloadavg()[0], 2),
-                "model": f"reference {name}-style, 4 layers, d_model 128, seq 128, mbs {MBS}"}),
-                flush=True)
-
+            _emit(f"tp1d_block_f_step_ratio_{name}_tp{tp}", res, "block", "per_layer",
+                  "f in every column layer (former tessera)", load,
+                  backward_all_reduces={k: v["all_reduces"] for k, v in res.items()},
+                  steps=args.steps, tp=tp,
+                  model=f"reference {name}-style, 4 layers, d_model 128, seq 128, mbs {MBS}")
 
 if __name__ == "__main__":
     main()

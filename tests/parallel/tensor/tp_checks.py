@@ -456,13 +456,8 @@ def refusal_without_block(mesh: Mesh) -> str:
 
     saved = tp_policy.POLICIES["Transformer"]
     tp_policy.POLICIES["Transformer"] = [(p, s) for p, s in saved if s not in ("attention", "mlp")]
-    model = Transformer(preset("tiny"))
     try:
-        apply_tensor_parallel(Parallelized(model, model, None), mesh.strategy.replace(
-            dp=1, global_batch_size=1), mesh)
-        return ""
-    except ValueError as err:
-        return str(err)
+        return _tiny_refusal(mesh)
     finally:
         tp_policy.POLICIES["Transformer"] = saved
 
@@ -473,6 +468,14 @@ def refusal_parallel_layer(mesh: Mesh) -> str:
     from tessera.parallel.tensor import policy as tp_policy
 
     tp_policy.PARALLEL_LAYERS["Transformer"] = r"norm"
+    try:
+        return _tiny_refusal(mesh)
+    finally:
+        del tp_policy.PARALLEL_LAYERS["Transformer"]
+
+
+def _tiny_refusal(mesh: Mesh) -> str:
+    """The message applying tensor parallelism to the tiny reference model raises, or ""."""
     model = Transformer(preset("tiny"))
     try:
         apply_tensor_parallel(Parallelized(model, model, None), mesh.strategy.replace(
@@ -480,8 +483,6 @@ def refusal_parallel_layer(mesh: Mesh) -> str:
         return ""
     except ValueError as err:
         return str(err)
-    finally:
-        del tp_policy.PARALLEL_LAYERS["Transformer"]
 
 
 def refusals_tp_seq(mesh: Mesh) -> dict[str, str]:
