@@ -48,14 +48,16 @@ def test_reference_policy_styles():
     assert style_of("blocks.0.attn", policy) == "attention"
     assert style_of("lm_head", policy) == "vocab_head"
     assert style_of("blocks.0", policy) is None
-    # Llama's layout under other classes, and derived from it for other norms (each checked
-    # against one device in test_tp_layers.py), and nothing else.
-    from tessera.parallel.tensor.policy import LLAMA_LAYOUT
+    # Llama's layout under other classes, derived from it for other norms, and Phi's own
+    # (each checked against one device in test_tp_layers.py), and nothing else; the
+    # parallel layers are those of classes with a policy.
+    from tessera.parallel.tensor.policy import LLAMA_LAYOUT, PARALLEL_LAYERS
 
     derived = {"GemmaForCausalLM", "Gemma2ForCausalLM", "Gemma3ForCausalLM",
                "CohereForCausalLM"}
     assert set(POLICIES) == {"Transformer", "GPT2LMHeadModel", "LlamaForCausalLM",
-                             *LLAMA_LAYOUT, *derived}
+                             "PhiForCausalLM", *LLAMA_LAYOUT, *derived}
+    assert set(PARALLEL_LAYERS) == {"CohereForCausalLM", "PhiForCausalLM"}
     assert all(POLICIES[name] == POLICIES["LlamaForCausalLM"]
                and POLICIES[name] is not POLICIES["LlamaForCausalLM"] for name in LLAMA_LAYOUT)
     gemma3 = [(re.compile(p), s) for p, s in POLICIES["Gemma3ForCausalLM"]]
@@ -65,6 +67,10 @@ def test_reference_policy_styles():
     cohere = [(re.compile(p), s) for p, s in POLICIES["CohereForCausalLM"]]
     assert style_of("model.layers.1.input_layernorm", cohere) == "layernorm"
     assert style_of("model.layers.1.self_attn.q_norm", cohere) == "head_norm"
+    phi = [(re.compile(p), s) for p, s in POLICIES["PhiForCausalLM"]]
+    assert style_of("model.layers.1.self_attn.dense", phi) == "rowwise"
+    assert style_of("model.final_layernorm", phi) == "norm"
+    assert style_of("model.layers.0.resid_dropout", phi) == "seq_dropout"
 
 
 def _tiny_hf(model_type: str, **extra):

@@ -111,7 +111,7 @@ MODEL_TYPE_OF = {"cohere_qk": "cohere"}
 # Classes whose norms are not Llama's (policy.py): their norm weights start at random values
 # so that a norm computed as another class's shows in the outputs, not only in gradients
 # (Gemma's start at 0, where x_hat * (1 + w) and x_hat * w differ anyway).
-OTHER_NORMS = ("gemma", "gemma2", "gemma3_text", "cohere", "cohere_qk")
+OTHER_NORMS = ("gemma", "gemma2", "gemma3_text", "cohere", "cohere_qk", "phi")
 
 
 def _llama_layout(kind: str, llama: dict) -> nn.Module:
@@ -312,9 +312,10 @@ def refusal_direct_call(mesh: Mesh) -> dict[str, str | float]:
 
 
 def megatron_sp_dropout_parity(mesh: Mesh, kind: str = "ref") -> dict[str, float]:
-    """Loss and gradients of the reference model (``kind`` "ref") or Hugging Face GPT-2
-    ("hf-gpt2") with embedding and residual dropout under 1D tp with Megatron sequence
-    parallelism against one device's, from one seed.
+    """Loss and gradients of the reference model (``kind`` "ref"), Hugging Face GPT-2
+    ("hf-gpt2") or Phi ("hf-phi": its one residual dropout module drops both blocks' outputs,
+    in parallel layers) with embedding and residual dropout under 1D tp with Megatron
+    sequence parallelism against one device's, from one seed.
 
     Attention dropout is set to 0 on both: under tp it runs hashed masks per head
     (attention.py), one device SDPA's own, so those masks differ by design (their parity is
@@ -324,6 +325,9 @@ def megatron_sp_dropout_parity(mesh: Mesh, kind: str = "ref") -> dict[str, float
     torch.manual_seed(0)
     if kind == "ref":
         single = Transformer(preset("tiny", dropout=0.1))
+    elif kind == "hf-phi":
+        config = hf_config_from_reference("llama", preset("tiny-llama"))
+        single = _llama_layout("phi", {**config, "resid_pdrop": 0.1, "embd_pdrop": 0.1}).train()
     else:
         config = hf_config_from_reference("gpt2", preset("tiny", dropout=0.1))
         single = build_hf_model("gpt2", **config).train()

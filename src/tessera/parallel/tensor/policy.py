@@ -136,6 +136,26 @@ POLICIES["CohereForCausalLM"] = [(rf"{_L}\.self_attn\.(q|k)_norm", "head_norm"),
 # one per block (under tp_seq: one gather, one reduce-scatter, one re-gather instead of two
 # each). Exact whatever the layer does: a block handed another tensor enters its own.
 PARALLEL_LAYERS: dict[str, str] = {"CohereForCausalLM": _L}
+# Phi 1-2: one LayerNorm (with bias) per layer feeding attention and MLP in parallel, biased
+# q, k, v, dense and MLP layers, a biased LM head, partial rotary embeddings (per head, so
+# each rank's heads rotate alone); the residual dropout acts on each block's output, a row
+# layer's (a sequence chunk under tp_seq), the embedding dropout before the first layer.
+# Its optional q/k LayerNorms (qk_layernorm=True) have no style: refused by name.
+POLICIES["PhiForCausalLM"] = [
+    (rf"{_L}\.resid_dropout", "seq_dropout"),
+    (r"model\.embed_dropout", "whole_dropout"),
+    (r"model\.embed_tokens", "vocab_embed"),
+    (rf"{_L}\.self_attn\.q_proj", "colwise"),
+    (rf"{_L}\.self_attn\.(k|v)_proj", "colwise_kv"),
+    (rf"{_L}\.self_attn\.dense", "rowwise"),
+    (rf"{_L}\.mlp\.fc1", "colwise"),
+    (rf"{_L}\.mlp\.fc2", "rowwise"),
+    (rf"({_L}\.input_layernorm|model\.final_layernorm)", "norm"),
+    (rf"{_L}\.self_attn", "attention"),
+    (rf"{_L}\.mlp", "mlp"),
+    (r"lm_head", "vocab_head"),
+]
+PARALLEL_LAYERS["PhiForCausalLM"] = _L
 # Styles the 2D builder does not build (refused there by name).
 ONE_D_STYLES = ("layernorm", "rmsnorm_1p", "head_norm", "head_rmsnorm_1p")
 # Where a dropout module acts (kept as they are but for seq_dropout under tp_seq)
