@@ -48,8 +48,8 @@ def _hf_config(model_type: str, **fields):
     return make
 
 
-# Architectures with no tensor-parallel policy and no planner config reader: the pipeline
-# needs nothing from them but a torch.export capture. Phi runs attention and the MLP in
+# Architectures with no planner config reader (and Qwen2 no tensor-parallel policy of its
+# own): the pipeline needs nothing from them but a torch.export capture. Phi runs attention and the MLP in
 # parallel off one norm, with partial rotary and a biased LM head; Qwen2 has grouped
 # key/value heads and biases on q/k/v only.
 OTHER_HF = {

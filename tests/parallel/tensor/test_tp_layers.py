@@ -28,14 +28,17 @@ MESHES = ("1d_tp2", "1d_tp4", "2d_2x2")
 MODELS = ("ref-gpt", "ref-llama", "hf-gpt2", "hf-llama")
 # Hugging Face classes laid out with Llama's policy (policy.LLAMA_LAYOUT), and with policies
 # derived from it for other norms and a scaled embedding (Gemma 1-3, Cohere with and without
-# q/k norms), and Phi's own (biased layers and head, partial rotary, parallel layers), at 1D
-# tp=2, built at tiny Llama's shape.
+# q/k norms), and policies of their own: Phi (biased layers and head, partial rotary,
+# parallel layers) and GPT-NeoX (each head's q|k|v fused), at 1D tp=2, built at tiny
+# Llama's shape.
 LLAMA_LAYOUT = ("hf-mistral", "hf-qwen2", "hf-granite", "hf-smollm3", "hf-arcee", "hf-helium",
                 "hf-gemma", "hf-gemma2", "hf-gemma3_text", "hf-cohere", "hf-cohere_qk",
-                "hf-phi")
+                "hf-phi", "hf-gpt_neox")
+# Policies of their own whose styles 2D builds too: NeoX's fused q|k|v, unpermuted, on the grid
+OWN_POLICY_2D = ("hf-phi", "hf-gpt_neox")
 # Models whose residual dropout under Megatron sequence parallelism drops chunks: Phi's one
 # module drops both blocks' outputs of its parallel layers.
-MEGATRON_SP_DROPOUT = ("ref", "hf-gpt2", "hf-phi")
+MEGATRON_SP_DROPOUT = ("ref", "hf-gpt2", "hf-phi", "hf-gpt_neox")
 # (mesh, model, layers): tp=2 reference Llama (eager, and the custom ops pipeline stages
 # run), GPT-2's fused q|k|v, tp=4 Llama whose 2 kv heads are replicated, and Cohere's parallel
 # layers (one norm feeding attention and MLP: policy.PARALLEL_LAYERS), eager, as custom ops
@@ -43,7 +46,8 @@ MEGATRON_SP_DROPOUT = ("ref", "hf-gpt2", "hf-phi")
 ALL_REDUCE_CASES = (("1d_tp2", "ref-llama", "eager"), ("1d_tp2", "ref-llama", "ops"),
                     ("1d_tp2", "hf-gpt2", "eager"), ("1d_tp4", "hf-llama", "eager"),
                     ("1d_tp2", "hf-cohere", "eager"), ("1d_tp2", "hf-cohere", "ops"),
-                    ("1d_tp4", "hf-cohere", "chunk"), ("1d_tp2", "hf-phi", "eager"))
+                    ("1d_tp4", "hf-cohere", "chunk"), ("1d_tp2", "hf-phi", "eager"),
+                    ("1d_tp2", "hf-gpt_neox", "eager"))
 # Attention dropout under 1D tp (tensor/attention.py): (mesh, model, exportable) for every
 # model at tp=2, Llama at tp=4 (each rank holds one query head and a replicated kv head), and
 # two models as pipeline stages build them (the custom op in eval too), run eagerly.
@@ -67,6 +71,8 @@ def _all_checks(rank, world_size, folder):
         out["models"]["1d_tp2", kind] = tp_checks.model_parity(meshes["1d_tp2"], kind)
         out["models"]["1d_tp2", kind + "+sp"] = tp_checks.model_parity(meshes["1d_tp2"], kind,
                                                                        True)
+    for kind in OWN_POLICY_2D:
+        out["models"]["2d_2x2", kind] = tp_checks.model_parity(meshes["2d_2x2"], kind)
     out["from_meta"] = {(m, kind): tp_checks.from_meta(meshes[m], kind)
                         for m, kind in (("1d_tp2", "hf-gpt2"), ("2d_2x2", "ref-llama"))}
     out["attention_dropout"] = {case: tp_checks.attention_dropout_parity(meshes[case[0]],
@@ -123,7 +129,8 @@ def test_every_layer_matches_single_device(results, mesh):
 @pytest.mark.slow
 @pytest.mark.parametrize("mesh, kind", [(m, k) for m in MESHES for k in MODELS]
                          + [(m, k + "+sp") for m in MESHES[:2] for k in MODELS]
-                         + [("1d_tp2", k + s) for k in LLAMA_LAYOUT for s in ("", "+sp")])
+                         + [("1d_tp2", k + s) for k in LLAMA_LAYOUT for s in ("", "+sp")]
+                         + [("2d_2x2", k) for k in OWN_POLICY_2D])
 def test_whole_model_matches_single_device(results, mesh, kind):
     for rank, res in enumerate(results):
         got = res["models"][mesh, kind]

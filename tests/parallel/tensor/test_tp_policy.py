@@ -48,7 +48,7 @@ def test_reference_policy_styles():
     assert style_of("blocks.0.attn", policy) == "attention"
     assert style_of("lm_head", policy) == "vocab_head"
     assert style_of("blocks.0", policy) is None
-    # Llama's layout under other classes, derived from it for other norms, and Phi's own
+    # Llama's layout under other classes, derived from it for other norms, Phi's and NeoX's
     # (each checked against one device in test_tp_layers.py), and nothing else; the
     # parallel layers are those of classes with a policy.
     from tessera.parallel.tensor.policy import LLAMA_LAYOUT, PARALLEL_LAYERS
@@ -56,7 +56,7 @@ def test_reference_policy_styles():
     derived = {"GemmaForCausalLM", "Gemma2ForCausalLM", "Gemma3ForCausalLM",
                "CohereForCausalLM"}
     assert set(POLICIES) == {"Transformer", "GPT2LMHeadModel", "LlamaForCausalLM",
-                             "PhiForCausalLM", *LLAMA_LAYOUT, *derived}
+                             "PhiForCausalLM", "GPTNeoXForCausalLM", *LLAMA_LAYOUT, *derived}
     assert set(PARALLEL_LAYERS) == {"CohereForCausalLM", "PhiForCausalLM"}
     assert all(POLICIES[name] == POLICIES["LlamaForCausalLM"]
                and POLICIES[name] is not POLICIES["LlamaForCausalLM"] for name in LLAMA_LAYOUT)

@@ -105,13 +105,15 @@ LLAMA_LAYOUT_EXTRA = {"granite": dict(embedding_multiplier=3.0, residual_multipl
                       # logits not scaled down 16x (Cohere's default 0.0625 hides differences)
                       "cohere": dict(logit_scale=1.0),
                       # a LayerNorm per head on q and k (policy style head_norm)
-                      "cohere_qk": dict(logit_scale=1.0, use_qk_norm=True)}
+                      "cohere_qk": dict(logit_scale=1.0, use_qk_norm=True),
+                      # no grouped kv heads (Llama's count would be read as its)
+                      "gpt_neox": dict(num_key_value_heads=None)}
 # Test kinds that are a model type with other settings.
 MODEL_TYPE_OF = {"cohere_qk": "cohere"}
 # Classes whose norms are not Llama's (policy.py): their norm weights start at random values
 # so that a norm computed as another class's shows in the outputs, not only in gradients
 # (Gemma's start at 0, where x_hat * (1 + w) and x_hat * w differ anyway).
-OTHER_NORMS = ("gemma", "gemma2", "gemma3_text", "cohere", "cohere_qk", "phi")
+OTHER_NORMS = ("gemma", "gemma2", "gemma3_text", "cohere", "cohere_qk", "phi", "gpt_neox")
 
 
 def _llama_layout(kind: str, llama: dict) -> nn.Module:
@@ -311,11 +313,16 @@ def refusal_direct_call(mesh: Mesh) -> dict[str, str | float]:
     return out
 
 
+# Hugging Face kinds built at tiny Llama's shape with their embedding and residual dropout on
+RESIDUAL_DROPOUT = {"hf-phi": {"resid_pdrop": 0.1, "embd_pdrop": 0.1},
+                    "hf-gpt_neox": {"hidden_dropout": 0.1}}
+
+
 def megatron_sp_dropout_parity(mesh: Mesh, kind: str = "ref") -> dict[str, float]:
     """Loss and gradients of the reference model (``kind`` "ref"), Hugging Face GPT-2
-    ("hf-gpt2") or Phi ("hf-phi": its one residual dropout module drops both blocks' outputs,
-    in parallel layers) with embedding and residual dropout under 1D tp with Megatron
-    sequence parallelism against one device's, from one seed.
+    ("hf-gpt2"), Phi ("hf-phi": its one residual dropout module drops both blocks' outputs,
+    in parallel layers) or GPT-NeoX ("hf-gpt_neox") with embedding and residual dropout
+    under 1D tp with Megatron sequence parallelism against one device's, from one seed.
 
     Attention dropout is set to 0 on both: under tp it runs hashed masks per head
     (attention.py), one device SDPA's own, so those masks differ by design (their parity is
@@ -325,9 +332,10 @@ def megatron_sp_dropout_parity(mesh: Mesh, kind: str = "ref") -> dict[str, float
     torch.manual_seed(0)
     if kind == "ref":
         single = Transformer(preset("tiny", dropout=0.1))
-    elif kind == "hf-phi":
+    elif kind in RESIDUAL_DROPOUT:
         config = hf_config_from_reference("llama", preset("tiny-llama"))
-        single = _llama_layout("phi", {**config, "resid_pdrop": 0.1, "embd_pdrop": 0.1}).train()
+        arch = kind.removeprefix("hf-")
+        single = _llama_layout(arch, {**config, **RESIDUAL_DROPOUT[kind]}).train()
     else:
         config = hf_config_from_reference("gpt2", preset("tiny", dropout=0.1))
         single = build_hf_model("gpt2", **config).train()

@@ -156,6 +156,25 @@ POLICIES["PhiForCausalLM"] = [
     (r"lm_head", "vocab_head"),
 ]
 PARALLEL_LAYERS["PhiForCausalLM"] = _L
+# GPT-NeoX (Pythia): its fused query_key_value holds each head's q, k, v together ((heads, 3,
+# head_dim) rows), so a contiguous split by output features gives each rank whole heads, as
+# plain colwise does (GPT-2's c_attn holds all q, then all k, all v: colwise_qkv permutes).
+# Parallel residual (the default) reads two norms, one per block: not a parallel layer in the
+# sense of PARALLEL_LAYERS. Its hidden dropout acts on each block's output (a row layer's).
+_N = r"gpt_neox\.layers\.\d+"
+POLICIES["GPTNeoXForCausalLM"] = [
+    (rf"{_N}\.post_(attention|mlp)_dropout", "seq_dropout"),
+    (r"gpt_neox\.emb_dropout", "whole_dropout"),
+    (r"gpt_neox\.embed_in", "vocab_embed"),
+    (rf"{_N}\.attention\.query_key_value", "colwise"),
+    (rf"{_N}\.attention\.dense", "rowwise"),
+    (rf"{_N}\.mlp\.dense_h_to_4h", "colwise"),
+    (rf"{_N}\.mlp\.dense_4h_to_h", "rowwise"),
+    (rf"({_N}\.(input|post_attention)_layernorm|gpt_neox\.final_layer_norm)", "norm"),
+    (rf"{_N}\.attention", "attention"),
+    (rf"{_N}\.mlp", "mlp"),
+    (r"lm_head", "vocab_head"),
+]
 # Styles the 2D builder does not build (refused there by name).
 ONE_D_STYLES = ("layernorm", "rmsnorm_1p", "head_norm", "head_rmsnorm_1p")
 # Where a dropout module acts (kept as they are but for seq_dropout under tp_seq)
