@@ -49,9 +49,9 @@ def _hf_config(model_type: str, **fields):
 
 
 # Architectures with no planner config reader (and Qwen2 no tensor-parallel policy of its
-# own): the pipeline needs nothing from them but a torch.export capture. Phi runs attention and the MLP in
-# parallel off one norm, with partial rotary and a biased LM head; Qwen2 has grouped
-# key/value heads and biases on q/k/v only.
+# own): the pipeline needs nothing from them but a torch.export capture. Phi runs attention
+# and the MLP in parallel off one norm, with partial rotary and a biased LM head; Qwen2 has
+# grouped key/value heads and biases on q/k/v only.
 OTHER_HF = {
     "phi": _hf_config("phi", intermediate_size=64, resid_pdrop=0.0, embd_pdrop=0.0,
                       attention_dropout=0.0),
