@@ -18,7 +18,9 @@ from tessera.strategy import blocks_to_recompute
 
 
 def find_blocks(model: nn.Module) -> nn.ModuleList:
-    """The repeated transformer blocks of a reference or Hugging Face causal LM.
+    """The repeated transformer blocks of a reference or Hugging Face causal LM: the list at
+    .blocks, .transformer.h or .model.layers, else the longest nn.ModuleList whose modules
+    are all of one class (GPT-NeoX's .gpt_neox.layers, OPT's .model.decoder.layers, ...).
 
     Raises:
         ValueError: naming the model class when no block list is found.
@@ -31,8 +33,13 @@ def find_blocks(model: nn.Module) -> nn.ModuleList:
                 break
         if isinstance(module, nn.ModuleList):
             return module
+    lists = [m for m in model.modules() if isinstance(m, nn.ModuleList) and len(m)
+             and len({type(block) for block in m}) == 1]
+    if lists:
+        return max(lists, key=len)  # the first of the longest
     raise ValueError(f"cannot find the transformer blocks of {type(model).__name__}: "
-                     "expected an nn.ModuleList at .blocks, .transformer.h or .model.layers")
+                     "expected an nn.ModuleList at .blocks, .transformer.h or .model.layers, "
+                     "or any nn.ModuleList of modules of one class")
 
 
 def apply_recompute(model: nn.Module, ratio: float) -> int:
