@@ -28,26 +28,27 @@ MESHES = ("1d_tp2", "1d_tp4", "2d_2x2")
 MODELS = ("ref-gpt", "ref-llama", "hf-gpt2", "hf-llama")
 # Hugging Face classes laid out with Llama's policy (policy.LLAMA_LAYOUT), and with policies
 # derived from it for other norms and a scaled embedding (Gemma 1-3, Cohere with and without
-# q/k norms), and policies of their own: Phi (biased layers and head, partial rotary,
+# q/k norms), and policies of their own: Phi and GPT-J (biased head, partial rotary,
 # parallel layers) and GPT-NeoX (each head's q|k|v fused), at 1D tp=2, built at tiny
 # Llama's shape.
 LLAMA_LAYOUT = ("hf-mistral", "hf-qwen2", "hf-granite", "hf-smollm3", "hf-arcee", "hf-helium",
                 "hf-gemma", "hf-gemma2", "hf-gemma3_text", "hf-cohere", "hf-cohere_qk",
-                "hf-phi", "hf-gpt_neox")
+                "hf-phi", "hf-gpt_neox", "hf-gptj")
 # Policies of their own whose styles 2D builds too: NeoX's fused q|k|v, unpermuted, on the grid
-OWN_POLICY_2D = ("hf-phi", "hf-gpt_neox")
+OWN_POLICY_2D = ("hf-phi", "hf-gpt_neox", "hf-gptj")
 # Models whose residual dropout under Megatron sequence parallelism drops chunks: Phi's one
 # module drops both blocks' outputs of its parallel layers.
-MEGATRON_SP_DROPOUT = ("ref", "hf-gpt2", "hf-phi", "hf-gpt_neox")
+MEGATRON_SP_DROPOUT = ("ref", "hf-gpt2", "hf-phi", "hf-gpt_neox", "hf-gptj")
 # (mesh, model, layers): tp=2 reference Llama (eager, and the custom ops pipeline stages
 # run), GPT-2's fused q|k|v, tp=4 Llama whose 2 kv heads are replicated, and Cohere's parallel
 # layers (one norm feeding attention and MLP: policy.PARALLEL_LAYERS), eager, as custom ops
-# and under chunk memory (whose hooks hand the blocks a view of the norm's output), and Phi's.
+# and under chunk memory (whose hooks hand the blocks a view of the norm's output); Phi's,
+# GPT-J's (parallel too) and NeoX's (two norms: 2 a layer).
 ALL_REDUCE_CASES = (("1d_tp2", "ref-llama", "eager"), ("1d_tp2", "ref-llama", "ops"),
                     ("1d_tp2", "hf-gpt2", "eager"), ("1d_tp4", "hf-llama", "eager"),
                     ("1d_tp2", "hf-cohere", "eager"), ("1d_tp2", "hf-cohere", "ops"),
                     ("1d_tp4", "hf-cohere", "chunk"), ("1d_tp2", "hf-phi", "eager"),
-                    ("1d_tp2", "hf-gpt_neox", "eager"))
+                    ("1d_tp2", "hf-gpt_neox", "eager"), ("1d_tp2", "hf-gptj", "eager"))
 # Attention dropout under 1D tp (tensor/attention.py): (mesh, model, exportable) for every
 # model at tp=2, Llama at tp=4 (each rank holds one query head and a replicated kv head), and
 # two models as pipeline stages build them (the custom op in eval too), run eagerly.
@@ -249,12 +250,12 @@ def test_one_input_gradient_all_reduce_per_attention_and_mlp_block(results):
     # MLP) + 1 for the output layer's input, where summing in each column layer took 5 per
     # Llama layer (q, k, v, gate, up) and 4 per GPT-2 layer (fused q|k|v counts 1, plus c_fc
     # counts 1: 2 already, checked for the fused path). The embedding's backward needs none.
-    # Cohere's and Phi's attention and MLP read one norm's output, entered once for both: 1
+    # Cohere's, Phi's and GPT-J's attention and MLP read one norm's output, entered once: 1
     # per layer (2 before policy.PARALLEL_LAYERS; parity: test_whole_model_matches_...).
     for rank, res in enumerate(results):
         for (mesh, kind, layers), got in res["all_reduces"].items():
             case = (rank, mesh, kind, layers, got)
-            per_layer = 1 if kind in ("hf-cohere", "hf-phi") else 2
+            per_layer = 1 if kind in ("hf-cohere", "hf-phi", "hf-gptj") else 2
             assert got["activations"] == per_layer * got["layers"] + 1, case
             # tp=4 replicates tiny-llama's 2 kv heads: k and v weight gradients are summed.
             assert got["other"] == (2 * got["layers"] if mesh == "1d_tp4" else 0), case

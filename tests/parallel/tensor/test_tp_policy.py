@@ -48,16 +48,17 @@ def test_reference_policy_styles():
     assert style_of("blocks.0.attn", policy) == "attention"
     assert style_of("lm_head", policy) == "vocab_head"
     assert style_of("blocks.0", policy) is None
-    # Llama's layout under other classes, derived from it for other norms, Phi's and NeoX's
-    # (each checked against one device in test_tp_layers.py), and nothing else; the
+    # Llama's layout under other classes, derived from it for other norms, Phi's, NeoX's and
+    # GPT-J's (each checked against one device in test_tp_layers.py), and nothing else; the
     # parallel layers are those of classes with a policy.
     from tessera.parallel.tensor.policy import LLAMA_LAYOUT, PARALLEL_LAYERS
 
     derived = {"GemmaForCausalLM", "Gemma2ForCausalLM", "Gemma3ForCausalLM",
                "CohereForCausalLM"}
     assert set(POLICIES) == {"Transformer", "GPT2LMHeadModel", "LlamaForCausalLM",
-                             "PhiForCausalLM", "GPTNeoXForCausalLM", *LLAMA_LAYOUT, *derived}
-    assert set(PARALLEL_LAYERS) == {"CohereForCausalLM", "PhiForCausalLM"}
+                             "PhiForCausalLM", "GPTNeoXForCausalLM", "GPTJForCausalLM",
+                             *LLAMA_LAYOUT, *derived}
+    assert set(PARALLEL_LAYERS) == {"CohereForCausalLM", "PhiForCausalLM", "GPTJForCausalLM"}
     assert all(POLICIES[name] == POLICIES["LlamaForCausalLM"]
                and POLICIES[name] is not POLICIES["LlamaForCausalLM"] for name in LLAMA_LAYOUT)
     gemma3 = [(re.compile(p), s) for p, s in POLICIES["Gemma3ForCausalLM"]]

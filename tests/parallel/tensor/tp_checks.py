@@ -107,13 +107,17 @@ LLAMA_LAYOUT_EXTRA = {"granite": dict(embedding_multiplier=3.0, residual_multipl
                       # a LayerNorm per head on q and k (policy style head_norm)
                       "cohere_qk": dict(logit_scale=1.0, use_qk_norm=True),
                       # no grouped kv heads (Llama's count would be read as its)
-                      "gpt_neox": dict(num_key_value_heads=None)}
+                      "gpt_neox": dict(num_key_value_heads=None),
+                      # rotary on half of each head's 16 features; its MLP width is n_inner
+                      "gptj": dict(num_key_value_heads=None, rotary_dim=8, n_inner=128,
+                                   intermediate_size=None)}
 # Test kinds that are a model type with other settings.
 MODEL_TYPE_OF = {"cohere_qk": "cohere"}
 # Classes whose norms are not Llama's (policy.py): their norm weights start at random values
 # so that a norm computed as another class's shows in the outputs, not only in gradients
 # (Gemma's start at 0, where x_hat * (1 + w) and x_hat * w differ anyway).
-OTHER_NORMS = ("gemma", "gemma2", "gemma3_text", "cohere", "cohere_qk", "phi", "gpt_neox")
+OTHER_NORMS = ("gemma", "gemma2", "gemma3_text", "cohere", "cohere_qk", "phi", "gpt_neox",
+               "gptj")
 
 
 def _llama_layout(kind: str, llama: dict) -> nn.Module:
@@ -315,13 +319,14 @@ def refusal_direct_call(mesh: Mesh) -> dict[str, str | float]:
 
 # Hugging Face kinds built at tiny Llama's shape with their embedding and residual dropout on
 RESIDUAL_DROPOUT = {"hf-phi": {"resid_pdrop": 0.1, "embd_pdrop": 0.1},
-                    "hf-gpt_neox": {"hidden_dropout": 0.1}}
+                    "hf-gpt_neox": {"hidden_dropout": 0.1},
+                    "hf-gptj": {"resid_pdrop": 0.1, "embd_pdrop": 0.1, "attn_pdrop": 0.0}}
 
 
 def megatron_sp_dropout_parity(mesh: Mesh, kind: str = "ref") -> dict[str, float]:
     """Loss and gradients of the reference model (``kind`` "ref"), Hugging Face GPT-2
     ("hf-gpt2"), Phi ("hf-phi": its one residual dropout module drops both blocks' outputs,
-    in parallel layers) or GPT-NeoX ("hf-gpt_neox") with embedding and residual dropout
+    in parallel layers), GPT-NeoX or GPT-J with embedding and residual dropout
     under 1D tp with Megatron sequence parallelism against one device's, from one seed.
 
     Attention dropout is set to 0 on both: under tp it runs hashed masks per head

@@ -156,6 +156,23 @@ POLICIES["PhiForCausalLM"] = [
     (r"lm_head", "vocab_head"),
 ]
 PARALLEL_LAYERS["PhiForCausalLM"] = _L
+# GPT-J: one LayerNorm feeding attention and MLP in parallel (a parallel layer), separate
+# q, k, v without bias, rotary embeddings on the first rotary_dim features of each head, a
+# biased LM head; its residual dropouts act on the row layers' outputs.
+POLICIES["GPTJForCausalLM"] = [
+    (rf"{_H}\.(attn\.resid_dropout|mlp\.dropout)", "seq_dropout"),
+    (r"transformer\.drop", "whole_dropout"),
+    (r"transformer\.wte", "vocab_embed"),
+    (rf"{_H}\.attn\.(q|k|v)_proj", "colwise"),
+    (rf"{_H}\.attn\.out_proj", "rowwise"),
+    (rf"{_H}\.mlp\.fc_in", "colwise"),
+    (rf"{_H}\.mlp\.fc_out", "rowwise"),
+    (rf"({_H}\.ln_1|transformer\.ln_f)", "norm"),
+    (rf"{_H}\.attn", "attention"),
+    (rf"{_H}\.mlp", "mlp"),
+    (r"lm_head", "vocab_head"),
+]
+PARALLEL_LAYERS["GPTJForCausalLM"] = _H
 # GPT-NeoX (Pythia): its fused query_key_value holds each head's q, k, v together ((heads, 3,
 # head_dim) rows), so a contiguous split by output features gives each rank whole heads, as
 # plain colwise does (GPT-2's c_attn holds all q, then all k, all v: colwise_qkv permutes).
