@@ -196,7 +196,9 @@ def test_auto_strategy_plans_an_architecture_it_has_no_config_reader_for():
     strategy = resolve_strategy("auto", model, 2, 4, 2, "fp32", seq_len=64)
     assert strategy.world_size == 2 and strategy.global_batch_size == 16
     strategy.require_available(AVAILABLE)
-    assert strategy.tp == 1 and strategy.sp == 1  # no tensor-parallel policy for GPT-NeoX
+    # Sequence parallelism is not planned for GPT-NeoX (auto.SP_PLANNED); tensor parallelism
+    # may be (a policy since 2026-11-29): whichever tp the planner picks, it is runnable.
+    assert strategy.sp == 1
     assert model.config.use_cache is True and model.training
 
 
@@ -208,15 +210,17 @@ def test_auto_holds_tensor_and_sequence_parallelism_off_without_a_policy(monkeyp
                                                 resid_pdrop=0.0, embd_pdrop=0.0,
                                                 attn_pdrop=0.0))
         dropping = hf.GPT2LMHeadModel(hf.GPT2Config(n_embd=64, n_layer=2, n_head=4))
-        neox = hf.AutoModelForCausalLM.from_config(hf.GPTNeoXConfig(
+        # (GPT-NeoX was this model until it got a policy, 2026-11-29: Phi-3 has none)
+        phi3 = hf.AutoModelForCausalLM.from_config(hf.Phi3Config(
             vocab_size=50432, hidden_size=4096, intermediate_size=16384, num_hidden_layers=4,
-            num_attention_heads=32, max_position_embeddings=2048, use_cache=False))
+            num_attention_heads=32, num_key_value_heads=32, max_position_embeddings=2048,
+            use_cache=False, pad_token_id=None, bos_token_id=None, eos_token_id=None))
         gemma = hf.AutoModelForCausalLM.from_config(hf.GemmaConfig(
             vocab_size=256, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
             num_attention_heads=4, num_key_value_heads=2, head_dim=16, use_cache=False))
     # Megatron sequence parallelism (tp_seq) takes Hugging Face models whose dropout modules
     # the policy places (GPT-2's, dropping by default); the reference model's dropout it runs.
-    assert auto.layout_limits(neox) == {"tp": 1, "sp": 1} and auto.layout_limits(gpt2) == {}
+    assert auto.layout_limits(phi3) == {"tp": 1, "sp": 1} and auto.layout_limits(gpt2) == {}
     assert auto.layout_limits(Transformer(preset("tiny", dropout=0.1))) == {}
     # A policy (Gemma's): tensor parallelism may be planned, sequence parallelism is planned
     # only for the classes the suite checks it on.
@@ -241,11 +245,11 @@ def test_auto_holds_tensor_and_sequence_parallelism_off_without_a_policy(monkeyp
     assert auto.layout_limits(odd_vocab, 1) == {}
     # On 8 A100s (not this machine's CPU workers, so the pick does not depend on the host) the
     # planner, free to choose, would split this 1.2B model with tensor parallelism, which the
-    # runtime cannot apply to GPT-NeoX (no policy); held to tp=1 it picks another layout.
+    # runtime cannot apply to Phi-3 (no policy); held to tp=1 it picks another layout.
     monkeypatch.setattr(auto, "local_cluster", lambda n, device="auto": f"a100-40gb:{n}x1")
-    config = describe_model(neox, seq_len=2048)
+    config = describe_model(phi3, seq_len=2048)
     assert auto.best_runnable(config, 8, 16, "bf16").tp > 1
-    held = auto.plan_strategy(neox, 8, 16, "bf16", seq_len=2048)
+    held = auto.plan_strategy(phi3, 8, 16, "bf16", seq_len=2048)
     assert held.tp == 1 and held.sp == 1 and held.world_size == 8
 
 

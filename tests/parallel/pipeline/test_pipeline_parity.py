@@ -1,7 +1,7 @@
 """Pipeline parity with one device, scp recomputation placement, pp=2 <-> pp=1 checkpoints.
 
 Two launches: 2 ranks (every schedule at pp=2 on the reference model, HF GPT-2 and Llama,
-and HF Qwen2 and Phi, which tessera has no policy for;
+and HF Qwen2 and Phi, which the pipeline takes with no policy of theirs;
 the timeline of scp; the checkpoint round trip through the Trainer; a model built on the meta
 device, through the Trainer with chunk memory and init_from) and 4 ranks (every schedule at
 pp=4, dp=2 x pp=2 for the three models).
@@ -40,7 +40,7 @@ PP2 = {  # name: (model, strategy); 4 micro-batches per step
     "ref_bigvocab_sliced_head": ("ref-bigvocab", "pp=2,mbs=2,gbs=8,schedule=1f1b"),
     # Built on the meta device: each rank materialises only its stages' weights.
     "gpt2_meta_1f1b": ("gpt2-meta", "pp=2,mbs=2,gbs=8,schedule=1f1b"),
-    # Hugging Face architectures tessera has no policy for (pp_checks.OTHER_HF).
+    # Hugging Face architectures captured with no policy of theirs (pp_checks.OTHER_HF).
     "qwen2_1f1b": ("qwen2", "pp=2,mbs=2,gbs=8,schedule=1f1b"),
     "phi_interleaved": ("phi", "pp=2,mbs=2,gbs=8,schedule=interleaved"),
 }

@@ -28,12 +28,14 @@ MESHES = ("1d_tp2", "1d_tp4", "2d_2x2")
 MODELS = ("ref-gpt", "ref-llama", "hf-gpt2", "hf-llama")
 # Hugging Face classes laid out with Llama's policy (policy.LLAMA_LAYOUT), and with policies
 # derived from it for other norms and a scaled embedding (Gemma 1-3, Cohere with and without
-# q/k norms), and policies of their own: Phi and GPT-J (biased head, partial rotary,
-# parallel layers) and GPT-NeoX (each head's q|k|v fused), at 1D tp=2, built at tiny
-# Llama's shape.
+# q/k norms; Qwen 3 with its per-head q/k norms), and policies of their own: Phi and GPT-J
+# (biased head, partial rotary, parallel layers) and GPT-NeoX (each head's q|k|v fused); and
+# Ernie 4.5 and StableLM (LayerNorms; also with parallel residual) under Llama's, at 1D tp=2,
+# built at tiny Llama's shape.
 LLAMA_LAYOUT = ("hf-mistral", "hf-qwen2", "hf-granite", "hf-smollm3", "hf-arcee", "hf-helium",
                 "hf-gemma", "hf-gemma2", "hf-gemma3_text", "hf-cohere", "hf-cohere_qk",
-                "hf-phi", "hf-gpt_neox", "hf-gptj")
+                "hf-phi", "hf-gpt_neox", "hf-gptj", "hf-qwen3", "hf-ernie4_5", "hf-stablelm",
+                "hf-stablelm_par")
 # Policies of their own whose styles 2D builds too: NeoX's fused q|k|v, unpermuted, on the grid
 OWN_POLICY_2D = ("hf-phi", "hf-gpt_neox", "hf-gptj")
 # Models whose residual dropout under Megatron sequence parallelism drops chunks: Phi's one
@@ -48,7 +50,8 @@ ALL_REDUCE_CASES = (("1d_tp2", "ref-llama", "eager"), ("1d_tp2", "ref-llama", "o
                     ("1d_tp2", "hf-gpt2", "eager"), ("1d_tp4", "hf-llama", "eager"),
                     ("1d_tp2", "hf-cohere", "eager"), ("1d_tp2", "hf-cohere", "ops"),
                     ("1d_tp4", "hf-cohere", "chunk"), ("1d_tp2", "hf-phi", "eager"),
-                    ("1d_tp2", "hf-gpt_neox", "eager"), ("1d_tp2", "hf-gptj", "eager"))
+                    ("1d_tp2", "hf-gpt_neox", "eager"), ("1d_tp2", "hf-gptj", "eager"),
+                    ("1d_tp2", "hf-stablelm_par", "eager"), ("1d_tp2", "hf-stablelm", "eager"))
 # Attention dropout under 1D tp (tensor/attention.py): (mesh, model, exportable) for every
 # model at tp=2, Llama at tp=4 (each rank holds one query head and a replicated kv head), and
 # two models as pipeline stages build them (the custom op in eval too), run eagerly.
@@ -255,7 +258,7 @@ def test_one_input_gradient_all_reduce_per_attention_and_mlp_block(results):
     for rank, res in enumerate(results):
         for (mesh, kind, layers), got in res["all_reduces"].items():
             case = (rank, mesh, kind, layers, got)
-            per_layer = 1 if kind in ("hf-cohere", "hf-phi", "hf-gptj") else 2
+            per_layer = 1 if kind in ("hf-cohere", "hf-phi", "hf-gptj", "hf-stablelm_par") else 2
             assert got["activations"] == per_layer * got["layers"] + 1, case
             # tp=4 replicates tiny-llama's 2 kv heads: k and v weight gradients are summed.
             assert got["other"] == (2 * got["layers"] if mesh == "1d_tp4" else 0), case

@@ -54,11 +54,12 @@ def test_reference_policy_styles():
     from tessera.parallel.tensor.policy import LLAMA_LAYOUT, PARALLEL_LAYERS
 
     derived = {"GemmaForCausalLM", "Gemma2ForCausalLM", "Gemma3ForCausalLM",
-               "CohereForCausalLM"}
+               "CohereForCausalLM", "Qwen3ForCausalLM"}
     assert set(POLICIES) == {"Transformer", "GPT2LMHeadModel", "LlamaForCausalLM",
                              "PhiForCausalLM", "GPTNeoXForCausalLM", "GPTJForCausalLM",
                              *LLAMA_LAYOUT, *derived}
-    assert set(PARALLEL_LAYERS) == {"CohereForCausalLM", "PhiForCausalLM", "GPTJForCausalLM"}
+    assert set(PARALLEL_LAYERS) == {"CohereForCausalLM", "PhiForCausalLM", "GPTJForCausalLM",
+                                    "StableLmForCausalLM"}
     assert all(POLICIES[name] == POLICIES["LlamaForCausalLM"]
                and POLICIES[name] is not POLICIES["LlamaForCausalLM"] for name in LLAMA_LAYOUT)
     gemma3 = [(re.compile(p), s) for p, s in POLICIES["Gemma3ForCausalLM"]]

@@ -110,14 +110,16 @@ LLAMA_LAYOUT_EXTRA = {"granite": dict(embedding_multiplier=3.0, residual_multipl
                       "gpt_neox": dict(num_key_value_heads=None),
                       # rotary on half of each head's 16 features; its MLP width is n_inner
                       "gptj": dict(num_key_value_heads=None, rotary_dim=8, n_inner=128,
-                                   intermediate_size=None)}
+                                   intermediate_size=None),
+                      # attention and MLP off one LayerNorm
+                      "stablelm_par": dict(use_parallel_residual=True)}
 # Test kinds that are a model type with other settings.
-MODEL_TYPE_OF = {"cohere_qk": "cohere"}
+MODEL_TYPE_OF = {"cohere_qk": "cohere", "stablelm_par": "stablelm"}
 # Classes whose norms are not Llama's (policy.py): their norm weights start at random values
 # so that a norm computed as another class's shows in the outputs, not only in gradients
 # (Gemma's start at 0, where x_hat * (1 + w) and x_hat * w differ anyway).
 OTHER_NORMS = ("gemma", "gemma2", "gemma3_text", "cohere", "cohere_qk", "phi", "gpt_neox",
-               "gptj")
+               "gptj", "qwen3", "stablelm", "stablelm_par")
 
 
 def _llama_layout(kind: str, llama: dict) -> nn.Module:

@@ -401,10 +401,11 @@ class _Builder1D(_Builder):
                           _eps(m), rms, g, sp, unit_offset=unit)
         # Norms over each head's features, after the column projections: their input holds
         # this rank's heads over the whole sequence (no Megatron sequence split there).
-        if style == "head_rmsnorm_1p":  # Gemma 3's q/k norms: (head_dim,) shared by heads
-            check_norm(m, style, _eps(m), True, True)
+        if style in ("head_rmsnorm", "head_rmsnorm_1p"):  # (head_dim,) shared by all heads
+            unit = style == "head_rmsnorm_1p"  # Gemma 3's x_hat * (1 + w); Qwen 3's x_hat * w
+            check_norm(m, style, _eps(m), True, unit)
             return Norm1D(self.param(m.weight, rep), None, _eps(m), True, g, False,
-                          unit_offset=True, sum_grad=True)
+                          unit_offset=unit, sum_grad=True)
         if style == "head_norm":  # Cohere's q/k LayerNorm, weight (heads, head_dim): by heads
             if m.weight.shape[0] % g.size:
                 raise PolicyError(f"{style}: {m.weight.shape[0]} heads of a per-head norm are "

@@ -19,6 +19,7 @@ pattern that matches a module's full path decides its style. Styles:
                  (1D only)
     head_rmsnorm_1p  Gemma 3's q/k norms, one (head_dim,) weight for all heads: replicated,
                  its gradient summed over the ranks' heads (1D only)
+    head_rmsnorm Qwen 3's q/k norms: the same with x_hat * w (1D only)
     attention    the attention module itself: its head counts become the local ones; (1D)
                  its input gets Megatron's f once for all its column layers (under
                  sequence parallelism: is gathered along the sequence)
@@ -102,9 +103,12 @@ POLICIES: dict[str, list[tuple[str, str]]] = {
 # against one device (tests/parallel/tensor/test_tp_layers.py; Granite with its embedding,
 # residual, attention and logit multipliers). Helium is one too: its o_proj takes hidden_size
 # inputs, so Hugging Face itself needs heads * head_dim == hidden_size (a config with another
-# head_dim fails on one device as well).
+# head_dim fails on one device as well). Since 2026-11-29 also Ernie 4.5, and StableLM, whose
+# norms are nn.LayerNorms with bias (the norm style builds those) and whose layers may run
+# attention and MLP off one norm (use_parallel_residual: listed in PARALLEL_LAYERS below).
 LLAMA_LAYOUT = ("MistralForCausalLM", "Qwen2ForCausalLM", "GraniteForCausalLM",
-                "SmolLM3ForCausalLM", "ArceeForCausalLM", "HeliumForCausalLM")
+                "SmolLM3ForCausalLM", "ArceeForCausalLM", "HeliumForCausalLM",
+                "Ernie4_5ForCausalLM", "StableLmForCausalLM")
 for _name in LLAMA_LAYOUT:
     POLICIES[_name] = list(POLICIES["LlamaForCausalLM"])  # each its own, to extend alone
 
@@ -128,6 +132,10 @@ POLICIES["GemmaForCausalLM"] = _llama_with_norm("rmsnorm_1p")
 POLICIES["Gemma2ForCausalLM"] = _llama_with_norm("rmsnorm_1p", _GEMMA2_NORMS)
 POLICIES["Gemma3ForCausalLM"] = [(rf"{_L}\.self_attn\.(q|k)_norm", "head_rmsnorm_1p"),
                                  *_llama_with_norm("rmsnorm_1p", _GEMMA2_NORMS)]
+# Qwen 3: Llama's, with an RMSNorm (x_hat * w) over each head's features on q and k, one
+# (head_dim,) weight for all heads.
+POLICIES["Qwen3ForCausalLM"] = [(rf"{_L}\.self_attn\.(q|k)_norm", "head_rmsnorm"),
+                                *POLICIES["LlamaForCausalLM"]]
 POLICIES["CohereForCausalLM"] = [(rf"{_L}\.self_attn\.(q|k)_norm", "head_norm"),
                                  *_llama_with_norm("layernorm", "input")]
 # Parallel layers (1D): decoder layers whose attention and MLP read one input (Cohere:
@@ -135,7 +143,7 @@ POLICIES["CohereForCausalLM"] = [(rf"{_L}\.self_attn\.(q|k)_norm", "head_norm"),
 # the input enters tensor parallelism once, one input-gradient all-reduce a layer instead of
 # one per block (under tp_seq: one gather, one reduce-scatter, one re-gather instead of two
 # each). Exact whatever the layer does: a block handed another tensor enters its own.
-PARALLEL_LAYERS: dict[str, str] = {"CohereForCausalLM": _L}
+PARALLEL_LAYERS: dict[str, str] = {"CohereForCausalLM": _L, "StableLmForCausalLM": _L}
 # Phi 1-2: one LayerNorm (with bias) per layer feeding attention and MLP in parallel, biased
 # q, k, v, dense and MLP layers, a biased LM head, partial rotary embeddings (per head, so
 # each rank's heads rotate alone); the residual dropout acts on each block's output, a row
@@ -193,7 +201,7 @@ POLICIES["GPTNeoXForCausalLM"] = [
     (r"lm_head", "vocab_head"),
 ]
 # Styles the 2D builder does not build (refused there by name).
-ONE_D_STYLES = ("layernorm", "rmsnorm_1p", "head_norm", "head_rmsnorm_1p")
+ONE_D_STYLES = ("layernorm", "rmsnorm_1p", "head_norm", "head_rmsnorm", "head_rmsnorm_1p")
 # Where a dropout module acts (kept as they are but for seq_dropout under tp_seq)
 DROPOUT_STYLES = ("seq_dropout", "whole_dropout", "probs_dropout")
 
@@ -230,9 +238,9 @@ def policy_for(model: nn.Module) -> list[tuple[re.Pattern, str]]:
             f"Trainer is built: tessera.parallel.tensor.policy.POLICIES[{name!r}] = "
             "[(module-path regex, style), ...] (styles: colwise, colwise_kv, colwise_qkv, "
             "rowwise, vocab_embed, vocab_head, position, norm, layernorm, rmsnorm_1p, "
-            "head_norm, head_rmsnorm_1p, attention, mlp, seq_dropout, whole_dropout, "
-            "probs_dropout; "
-            "docs/tensor_parallel.md), and check its losses against tp=1")
+            "head_norm, head_rmsnorm, head_rmsnorm_1p, attention, mlp, seq_dropout, "
+            "whole_dropout, probs_dropout; docs/tensor_parallel.md), and check its losses "
+            "against tp=1")
     return [(re.compile(pattern), style) for pattern, style in POLICIES[name]]
 
 

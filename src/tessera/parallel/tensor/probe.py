@@ -21,8 +21,8 @@ from tessera.parallel.tensor.policy import PolicyError
 
 NORM_STYLES = ("norm (nn.LayerNorm, or RMSNorm x_hat * w in fp32 as Llama's), layernorm "
                "(mean subtracted, any class), rmsnorm_1p (x_hat * (1 + w), Gemma's), "
-               "head_norm (a LayerNorm weight per head, Cohere's q/k norms), head_rmsnorm_1p "
-               "(Gemma 3's q/k norms)")
+               "head_norm (a LayerNorm weight per head, Cohere's q/k norms), head_rmsnorm "
+               "(x_hat * w over each head, Qwen 3's q/k norms), head_rmsnorm_1p (Gemma 3's)")
 
 
 def check_norm(module: nn.Module, style: str, eps: float, rms: bool,
