@@ -8,8 +8,6 @@ logits and a gradient clip that counts each shard once.
 
 from __future__ import annotations
 
-import re
-
 import torch
 from torch import nn
 from torch.distributed.tensor import DTensor, Replicate, Shard
@@ -23,16 +21,18 @@ from tessera.parallel.tensor.data_parallel import ShardGradSync
 from tessera.parallel.tensor.deferred import PendingShards, ShardRecipe
 from tessera.parallel.tensor.loss import (make_clip_grad_norm, make_forward_loss_1d,
                                           make_forward_loss_2d)
+from tessera.parallel.tensor.layer_hooks import (check_block_inputs, scatter_at_first_layer,
+                                                 share_block_entries)
 from tessera.parallel.tensor.modules import (BlockInput, ColumnLinear, Embedding2D,
                                              LayerOutputGather, Linear2D, Norm1D, Norm2D,
                                              ReplicatedEmbedding, RowLinear, SequenceScatter,
-                                             SharedEntry, VocabEmbedding)
+                                             VocabEmbedding)
 from tessera.parallel.tensor.ops import register_group
 from tessera.parallel.tensor.probe import check_embedding, check_norm
 from tessera.parallel.tensor.ops2d import register_grid
 from tessera.parallel.tensor.policy import (DROPOUT_STYLES, ONE_D_STYLES, ModelDims,
-                                            PARALLEL_LAYERS, PolicyError, check_divisible,
-                                            model_dims, policy_for, style_of)
+                                            PolicyError, check_divisible, model_dims,
+                                            policy_for, style_of)
 from tessera.parallel.tensor.seq_dropout import SequenceChunkDropout, shard_sequence_dropouts
 from tessera.parallel.tensor.shard import (accept_full_tensors, add_optimizer_unpermute_hooks,
                                            add_unpermute_hooks, fused_perm, make_param,
@@ -92,10 +92,10 @@ def apply_tensor_parallel(plan: Parallelized, strategy: Strategy, mesh: Mesh,
     if builder.recipes:  # under pp: the pipeline fills its stages' shards
         plan.pending_shards = PendingShards(builder.source, builder.recipes)
     if isinstance(builder, _Builder1D):
-        _share_block_entries(model, builder)
-        _check_block_inputs(model, builder)
+        share_block_entries(model, builder)
+        check_block_inputs(model, builder)
         if sequence_parallel and dims.hf:
-            _scatter_at_first_layer(model, builder)
+            scatter_at_first_layer(model, builder)
     if strategy.pp > 1:  # the pipeline captures the model: collectives must be graph nodes
         _make_exportable(model, builder)
     if permuted_params(model):
@@ -224,65 +224,6 @@ def _check_hf_dropouts(model: nn.Module, policy, what: str) -> None:
                           "tp_seq=off")
 
 
-def _scatter_at_first_layer(model: nn.Module, builder: "_Builder1D") -> None:
-    """A Hugging Face model keeps its embeddings whole (its masks and positions follow their
-    length): the decoder layer holding the first attention cuts them to this rank's chunk,
-    the one holding the last gathers its output whole again, and the norms outside the
-    layers (the final one) run on the whole sequence, as plain 1D tp runs them."""
-    paths = {id(m): path for path, m in model.named_modules()}
-    layers = [paths.get(id(a), "").rpartition(".")[0] for a in builder.attentions]
-    if not layers or not all(layers):
-        raise PolicyError(f"tp_seq=on: {type(model).__name__} has no decoder layer around an "
-                          "attention module to split the sequence at")
-    scatter, gather = SequenceScatter(builder.group), LayerOutputGather(builder.group)
-    model.get_submodule(layers[0]).register_forward_pre_hook(scatter, with_kwargs=True)
-    model.get_submodule(layers[-1]).register_forward_hook(gather)
-    builder.sequence_hooks += [scatter, gather]
-    for path, module in model.named_modules():
-        if isinstance(module, Norm1D) and not any(path.startswith(f"{layer}.")
-                                                  for layer in layers):
-            module.seq_parallel = False
-
-
-def _share_block_entries(model: nn.Module, builder: "_Builder1D") -> None:
-    """Parallel layers (policy.PARALLEL_LAYERS): their attention and MLP share one
-    :class:`SharedEntry`, so the one input both read enters tensor parallelism once."""
-    pattern = PARALLEL_LAYERS.get(type(model).__name__)
-    if pattern is None:
-        return
-    for path, layer in list(model.named_modules()):
-        if not re.fullmatch(pattern, path):
-            continue
-        hooks = [builder.block_inputs[id(m)] for m in layer.children()
-                 if id(m) in builder.block_inputs]
-        if len(hooks) != 2:
-            raise PolicyError(f"{path or 'the model'} of {type(model).__name__} is listed in "
-                              "PARALLEL_LAYERS (tessera/parallel/tensor/policy.py) as a layer "
-                              f"whose attention and MLP read one input, but it holds "
-                              f"{len(hooks)} modules of style 'attention' or 'mlp'")
-        shared = SharedEntry()
-        for hook in hooks:
-            hook.shared = shared
-        layer.register_forward_hook(shared.clear, always_call=True)
-
-
-def _check_block_inputs(model: nn.Module, builder: "_Builder1D") -> None:
-    """Refuse a column layer that skips its input-gradient sum with no block to do it.
-
-    Column layers inside attention / MLP run in mode "gathered" and rely on the enclosing
-    block's :class:`BlockInput`; a policy whose column pattern matches a module outside any
-    "attention" / "mlp" module would silently lose the sum over ranks.
-    """
-    hooked = [path for path, m in model.named_modules() if id(m) in builder.block_inputs]
-    for path, module in model.named_modules():
-        if isinstance(module, ColumnLinear) and module.mode == "gathered" and not any(
-                path.startswith(block + ".") for block in hooked):
-            raise PolicyError(
-                f"{path} of {type(model).__name__} is column-parallel but not inside a module "
-                "of style 'attention' or 'mlp', whose pre-hook sums its input gradient: add "
-                "its enclosing block to POLICIES in tessera/parallel/tensor/policy.py")
-
-
 def _is_conv1d(module: nn.Module) -> bool:
     return type(module).__name__ == "Conv1D"  # GPT-2: weight (in, out)
 
@@ -387,7 +328,7 @@ class _Builder1D(_Builder):
             # A Hugging Face model's embeddings stay whole: its first layer scatters them
             return VocabEmbedding(self.param(m.weight, s0), g, sp and not self.dims.hf, scale)
         if style == "vocab_head":
-            # a Hugging Face model's last layer gathers the sequence (_scatter_at_first_layer)
+            # a Hugging Face model's last layer gathers the sequence (scatter_at_first_layer)
             head_mode = "gather" if sp and not self.dims.hf else "replicated"
             return ColumnLinear(self.param(m.weight, s0), self.param(m.bias, s0), g, head_mode,
                                 False)
