@@ -202,7 +202,8 @@ def test_hugging_face_padding_masks_are_applied_or_refused_never_dropped():
     mask = torch.ones(2, 10, dtype=torch.long)
     mask[0, :4] = 0  # left padding
     with torch.no_grad():
-        want, got = original(ids, attention_mask=mask).logits, model(ids, attention_mask=mask).logits
+        want = original(ids, attention_mask=mask).logits
+        got = model(ids, attention_mask=mask).logits
         unmasked = original(ids).logits
     assert (want - unmasked)[0].abs().max() > 1e-3  # the mask matters to this input
     torch.testing.assert_close(got, want)  # same kernel, same mask
