@@ -26,6 +26,7 @@ same with rmsnorm, swiglu and rope.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import statistics
@@ -90,10 +91,11 @@ def _cohere_plan(strategy: Strategy, mesh: Mesh, shared: bool):
     return plan, torch.optim.AdamW(model.parameters(), lr=1e-4)
 
 
-def _count_collectives(plan, batch) -> dict[str, int]:
-    """Calls of each tp collective in one forward and backward."""
-    calls = {"all_reduce": 0, "all_gather": 0, "reduce_scatter": 0}
-    originals = {name: getattr(TPGroup, name) for name in calls}
+@contextlib.contextmanager
+def _counted(names: tuple[str, ...]):
+    """Calls of the TPGroup collectives ``names`` while the block runs: {name: count}."""
+    calls = dict.fromkeys(names, 0)
+    originals = {name: getattr(TPGroup, name) for name in names}
 
     def counting(name):
         def call(self, *args, **kwargs):
@@ -101,33 +103,29 @@ def _count_collectives(plan, batch) -> dict[str, int]:
             return originals[name](self, *args, **kwargs)
         return call
 
-    for name in calls:
+    for name in names:
         setattr(TPGroup, name, counting(name))
     try:
-        plan.forward_loss(plan.module, batch).backward()
+        yield calls
     finally:
         for name, original in originals.items():
             setattr(TPGroup, name, original)
+
+
+def _count_collectives(plan, batch) -> dict[str, int]:
+    """Calls of each tp collective in one forward and backward."""
+    with _counted(("all_reduce", "all_gather", "reduce_scatter")) as calls:
+        plan.forward_loss(plan.module, batch).backward()
     plan.model.zero_grad(set_to_none=True)
     return calls
 
 
 def _count_backward_all_reduces(plan, batch) -> int:
-    calls = []
-    original = TPGroup.all_reduce
-
-    def counting(self, tensor, *args, **kwargs):
-        calls.append(1)
-        return original(self, tensor, *args, **kwargs)
-
     loss = plan.forward_loss(plan.module, batch)
-    TPGroup.all_reduce = counting
-    try:
+    with _counted(("all_reduce",)) as calls:
         loss.backward()
-    finally:
-        TPGroup.all_reduce = original
     plan.model.zero_grad(set_to_none=True)
-    return len(calls)
+    return calls["all_reduce"]
 
 
 def _step(plan, optimizer, batch) -> tuple[float, float]:
