@@ -10,12 +10,11 @@ from __future__ import annotations
 
 import pytest
 import torch
+import transformers
 from torch import nn
 
 from tessera.parallel.plan import default_forward_loss
 from tessera.parallel.recompute import apply_recompute, find_blocks
-
-transformers = pytest.importorskip("transformers")
 
 
 def _neox() -> nn.Module:
