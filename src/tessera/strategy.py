@@ -289,9 +289,11 @@ class Strategy:
             raise StrategyError(f"pp={self.pp} stages need n_layers >= pp, got {model.n_layers}")
         if seq_len % self.sp:
             raise StrategyError(f"sp={self.sp}: sequence length {seq_len} is not divisible by sp")
-        if self.tp_seq == "on" and seq_len % self.tp:
-            raise StrategyError(f"tp_seq=on splits the sequence over tp={self.tp}: sequence "
-                                f"length {seq_len} is not divisible by tp")
+        if self.tp_seq == "on" and seq_len % (self.tp * self.sp):
+            over = f"tp={self.tp}" if self.sp == 1 else f"tp={self.tp} within sp={self.sp}"
+            raise StrategyError(f"tp_seq=on splits the sequence over {over}: sequence "
+                                f"length {seq_len} is not divisible by "
+                                f"{'tp' if self.sp == 1 else 'tp*sp'}")
         if self.sp > 1 and self.sp_mode == "ulysses" and model.n_heads % (self.sp * self.tp):
             raise StrategyError(
                 f"sp_mode=ulysses: n_heads={model.n_heads} must be divisible by sp*tp="
@@ -415,9 +417,6 @@ _COMBINATIONS_NOT_BUILT = [
     # replaces by all-gathers and reduce-scatters.
     (lambda s: s.tp_seq == "on" and s.tp_overlap == "subpipe",
      "Megatron sequence parallelism (tp_seq=on) and tp_overlap=subpipe", 6),
-    # sp's attention would need tp_seq's gather stopped at its shard.
-    (lambda s: s.tp_seq == "on" and s.sp > 1,
-     "Megatron sequence parallelism (tp_seq=on) and sequence parallelism (sp>1)", 5),
 ]
 
 _FALLBACK = {

@@ -99,9 +99,9 @@ def layouts(model: ModelConfig, n_devices: int, per_node: int, gbs: int, fixed: 
 
 
 def _tp_seq_options(tp: int, tp_mode: str, sp: int, seq: int) -> tuple[str, ...]:
-    """Megatron sequence parallelism is a choice for a 1d tp group without sp (which splits
-    the same token axis) whose size divides the sequence."""
-    if tp > 1 and tp_mode == "1d" and sp == 1 and seq % tp == 0:
+    """Megatron sequence parallelism is a choice for a 1d tp group that divides each sp
+    rank's tokens."""
+    if tp > 1 and tp_mode == "1d" and seq % (tp * sp) == 0:
         return ("off", "on")
     return ("off",)
 

@@ -19,6 +19,12 @@ def test_zigzag_worked_example_from_the_note():
     assert local_indices(8, 2, 1, "contiguous").tolist() == [4, 5, 6, 7]
     assert padded_length(13, 4, "zigzag") == 16 and padded_length(13, 4, "contiguous") == 16
     assert padded_length(10, 4, "zigzag") == 16 and padded_length(10, 4, "contiguous") == 12
+    # Megatron sequence parallelism (tp_seq=on) splits each rank's tokens over tp again:
+    # contiguous sp=2 x tp=2 pads 13 to 16 (14 would leave 7 a rank); zigzag's two chunks a
+    # rank and tp=3 need 2 x 6 = 12 per multiple; tp=2 adds nothing to zigzag's 4.
+    assert padded_length(13, 2, "contiguous", 2) == 16 and padded_length(13, 2, "zigzag", 2) == 16
+    assert padded_length(13, 2, "zigzag", 3) == 24 and padded_length(13, 2, "contiguous", 3) == 18
+    assert padded_length(16, 2, "zigzag", 4) == 16
 
 
 @pytest.mark.parametrize("sp", [1, 2, 3, 4])

@@ -9,8 +9,9 @@ Modes (``Strategy.sp_mode``):
 - ``ulysses``: all-to-all between sequence and head splits (ulysses.py).
 
 Numerics are in blocks.py, communication in comm.py, the data path in data_path.py, the model
-policies in policy.py, the composition with tensor parallelism in compose.py and with pipeline stages in
-staged.py. :func:`apply_sequence_parallel` is the step `tessera.parallel.parallelize` runs.
+policies in policy.py, the composition with tensor parallelism (Megatron sequence parallelism
+included) in compose.py and with pipeline stages in staged.py. :func:`apply_sequence_parallel`
+is the step `tessera.parallel.parallelize` runs.
 """
 
 from __future__ import annotations
@@ -42,7 +43,8 @@ def apply_sequence_parallel(plan, strategy, mesh) -> SequenceParallel:
     token_loss = vocab_parallel_loss_sum(mesh.group("tp")) if strategy.tp > 1 else None
     sp = SequenceParallel(mesh.group("sp"), mode=strategy.sp_mode, token_loss=token_loss,
                           head_ways=strategy.tp,
-                          head_rank=mesh.rank("tp") if strategy.tp > 1 else 0)
+                          head_rank=mesh.rank("tp") if strategy.tp > 1 else 0,
+                          token_ways=strategy.tp if strategy.tp_seq == "on" else 1)
     apply_policy(plan.model, sp)
     plan.forward_loss = sp.forward_loss
     plan.batch_keys = frozenset({"document_ids", "attention_mask", "position_ids"})

@@ -18,8 +18,16 @@ averaged over the flattened dp x sp group.
 grid columns, so every activation is already spread over q^2 ranks. Adding an sp axis would
 need the ring inside each grid cell and a loss over three axes, for little memory left to save.
 
-Megatron sequence parallelism inside 1D tp (``Strategy.tp_seq="on"``) is not combined with sp:
-it splits the same token axis again around the norms and gathers it before attention.
+**sp x 1D tp with Megatron sequence parallelism** (``Strategy.tp_seq="on"``; Megatron-LM's
+context x sequence x tensor parallelism). Between the blocks each tp rank holds 1/tp of its sp
+rank's tokens, (B, T/(sp tp), C). A block's input is all-gathered over tp to the sp rank's
+(B, T/sp, C) before the column layers, so attention sees the same (B, nh/tp, T/sp, hs) as
+above and the sp mode runs unchanged; the row layers reduce-scatter back to the tp chunk. The
+sp data path pads each row so that every sp rank's tokens split over tp
+(``SequenceParallel(token_ways=tp)``; Strategy asks T divisible by sp x tp). Dropout between
+the blocks draws the sp rank's whole (B, T/sp, C) mask from the tp peers' shared stream and
+keeps the rank's rows (tensor/seq_dropout.py), so under one seed tp_seq=on drops exactly what
+tp_seq=off drops.
 """
 
 from __future__ import annotations

@@ -24,7 +24,8 @@ from tessera.parallel.plan import labels_without_padding
 from tessera.parallel.sequence.compose import TokenLoss
 from tessera.parallel.sequence.dropout import AttentionDropout
 from tessera.parallel.sequence.layout import (SequenceParallelError, check_layout,
-                                              local_indices, padded_length)
+                                              length_multiple, local_indices,
+                                              padded_length)
 from tessera.parallel.sequence.ring import ring_attention
 from tessera.parallel.sequence.rsa import rsa_attention
 from tessera.parallel.sequence.ulysses import ulysses_attention
@@ -55,6 +56,9 @@ class SequenceParallel:
             Ulysses head rules are checked on the heads one rank holds.
         head_rank: this rank's share of those heads (its tp rank): attention dropout masks
             the layer's heads, not the same local heads on every tp rank.
+        token_ways: how many ways Megatron sequence parallelism (tp_seq=on) splits this
+            rank's tokens again between the layers: each rank's tokens are padded to a
+            multiple of it.
 
     Raises:
         SequenceParallelError: for an unknown mode or zigzag without a causal mask.
@@ -63,12 +67,12 @@ class SequenceParallel:
     def __init__(self, group: dist.ProcessGroup, mode: str = "ring", causal: bool = True,
                  layout: str | None = None, pad: bool = True,
                  token_loss: TokenLoss | None = None, head_ways: int = 1,
-                 head_rank: int = 0) -> None:
+                 head_rank: int = 0, token_ways: int = 1) -> None:
         if mode not in MODES:
             raise SequenceParallelError(f"sp_mode must be one of {', '.join(MODES)}; got {mode!r}")
         self.group, self.mode, self.causal, self.pad = group, mode, causal, pad
         self.token_loss, self.head_ways = token_loss or _cross_entropy_sum, head_ways
-        self.head_rank = head_rank
+        self.head_rank, self.token_ways = head_rank, token_ways
         self.size, self.rank = dist.get_world_size(group), dist.get_rank(group)
         self.layout = layout or ("zigzag" if mode == "ring" and causal else "contiguous")
         check_layout(self.layout, causal)
@@ -110,11 +114,12 @@ class SequenceParallel:
                     "same tokens")
         self._check_length(T, batch.get("position_ids"))
         self.row_length = T
-        padded = padded_length(T, self.size, self.layout)
+        padded = padded_length(T, self.size, self.layout, self.token_ways)
         if padded != T and not self.pad:
             raise SequenceParallelError(
                 f"sequence length {T} must be divisible by {self._multiple()} "
-                f"(sp={self.size}, layout={self.layout}) when padding is disabled")
+                f"(sp={self.size}, layout={self.layout}{self._ways_text()}) when padding is "
+                "disabled")
         index = torch.arange(padded, device=ids.device).expand(B, padded)  # (B, T')
         segment = self._documents(batch)
         positions = batch.get("position_ids", self._default_positions(batch, index[:, :T]))
@@ -305,7 +310,11 @@ class SequenceParallel:
                 "forward")
 
     def _multiple(self) -> int:
-        return self.size * (2 if self.layout == "zigzag" else 1)
+        return length_multiple(self.size, self.layout, self.token_ways)
+
+    def _ways_text(self) -> str:
+        return (f", each rank's tokens split {self.token_ways} ways again by tp_seq=on"
+                if self.token_ways > 1 else "")
 
 
 # Batch keys with one value per token, (B, T) as input_ids, which shard() splits alike.

@@ -30,14 +30,16 @@ s=0 < 1: queries [2, 3, 4, 5] x keys [0, 1]. Both compute c x 2c = 4 pairs.
 The skipping only saves work: every block's mask is still built from the tokens' real
 indices (blocks.block_mask), so a wrong skip rule would show up as a parity failure. A shard
 in another layout than the one the ring is told would be skipped wrongly without an error:
-ring_attention refuses it (check_shard_layout). Labels and position ids follow the same permutation (the model's
-RoPE / learned positions use the real indices).
+ring_attention refuses it (check_shard_layout). Labels and position ids follow the same
+permutation (the model's RoPE / learned positions use the real indices).
 
 A contiguous layout (rank r holds chunk r of sp) is used for non-causal attention (nothing to
 balance) and for rsa and ulysses (rsa builds full rows; ulysses gathers the whole sequence).
 """
 
 from __future__ import annotations
+
+import math
 
 import torch
 
@@ -67,10 +69,18 @@ def chunks_per_rank(layout: str) -> int:
     return 2 if layout == "zigzag" else 1
 
 
-def padded_length(length: int, sp: int, layout: str) -> int:
-    """Smallest length >= ``length`` that the layout splits evenly over ``sp`` ranks."""
-    multiple = sp * chunks_per_rank(layout)
+def padded_length(length: int, sp: int, layout: str, token_ways: int = 1) -> int:
+    """Smallest length >= ``length`` that the layout splits evenly over ``sp`` ranks, each
+    rank's tokens a multiple of ``token_ways`` (the ways Megatron sequence parallelism splits
+    them again over tp)."""
+    multiple = length_multiple(sp, layout, token_ways)
     return -(-length // multiple) * multiple
+
+
+def length_multiple(sp: int, layout: str, token_ways: int = 1) -> int:
+    """What :func:`padded_length` rounds up to: sp ranks, each holding the layout's equal
+    chunks and a multiple of ``token_ways`` tokens."""
+    return sp * math.lcm(chunks_per_rank(layout), token_ways)
 
 
 def local_indices(length: int, sp: int, rank: int, layout: str) -> torch.Tensor:

@@ -164,7 +164,8 @@ class StageInputs:
     def local_len(self, length: int) -> int:
         """Tokens per rank of a ``length``-token sample, padded for the layout as ``shard``
         pads it."""
-        return padded_length(length, self.sp.size, self.sp.layout) // self.sp.size
+        return padded_length(length, self.sp.size, self.sp.layout,
+                             self.sp.token_ways) // self.sp.size
 
     def shard(self, batch: dict[str, torch.Tensor], training: bool = True
               ) -> dict[str, torch.Tensor]:

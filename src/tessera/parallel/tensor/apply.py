@@ -150,11 +150,10 @@ def _check_mix(strategy: Strategy, what: str) -> None:
     """Refuse option mixes this runtime does not compose yet, naming the rule (also for a
     direct call, which has not been through ``Strategy.require_available``)."""
     sequence_parallel = strategy.tp_seq == "on"
-    if strategy.sp > 1 and (strategy.tp_mode == "2d" or sequence_parallel):
-        # sp x 1d works (parallel/sequence/compose.py); 2d and Megatron SP are not combined.
+    if strategy.sp > 1 and strategy.tp_mode == "2d":
+        # sp x 1d works, with tp_seq=on too (parallel/sequence/compose.py); 2d does not.
         raise PolicyError(f"{what} with sp={strategy.sp}: context (sp) parallelism composes "
-                          "with 1d tensor parallelism only, without Megatron sequence "
-                          "parallelism (tp_seq=off); see docs/sequence_parallel.md")
+                          "with 1d tensor parallelism only; see docs/sequence_parallel.md")
     if strategy.tp_overlap == "subpipe" and sequence_parallel:
         raise PolicyError(f"{what} with tp_overlap=subpipe: sub-pipelined tensor parallelism "
                           "overlaps the 1D all-reduces, which Megatron sequence parallelism "
