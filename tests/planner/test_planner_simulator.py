@@ -139,6 +139,26 @@ def test_megatron_sequence_parallelism_trades_collectives_for_activations():
         assert on.breakdown["compute"] <= off.breakdown["compute"]
 
 
+def test_a_recomputed_megatron_sequence_parallel_layer_skips_its_regathers_at_pp_1():
+    # Recomputation repeats each layer's forward collectives; under tp_seq at pp = 1 the
+    # column layers then keep the input the recomputation gathered, and the backward's two
+    # re-gathers of the layer go (tensor/modules.BlockInput, counted in test_tp_layers).
+    # Pipeline stages keep the shard and gather it again, recomputed or not.
+    model, cluster = preset("gpt2"), parse_cluster("a100-80gb:4x2")
+    for text, saved in (("dp=1,tp=4,mbs=4,gbs=32", True),
+                        ("dp=1,tp=4,pp=2,mbs=4,gbs=32", False)):
+        base = Strategy.parse(f"{text},precision=bf16")
+        added = {}
+        for tp_seq in ("off", "on"):
+            plain, full = (estimate(model, cluster, base.replace(tp_seq=tp_seq, recompute=r))
+                           for r in ((0.0,), (1.0,)))
+            added[tp_seq] = full.breakdown["tp_comm"] - plain.breakdown["tp_comm"]
+        # tp_seq=on repeats an all-gather and a reduce-scatter for each all-reduce tp_seq=off
+        # repeats (the same ring bytes, profiled apart): about as much; minus the re-gathers
+        assert (added["on"] < 0.75 * added["off"]) == saved, (text, added)
+        assert added["on"] > 0, (text, added)
+
+
 def test_megatron_sequence_parallel_stages_send_sequence_shards():
     # Between pipeline stages each tp rank sends its 1/t of the tokens, not the whole
     # (mbs, T, C) activation every tp rank of a stage holds without tp_seq.

@@ -5,10 +5,19 @@ rounded down (:func:`tessera.strategy.blocks_to_recompute`, which the planner pr
 activations are dropped after the forward pass and recomputed during backward. The earliest
 blocks are chosen because in a pipeline they hold activations longest. The block's parameter
 names do not change (the forward is wrapped in place), so checkpoints load whatever the ratio.
+
+Code inside a checkpointed block can ask :func:`in_checkpointed_block`: the block's forward and
+its recomputation then run alike (they must save tensors of the same shapes), and what a
+layer would keep small and rebuild in backward (Megatron sequence parallelism's column layers
+keep their input's shard and gather it again, tensor/modules.BlockInput) it can keep whole:
+the checkpoint keeps nothing of the forward, and the recomputation hands the backward its
+tensors at once.
 """
 
 from __future__ import annotations
 
+import contextlib
+import contextvars
 import functools
 
 from torch import nn
@@ -56,5 +65,28 @@ def apply_recompute(model: nn.Module, ratio: float) -> int:
     return count
 
 
+_IN_CHECKPOINTED_BLOCK = contextvars.ContextVar("tessera_in_checkpointed_block", default=False)
+
+
+def in_checkpointed_block() -> bool:
+    """Whether the caller runs inside a checkpointed block: its forward, or its recomputation
+    in backward."""
+    return _IN_CHECKPOINTED_BLOCK.get()
+
+
+@contextlib.contextmanager
+def _checkpointed_block():
+    token = _IN_CHECKPOINTED_BLOCK.set(True)
+    try:
+        yield
+    finally:
+        _IN_CHECKPOINTED_BLOCK.reset(token)
+
+
+def _block_contexts():
+    """The checkpoint's (forward, recomputation) contexts: both inside the block."""
+    return _checkpointed_block(), _checkpointed_block()
+
+
 def _checkpointed(forward, *args, **kwargs):
-    return checkpoint(forward, *args, use_reentrant=False, **kwargs)
+    return checkpoint(forward, *args, use_reentrant=False, context_fn=_block_contexts, **kwargs)

@@ -229,7 +229,8 @@ def _stage_costs(model: ModelConfig, cl: Cluster, s: Strategy, groups, opt: SimO
         # rate like the layer's other fixed costs).
         rec = n_rec * (lt.forward + cast + cl.device.overheads.get("recompute_layer", 0.0)
                        / cl.compute_share())
-        tp = layers * (tp_f + tp_b) + n_rec * tp_f + extra_fwd + extra_bwd + loss_tp
+        tp = (layers * (tp_f + tp_b) + n_rec * (tp_f - _regathers_saved(model, cl, s, groups))
+              + extra_fwd + extra_bwd + loss_tp)
         sp = layers * (sp_f + sp_b) + n_rec * sp_f
         hidden = opt.tp_overlap * tp
         if s.tp_overlap == "subpipe":
@@ -273,6 +274,16 @@ def _tp_collective(model: ModelConfig, cl: Cluster, s: Strategy, groups, op: str
     n = s.micro_batch_size * model.max_seq_len / s.sp
     nbytes = n * model.d_model * bytes_per_element(s.precision)
     return comm.collective_time(cl, op, nbytes, groups["tp"])
+
+
+def _regathers_saved(model: ModelConfig, cl: Cluster, s: Strategy, groups) -> float:
+    """Under Megatron sequence parallelism at pp = 1, a checkpointed block's column layers keep
+    the input its recomputation gathers (tensor/modules.BlockInput): the backward's two
+    re-gathers of a recomputed layer are not made. Pipeline stages keep the shard and gather
+    it again, recomputed or not (tensor/ops_seq.tp_seq_linear)."""
+    if s.tp_seq != "on" or s.pp > 1:
+        return 0.0
+    return 2 * _tp_collective(model, cl, s, groups, "all_gather")
 
 
 def _norm_grad_calls(model: ModelConfig, cl: Cluster, groups) -> float:

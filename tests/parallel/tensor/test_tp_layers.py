@@ -85,6 +85,9 @@ def _all_checks(rank, world_size, folder):
     out["counts"] = counts
     out["all_reduces"] = {case: tp_checks.backward_all_reduces(meshes[case[0]], *case[1:])
                           for case in ALL_REDUCE_CASES}
+    out["recomputed_gathers"] = {kind: tp_checks.recomputed_block_gathers(meshes["1d_tp2"],
+                                                                          kind)
+                                 for kind in ("ref-llama", "hf-gpt2")}
     out["scaler"] = tp_checks.grad_scaler_overflow(meshes["1d_tp2"])
     out["refusals"] = tp_checks.refusals(meshes["2d_2x2"])
     out["refusals"]["no_block"] = tp_checks.refusal_without_block(meshes["1d_tp2"])
@@ -262,6 +265,24 @@ def test_one_input_gradient_all_reduce_per_attention_and_mlp_block(results):
             assert got["activations"] == per_layer * got["layers"] + 1, case
             # tp=4 replicates tiny-llama's 2 kv heads: k and v weight gradients are summed.
             assert got["other"] == (2 * got["layers"] if mesh == "1d_tp4" else 0), case
+
+
+@pytest.mark.slow
+def test_a_checkpointed_block_gathers_its_input_once_in_backward_under_tp_seq(results):
+    # tp_seq=on, one backward. Without checkpoints: each block input's kept shard gathered
+    # again (2 a layer), each row layer's output gradient gathered (2 a layer), and the
+    # embedding's (or a Hugging Face model's first-layer split's) gradient: 4 L + 1, and for
+    # the reference model one more, its head gathering its kept input shard again. With
+    # every block checkpointed the recomputation gathers each block input and its column
+    # layers keep it whole, so the backward gathers no more (keeping the shard there too
+    # gathered each block input twice: 2 L more). Gradients: the same ops on the same values
+    # (the recomputation is the forward again), so within TOL, measured 0.
+    for rank, res in enumerate(results):
+        for kind, got in res["recomputed_gathers"].items():
+            case = (rank, kind, got)
+            assert got["kept"] == 4 * got["layers"] + (2 if kind == "ref-llama" else 1), case
+            assert got["recomputed"] == got["kept"], case
+            assert got["grad"] < TOL, case
 
 
 @pytest.mark.slow

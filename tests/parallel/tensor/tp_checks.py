@@ -18,12 +18,13 @@ from tessera.models.hf import build_hf_model, hf_config_from_reference
 from tessera.models.materialize import DeferredInit, materialize, materialize_unit
 from tessera.parallel import parallelize
 from tessera.parallel.plan import Parallelized, default_forward_loss, lm_loss
+from tessera.parallel.recompute import apply_recompute, find_blocks
 from tessera.parallel.tensor import apply_tensor_parallel
 from tessera.parallel.tensor import comm, layers1d, layers2d, loss
 from tessera.parallel.tensor.apply import _Builder1D, _Builder2D
 from tessera.parallel.tensor.comm import Grid, TPGroup
 from tessera.parallel.tensor.policy import model_dims
-from tessera.parallel.tensor.shard import unsharded
+from tessera.parallel.tensor.shard import local, unsharded
 from tessera.strategy import Strategy
 
 AUTOGRAD_FUNCTIONS = [comm.CopyToTP, comm.ReduceFromTP, comm.GatherSeq, layers1d.ColumnLinearFn,
@@ -467,6 +468,39 @@ def backward_all_reduces(mesh: Mesh, kind: str, layers: str = "eager") -> dict[s
     return {"activations": n_act, "other": len(seen) - n_act,
             "layers": model.config.n_layers if hasattr(model.config, "n_layers")
             else model.config.num_hidden_layers}
+
+
+def recomputed_block_gathers(mesh: Mesh, kind: str) -> dict[str, float]:
+    """Megatron sequence parallelism (tp_seq=on) with every block checkpointed, against the
+    same model without checkpoints: all-gathers in one backward (the recomputation's block
+    inputs, which the column layers then keep, against the column layers' re-gathers of their
+    kept shard), and the largest difference between the two runs' gradients."""
+    strategy = mesh.strategy.replace(dp=1, global_batch_size=1, tp_seq="on")
+    out: dict[str, float] = {}
+    grads = []
+    for recompute in (False, True):
+        model = build(kind)
+        plan = Parallelized(module=model, model=model, loss_group=None)
+        apply_tensor_parallel(plan, strategy, mesh)
+        apply_recompute(model, 1.0 if recompute else 0.0)
+        loss_value = plan.forward_loss(plan.module, batch())
+        seen: list[int] = []
+        original = TPGroup.all_gather
+
+        def counting(self, tensor, *args, **kwargs):
+            seen.append(1)
+            return original(self, tensor, *args, **kwargs)
+
+        TPGroup.all_gather = counting
+        try:
+            loss_value.backward()
+        finally:
+            TPGroup.all_gather = original
+        out["recomputed" if recompute else "kept"] = len(seen)
+        grads.append([local(p.grad) for p in model.parameters()])
+    out["grad"] = max(_diff(a, b) for a, b in zip(*grads))
+    out["layers"] = len(find_blocks(model))
+    return out
 
 
 def refusal_without_block(mesh: Mesh) -> str:

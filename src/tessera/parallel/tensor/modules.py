@@ -11,6 +11,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from tessera.parallel.recompute import in_checkpointed_block
 from tessera.parallel.tensor.comm import (CopyToTP, GatheredInput, GatherSeq, GatherSeqWhole,
                                           Grid, ScatterSeq, TPGroup)
 from tessera.parallel.tensor.layers1d import ColumnLinearFn, RowLinearFn, VocabEmbeddingFn
@@ -139,7 +140,11 @@ class BlockInput:
             return full
         if self.seq_parallel:
             full = GatherSeq.apply(x, self.group)  # (B, T/tp, C) -> (B, T, C)
-            setattr(full, GatheredInput.ATTRIBUTE, (x, GatheredInput(self.group)))
+            # In a checkpointed block the column layers keep the gathered input whole: the
+            # checkpoint drops it after the forward, and the recomputation gathers it again
+            # just before the block's backward, which then needs no gather of its own.
+            if not in_checkpointed_block():
+                setattr(full, GatheredInput.ATTRIBUTE, (x, GatheredInput(self.group)))
             return full
         if self.export_group is not None:
             return tp_copy(x, self.export_group)
