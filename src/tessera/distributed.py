@@ -110,7 +110,8 @@ def _attempt_store(rank: int, world_size: int) -> dist.Store:
     return dist.PrefixStore(f"tessera/attempt_{attempt}", store)
 
 
-def reduce_scatter_flat(out: torch.Tensor, flat: torch.Tensor, group=None) -> None:
+def reduce_scatter_flat(out: torch.Tensor, flat: torch.Tensor, group=None,
+                        async_op: bool = False):
     """Sum ``flat`` over ``group`` and keep this rank's part in ``out``.
 
     ``flat`` is ``(group size, *out.shape)`` and scratch: gloo reduces it in place, so its
@@ -119,6 +120,7 @@ def reduce_scatter_flat(out: torch.Tensor, flat: torch.Tensor, group=None) -> No
     15-18 ms a call whatever the size, the flat one 5-8 ms (NCCL flattens a list itself, a
     copy more). Gloo takes the parts concatenated along the first dimension only, hence the
     flatten. The op's name changed in torch 2.13 (``reduce_scatter_tensor`` warns there).
+    With ``async_op`` it returns the work to ``wait()`` on (else None).
     """
     size = dist.get_world_size(group)
     if flat.shape != (size, *out.shape):
@@ -127,4 +129,4 @@ def reduce_scatter_flat(out: torch.Tensor, flat: torch.Tensor, group=None) -> No
     # (size, *out) -> (size * out[0], *out[1:]): the same memory, concatenated
     concatenated = flat.flatten(0, 1) if out.dim() else flat
     op = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
-    op(out, concatenated, group=group)
+    return op(out, concatenated, group=group, async_op=async_op)

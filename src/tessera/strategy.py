@@ -413,10 +413,6 @@ _COMBINATIONS_NOT_BUILT = [
     # all-reduces only.
     (lambda s: s.tp > 1 and s.pp > 1 and s.tp_mode == "2d" and s.tp_overlap == "subpipe",
      "2d tensor parallelism (tp_mode=2d) and tp_overlap=subpipe", 6),
-    # Sub-pipelining overlaps the captured all-reduces, which Megatron sequence parallelism
-    # replaces by all-gathers and reduce-scatters.
-    (lambda s: s.tp_seq == "on" and s.tp_overlap == "subpipe",
-     "Megatron sequence parallelism (tp_seq=on) and tp_overlap=subpipe", 6),
 ]
 
 _FALLBACK = {

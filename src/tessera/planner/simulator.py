@@ -239,7 +239,9 @@ def _stage_costs(model: ModelConfig, cl: Cluster, s: Strategy, groups, opt: SimO
             # pass's work is there to hide them under.
             fwd_tp = layers * tp_f + n_rec * tp_f + extra_fwd
             hidden += min(fwd_tp, cl.device.overlap_efficiency * (fwd + rec) / 2)
-            hidden += min(layers * tp_b + extra_bwd, cl.device.overlap_efficiency * bwd / 2)
+            # (not tp_seq's re-gathers: inside a segment's backward, tensor/ops_seq.py)
+            bwd_tp = layers * (tp_b - _regathers(model, cl, s, groups)) + extra_bwd
+            hidden += min(bwd_tp, cl.device.overlap_efficiency * bwd / 2)
         hidden = min(hidden, tp, cl.device.overlap_efficiency * (fwd + bwd))
         out.append(_Stage(fwd, bwd, rec, tp - hidden + sp, tp - hidden, sp))
     return out
@@ -276,14 +278,20 @@ def _tp_collective(model: ModelConfig, cl: Cluster, s: Strategy, groups, op: str
     return comm.collective_time(cl, op, nbytes, groups["tp"])
 
 
+def _regathers(model: ModelConfig, cl: Cluster, s: Strategy, groups) -> float:
+    """Under Megatron sequence parallelism, a layer's backward gathers its two block inputs
+    again (the column layers keep their shard); 0 without it."""
+    if s.tp_seq != "on":
+        return 0.0
+    return 2 * _tp_collective(model, cl, s, groups, "all_gather")
+
+
 def _regathers_saved(model: ModelConfig, cl: Cluster, s: Strategy, groups) -> float:
     """Under Megatron sequence parallelism at pp = 1, a checkpointed block's column layers keep
     the input its recomputation gathers (tensor/modules.BlockInput): the backward's two
     re-gathers of a recomputed layer are not made. Pipeline stages keep the shard and gather
     it again, recomputed or not (tensor/ops_seq.tp_seq_linear)."""
-    if s.tp_seq != "on" or s.pp > 1:
-        return 0.0
-    return 2 * _tp_collective(model, cl, s, groups, "all_gather")
+    return 0.0 if s.pp > 1 else _regathers(model, cl, s, groups)
 
 
 def _norm_grad_calls(model: ModelConfig, cl: Cluster, groups) -> float:

@@ -82,8 +82,15 @@ def _two_ranks(rank, world_size, device):
         p.register_post_accumulate_grad_hook(
             lambda p, name=name: accumulated.__setitem__(name, accumulated[name] + 1))
     log = []  # the order of all-reduces and segment backwards on this rank
-    start, finish = subpipe_run._start, subpipe_run._Pending.finish
-    subpipe_run._start = lambda v, g, n: log.append("S") or start(v, g, n)
+    apply, finish = subpipe_run._apply, subpipe_run._Pending.finish
+
+    def logged_apply(*args):  # "S" where a collective starts
+        now, started = apply(*args)
+        if started is not None:
+            log.append("S")
+        return now, started
+
+    subpipe_run._apply = logged_apply
     subpipe_run._Pending.finish = lambda self: log.append("W") or finish(self)
     for index, segment in enumerate(sub.cut.segments):
         if segment.module is not None:
@@ -103,7 +110,7 @@ def _two_ranks(rank, world_size, device):
             sub(ids, ids)[0].sum().backward()
         weights_reached = all(p.grad is not None for p in model.parameters())
     finally:
-        subpipe_run._start, subpipe_run._Pending.finish = start, finish
+        subpipe_run._apply, subpipe_run._Pending.finish = apply, finish
     scale = plain_out.abs().max()
     return {"out": ((sub_out - plain_out).abs().max() / scale).item(),
             "no_grad_out": ((no_grad_out - plain_out).abs().max() / scale).item(),

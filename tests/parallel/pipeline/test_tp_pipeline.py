@@ -55,6 +55,10 @@ CASES = {  # name: (model, strategy); dp=2 x tp=2 x pp=2, 2 micro-batches per dp
     # embedding across stages and the vocabulary-parallel loss.
     "gpt2_scp_subpipe": ("gpt2", "dp=2,tp=2,pp=2,mbs=2,gbs=8,schedule=scp,recompute=full,"
                                  "tp_overlap=subpipe"),
+    # ... and with Megatron sequence parallelism: the halves take turns at its all-gathers and
+    # reduce-scatters (since 2026-11-29).
+    "ref_1f1b_subpipe_seq": ("ref", "dp=2,tp=2,pp=2,mbs=2,gbs=8,schedule=1f1b,tp_seq=on,"
+                                    "tp_overlap=subpipe"),
     # Norms of their own (pp_checks.POLICY_HF): Gemma 3's q/k norm gradient summed over tp
     # inside the captured stages, Cohere's per-head q/k norms split by heads.
     "gemma3_1f1b": ("gemma3_text", "dp=2,tp=2,pp=2,mbs=2,gbs=8,schedule=1f1b"),
@@ -168,6 +172,25 @@ def test_micro_batches_in_flight_share_one_16_bit_copy_of_each_shard(eight):
                 assert own - shared > 0.05 * own, (rank, name, got["peaks"])
             else:
                 assert shared == own, (rank, name, got["peaks"])
+
+
+def test_subpipelined_stages_take_turns_at_megatron_sequence_parallel_collectives(eight):
+    # The reference model's 4 layers over 2 stages, 2 a stage: each layer's 2 block inputs
+    # gathered and 2 row outputs reduce-scattered; stage 0 also reduce-scatters its
+    # embedding, stage 1 gathers its head's input. Cut at each: compute segments in between.
+    # No g (the row layers reduce-scatter); f stays only where the replicated norms' weights
+    # sum their gradients. Without tp_seq the cut is at Megatron's f and g instead.
+    for rank, out in enumerate(eight):
+        seq, plain = out["ref_1f1b_subpipe_seq"], out["ref_1f1b_subpipe"]
+        gathers = 4 + (rank // 4 == 1)  # mesh order pp, dp, tp: ranks 4-7 hold stage 1
+        scatters = 4 + (rank // 4 == 0)
+        kinds = seq["subpipe_segments"]
+        assert kinds.get("tp_seq_gather") == gathers, (rank, kinds)
+        assert kinds.get("tp_seq_reduce_scatter") == scatters, (rank, kinds)
+        assert "reduce" not in kinds, (rank, kinds)
+        assert {"reduce", "copy"} <= set(plain["subpipe_segments"]), (rank, plain)
+        assert [s[:2] for s in seq["boundary"]] == [(2, 32)], (rank, seq["boundary"])
+        assert seq["losses"] == pytest.approx(out["ref_1f1b_seq"]["losses"], abs=TOL)
 
 
 def test_subpipelined_run_equals_the_sequence_parallel_one(eight):

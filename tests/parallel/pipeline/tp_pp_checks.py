@@ -89,7 +89,22 @@ def parity(arch: str, text: str) -> dict[str, float]:
             # the stages run the partition's capture, not a second one (sub-pipelined: both
             # are at half the micro-batch)
             "one_capture": built.graph is plan.pipeline.program.graph,
-            "boundary": [tuple(spec.shape) for spec in built.out_specs[0]]}
+            "boundary": [tuple(spec.shape) for spec in built.out_specs[0]],
+            "subpipe_segments": _subpipe_segments(built)}
+
+
+def _subpipe_segments(built) -> dict[str, int]:
+    """How many segments of each kind this rank's sub-pipelined pieces were cut into
+    (pipeline/subpipe.py; empty when the stages are not sub-pipelined)."""
+    from tessera.parallel.pipeline.subpipe import SubPipelined
+
+    out: dict[str, int] = {}
+    for runner in built.runners.values():
+        for _, piece in runner.pieces():
+            if isinstance(piece.module, SubPipelined):
+                for segment in piece.module.cut.segments:
+                    out[segment.kind] = out.get(segment.kind, 0) + 1
+    return out
 
 
 def _seq_ops(graph) -> dict[str, int]:

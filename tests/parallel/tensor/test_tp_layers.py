@@ -210,9 +210,6 @@ def test_bad_input_is_refused_with_the_rule_named(results):
            "style (transformer.h.1.mlp.extra): Megatron sequence parallelism splits the " \
            "tokens between the layers and must know what each dropout acts on" \
            in got["hf_dropout"], got["hf_dropout"]
-    assert "with tp_overlap=subpipe: sub-pipelined tensor parallelism overlaps the 1D " \
-           "all-reduces, which Megatron sequence parallelism (tp_seq=on) replaces" \
-           in got["subpipe"], got["subpipe"]
     # Gemma's scaled embedding and (1 + w) norms are built by the 1D layers only.
     assert got["one_d_style"].startswith("model.embed_tokens: GemmaTextScaledWordEmbedding "
                                          "scales its embedding (Gemma's): built for "

@@ -541,7 +541,7 @@ def _tiny_refusal(mesh: Mesh) -> str:
 def refusals_tp_seq(mesh: Mesh) -> dict[str, str]:
     """Megatron sequence parallelism (tp_seq=on): a batch length tp does not divide, a
     Hugging Face model (whose masks follow the local length) with a dropout module its
-    policy does not place, and sub-pipelined tensor parallelism (not built with it)."""
+    policy does not place."""
     strategy = mesh.strategy.replace(dp=1, global_batch_size=1, tp_seq="on")
     out = {}
     model = Transformer(preset("tiny"))
@@ -565,13 +565,6 @@ def refusals_tp_seq(mesh: Mesh) -> dict[str, str]:
         out["hf_dropout"] = ""
     except ValueError as err:
         out["hf_dropout"] = str(err)
-    subpipe = strategy.replace(pp=2, micro_batch_size=2, global_batch_size=2,
-                               tp_overlap="subpipe")
-    try:  # a direct call, not through Strategy.require_available
-        apply_tensor_parallel(Parallelized(model, model, None), subpipe, mesh)
-        out["subpipe"] = ""
-    except ValueError as err:
-        out["subpipe"] = str(err)
     return out
 
 

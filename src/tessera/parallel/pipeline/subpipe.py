@@ -16,6 +16,10 @@ half 0's later segment runs after half 1's earlier one, so the wait for half 0's
 all-reduce would come before half 1's segment. The backward is therefore scheduled by hand
 (``subpipe_run.py``). The halves' outputs are concatenated, so neighbouring stages send and
 receive whole micro-batches as before.
+
+Under Megatron sequence parallelism (``tp_seq=on``) the pieces hold its all-gathers and
+reduce-scatters (tensor/ops_seq.py) in place of g, and the cut and the turns are at those
+(``subpipe_run.COLLECTIVES``).
 """
 
 from __future__ import annotations
@@ -30,6 +34,7 @@ from torch import fx, nn
 from tessera.parallel.pipeline.split import Piece
 from tessera.parallel.pipeline.subpipe_run import HALVES, run_interleaved
 from tessera.parallel.tensor.ops import is_tp_copy, is_tp_reduce
+from tessera.parallel.tensor.ops_seq import seq_collective
 
 
 @dataclass
@@ -37,8 +42,10 @@ class Segment:
     """Part of a piece between two tensor-parallel collectives, or one collective.
 
     Attributes:
-        kind: "compute", "reduce" (g: all-reduce forward, identity backward) or "copy" (f:
-            identity forward, all-reduce backward).
+        kind: "compute", "reduce" (g: all-reduce forward, identity backward), "copy" (f:
+            identity forward, all-reduce backward), or the name of one of Megatron sequence
+            parallelism's ops (tensor/ops_seq.SEQ_COLLECTIVES; subpipe_run.COLLECTIVES says
+            what each does forward and backward).
         inputs: names of the values it reads that other segments (or the piece's
             arguments) produce; a collective reads one.
         outputs: names of its values read by later segments or returned by the piece.
@@ -54,6 +61,7 @@ class Segment:
     module: fx.GraphModule | None = None
     group: str = ""
     weights: list[torch.Tensor] = field(default_factory=list)
+    block: str = ""  # a tp_seq_gather's block, whose column layers share one re-gather
 
 
 @dataclass
@@ -75,7 +83,8 @@ class Cut:
 
 
 def cut_at_collectives(gm: fx.GraphModule) -> Cut:
-    """Cut ``gm`` (a piece's graph) before and after every ``tp_reduce`` and ``tp_copy``."""
+    """Cut ``gm`` (a piece's graph) before and after every ``tp_reduce`` and ``tp_copy``, and
+    every sequence collective of Megatron sequence parallelism (``tp_seq=on``)."""
     members: list[list[fx.Node]] = []
     kinds: list[str] = []
     segment_of: dict[str, int] = {}
@@ -113,8 +122,9 @@ def cut_at_collectives(gm: fx.GraphModule) -> Cut:
                        if t.requires_grad]
             segments.append(Segment(kind, reads[index], outputs, module, weights=weights))
         else:  # a collective's one value, even if nothing reads it (its all-reduce still runs)
+            block = nodes[0].args[2] if kind == "tp_seq_gather" else ""
             segments.append(Segment(kind, reads[index], [nodes[0].name],
-                                    group=nodes[0].args[1]))
+                                    group=nodes[0].args[1], block=block))
     arguments = [n.name for n in gm.graph.nodes if n.op == "placeholder"]
     return Cut(arguments, segments, results, last_use)
 
@@ -124,7 +134,9 @@ def _collective_kind(node: fx.Node) -> str | None:
         return None
     if is_tp_reduce(node.target):
         return "reduce"
-    return "copy" if is_tp_copy(node.target) else None
+    if is_tp_copy(node.target):
+        return "copy"
+    return seq_collective(node.target)  # Megatron sequence parallelism's (tensor/ops_seq.py)
 
 
 def _unpacks(node: fx.Node) -> bool:

@@ -36,7 +36,9 @@ from dataclasses import dataclass
 import torch
 
 from tessera.parallel.pipeline.shard_casts import shared_shard_casts
+from tessera.parallel.tensor.comm import Started, own_rows
 from tessera.parallel.tensor.ops import group_named
+from tessera.parallel.tensor.ops_seq import forget_regather
 
 HALVES = 2
 Grads = dict[str, torch.Tensor]  # one half's gradients by value name, summed over readers
@@ -103,23 +105,49 @@ def _refuse_tensor_hooks(weights: list[torch.Tensor]) -> None:
                                "register_post_accumulate_grad_hook, or tp_overlap=none")
 
 
+# What each collective segment does (forward, backward): "identity", "rows" (this rank's
+# sequence chunk, dim 1, no communication), or a collective started asynchronously
+# ("all_reduce"; "all_gather" and "reduce_scatter" along the sequence, dim 1).
+COLLECTIVES = {
+    "reduce": ("all_reduce", "identity"),  # Megatron's g
+    "copy": ("identity", "all_reduce"),  # Megatron's f
+    # Megatron sequence parallelism (tensor/ops_seq.py)
+    "tp_seq_gather": ("all_gather", "reduce_scatter"),
+    "tp_seq_reduce_scatter": ("reduce_scatter", "all_gather"),
+    "tp_seq_scatter": ("rows", "all_gather"),
+    "tp_seq_gather_whole": ("all_gather", "rows"),
+}
+
+
 @dataclass
 class _Pending:
-    """An all-reduce under way: its result lands as value (or gradient) ``name``."""
+    """A collective under way: its result lands as value (or gradient) ``name``."""
 
     name: str
-    buffer: torch.Tensor
-    work: object | None
+    started: Started
 
     def finish(self) -> torch.Tensor:
-        if self.work is not None:
-            self.work.wait()
-        return self.buffer
+        return self.started.wait()
 
 
-def _start(value: torch.Tensor, group: str, name: str) -> _Pending:
-    buffer = value.detach().clone(memory_format=torch.contiguous_format)
-    return _Pending(name, buffer, group_named(group).all_reduce_start(buffer))
+def _apply(action: str, value: torch.Tensor, segment, name: str
+           ) -> tuple[torch.Tensor | None, _Pending | None]:
+    """``action`` (a :data:`COLLECTIVES` entry) on ``value`` for ``segment``: (the result now,
+    or the collective started, landing as ``name``)."""
+    if action == "identity":
+        return value, None
+    group = group_named(segment.group)
+    if action == "rows":
+        return own_rows(value.detach(), group), None
+    if segment.block:  # a block input's gather: its column layers' re-gather is over
+        forget_regather(segment.block)
+    value = value.detach()
+    if action == "all_reduce":
+        buffer = value.clone(memory_format=torch.contiguous_format)
+        work = group.all_reduce_start(buffer)
+        return None, _Pending(name, Started(work, lambda: buffer))
+    start = group.all_gather_start if action == "all_gather" else group.reduce_scatter_start
+    return None, _Pending(name, start(value, dim=1))
 
 
 class _Run:
@@ -162,10 +190,9 @@ class _Run:
         else:
             (source,), (out,) = segment.inputs, segment.outputs
             self.needs[h][out] = self.needs[h][source]
-            if segment.kind == "copy":  # f: identity in the forward
-                values[out] = values[source]
-            else:  # g
-                started = _start(values[source], segment.group, out)
+            now, started = _apply(COLLECTIVES[segment.kind][0], values[source], segment, out)
+            if now is not None:
+                values[out] = now
         self._release(values, segment, index)
         return started
 
@@ -220,10 +247,10 @@ class _Run:
         grad = table.pop(segment.outputs[0], None)
         if grad is None:
             return None
-        if segment.kind == "reduce":  # g: identity in the backward
-            _add(table, segment.inputs[0], grad)
-            return None
-        return _start(grad, segment.group, segment.inputs[0])  # f
+        now, started = _apply(COLLECTIVES[segment.kind][1], grad, segment, segment.inputs[0])
+        if now is not None:
+            _add(table, segment.inputs[0], now)
+        return started
 
     def _land_grad(self, h: int, pending: _Pending) -> None:
         _add(self.grads[h], pending.name, pending.finish())

@@ -149,16 +149,10 @@ def _with_unpermute_hooks(base):
 def _check_mix(strategy: Strategy, what: str) -> None:
     """Refuse option mixes this runtime does not compose yet, naming the rule (also for a
     direct call, which has not been through ``Strategy.require_available``)."""
-    sequence_parallel = strategy.tp_seq == "on"
     if strategy.sp > 1 and strategy.tp_mode == "2d":
         # sp x 1d works, with tp_seq=on too (parallel/sequence/compose.py); 2d does not.
         raise PolicyError(f"{what} with sp={strategy.sp}: context (sp) parallelism composes "
                           "with 1d tensor parallelism only; see docs/sequence_parallel.md")
-    if strategy.tp_overlap == "subpipe" and sequence_parallel:
-        raise PolicyError(f"{what} with tp_overlap=subpipe: sub-pipelined tensor parallelism "
-                          "overlaps the 1D all-reduces, which Megatron sequence parallelism "
-                          "(tp_seq=on) replaces by all-gathers and reduce-scatters; use "
-                          "tp_overlap=none or tp_seq=off")
     if strategy.pp > 1 and strategy.tp_mode == "2d" and strategy.tp_overlap == "subpipe":
         raise PolicyError(f"{what} with pp={strategy.pp}: tp_overlap=subpipe overlaps 1D "
                           "all-reduces; 2D (SUMMA) layers have none to overlap. Use "

@@ -18,6 +18,7 @@ object, so the benchmark can compare measured traffic with the analytic formulas
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Callable
 
 import torch
 import torch.distributed as dist
@@ -36,6 +37,20 @@ class CommCounter:
 
     def total(self) -> int:
         return sum(self.bytes.values())
+
+
+@dataclass
+class Started:
+    """A collective under way: :meth:`wait` returns its result (``result`` reads it once the
+    work is done; ``work`` None: nothing to wait for)."""
+
+    work: object | None
+    result: Callable[[], torch.Tensor]
+
+    def wait(self) -> torch.Tensor:
+        if self.work is not None:
+            self.work.wait()
+        return self.result()
 
 
 class TPGroup:
@@ -70,6 +85,26 @@ class TPGroup:
             return None
         self._count("all_reduce", tensor)
         return dist.all_reduce(tensor, group=self.group, async_op=True)
+
+    def all_gather_start(self, tensor: torch.Tensor, dim: int) -> "Started":
+        """Start :meth:`all_gather` (gloo on its own thread, NCCL on its own stream)."""
+        if self.size == 1:
+            return Started(None, lambda: tensor)
+        tensor = tensor.contiguous()
+        self._count("all_gather", tensor)
+        parts = [torch.empty_like(tensor) for _ in range(self.size)]
+        work = dist.all_gather(parts, tensor, group=self.group, async_op=True)
+        return Started(work, lambda: torch.cat(parts, dim=dim))
+
+    def reduce_scatter_start(self, tensor: torch.Tensor, dim: int) -> "Started":
+        """Start :meth:`reduce_scatter` (as :meth:`all_gather_start`)."""
+        if self.size == 1:
+            return Started(None, lambda: tensor)
+        flat = torch.stack(tensor.chunk(self.size, dim=dim))  # (size, *part): one copy
+        self._count("reduce_scatter", tensor)
+        out = torch.empty_like(flat[0])
+        work = reduce_scatter_flat(out, flat, self.group, async_op=True)
+        return Started(work, lambda: out)
 
     def all_gather(self, tensor: torch.Tensor, dim: int) -> torch.Tensor:
         """Concatenate every rank's ``tensor`` along ``dim`` (rank order)."""

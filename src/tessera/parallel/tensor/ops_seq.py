@@ -183,6 +183,22 @@ SEQ_COLLECTIVES = frozenset({"tp_seq_gather", "tp_seq_reduce_scatter", "tp_seq_s
 SEQ_LINEAR_NAME = "tp_seq_linear"  # the op name of TP_SEQ_LINEAR in a graph node
 
 
+def seq_collective(target) -> str | None:
+    """The name of the sequence collective a graph node's ``target`` is (one of
+    :data:`SEQ_COLLECTIVES`; exported graphs hold the overload, fx the packet), else None."""
+    for name in SEQ_COLLECTIVES:
+        packet = getattr(torch.ops.tessera, name)
+        if target is packet or target is packet.default:
+            return name
+    return None
+
+
+def forget_regather(block: str) -> None:
+    """End the sharing of ``block``'s re-gather (what :func:`tp_seq_gather` does forward and
+    backward), for a caller that runs its collective itself (pipeline/subpipe_run.py)."""
+    _REGATHERED.pop(block, None)
+
+
 def seq_comm_bytes(op: str, node) -> tuple[float, float]:
     """(forward, backward) bytes an exported graph node of these ops moves: an all-gather or
     a reduce-scatter moves about the whole (B, T, C) tensor through each rank (a ring's
