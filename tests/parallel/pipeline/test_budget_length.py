@@ -28,8 +28,12 @@ def _warnings_at(lengths: list[int], planned: int, inputs) -> list[str]:
 
 
 def test_zigzag_shares_count_per_rank_and_warn_once():
-    inputs = StageInputs(SimpleNamespace(size=2, layout="zigzag"), nn.Linear(1, 1))
+    inputs = StageInputs(SimpleNamespace(size=2, layout="zigzag", token_ways=1),
+                         nn.Linear(1, 1))
     assert [inputs.local_len(n) for n in (125, 128, 129)] == [64, 64, 66]
+    # tp_seq=on over tp=4 within each sp rank: 129 pads to 136 (68 a rank, 17 a tp rank)
+    split = StageInputs(SimpleNamespace(size=2, layout="zigzag", token_ways=4), nn.Linear(1, 1))
+    assert [split.local_len(n) for n in (125, 128, 129)] == [64, 64, 68]
     assert _warnings_at([126, 128], planned=126, inputs=inputs) == []  # both 64 per rank
     warned = _warnings_at([129, 200], planned=126, inputs=inputs)
     assert len(warned) == 1 and "129 tokens per sample" in warned[0]
