@@ -4,12 +4,16 @@ Three launches:
 
 - one process: the single-device baselines (fp32 and bf16);
 - 8 processes, the 8-rank compositions: dp=2 x sp=2 x pp=2 (ring; rsa with full
-  recompute), dp=2 x sp=2 x tp=2 (ring) and sp=2 x tp=2 x pp=2 (ulysses);
+  recompute), dp=2 x sp=2 x tp=2 (ring) and sp=2 x tp=2 x pp=2 (ulysses; and HF Llama with
+  Megatron sequence parallelism, tp_seq=on, inside each sp rank);
 - 4 processes: sp=2 x pp=2 in bf16 (ring on tiny, ulysses on tiny-llama), dp=2 x sp=2 in
   bf16 (ring, no pipeline; ulysses on HF Llama), tp=2 x sp=2 in bf16 (ring), dp=2 x sp=2
   (ring), sp=2 x pp=2 (ulysses, tiny-llama) and tp=2 x sp=2 (ring) in fp16, and HF GPT-2
   (ring), HF Llama (rsa) and a 4096-token-vocabulary tiny model (ring, its LM head sliced
-  over the vocabulary, pipeline/head.py) under sp=2 x pp=2 in fp32.
+  over the vocabulary, pipeline/head.py) under sp=2 x pp=2 in fp32; sp=2 x tp=2 with
+  tp_seq=on (ring on tiny; HF GPT-2 with dropout under rsa, against the same with
+  tp_seq=off); then, outside the Trainer, tiny-llama on right-padded 13-token rows under
+  sp=2 x tp=2 with tp_seq=on (rsa, ring) against one device.
 
 Each run is 3 Trainer steps of a 2-layer model (d_model 64, byte vocabulary) on 32-token
 samples, 8 samples per step. Every worker tokenises the corpus once and shares it between runs.
