@@ -23,16 +23,15 @@ import copy
 import sys
 from pathlib import Path
 
-import torch.distributed as dist
-
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tensor"))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import tp_checks  # noqa: E402
+from test_sp_compositions import gaps_to_one_device  # noqa: E402
 
 from tessera.mesh import Mesh  # noqa: E402
 from tessera.parallel import parallelize  # noqa: E402
 from tessera.parallel.plan import default_forward_loss  # noqa: E402
-from tessera.parallel.tensor.shard import unsharded  # noqa: E402
 from tessera.strategy import Strategy  # noqa: E402
 from tessera.testing import run_distributed  # noqa: E402
 
@@ -59,15 +58,7 @@ def one_case(kind: str, strategy: Strategy, mesh: Mesh) -> tuple[float, float]:
         raise AssertionError(f"tp_seq={strategy.tp_seq} but features {plan.features}")
     loss = plan.forward_loss(plan.module, data)
     loss.backward()  # gradients averaged over sp as they complete (ShardGradSync)
-    total = loss.detach().clone()
-    dist.all_reduce(total, group=mesh.group("sp"))
-    ref_grads, worst, scale = dict(single.named_parameters()), 0.0, 0.0
-    for name, param in model.named_parameters():
-        owner, _, attr = name.rpartition(".")
-        full = unsharded(model.get_submodule(owner), attr, param.grad)
-        worst = max(worst, (full - ref_grads[name].grad).abs().max().item())
-        scale = max(scale, ref_grads[name].grad.abs().max().item())
-    return abs(total.item() / strategy.sp - ref.item()), worst / scale
+    return gaps_to_one_device(model, single, loss, ref, mesh)
 
 
 def work(rank: int, world_size: int) -> dict:

@@ -263,6 +263,14 @@ def _padded_tp_seq(mode: str) -> dict[str, float]:
     loss = plan.forward_loss(plan.module, {"input_ids": inputs, "labels": labels,
                                            "attention_mask": mask})
     loss.backward()  # each gradient averaged over sp as it completes (ShardGradSync)
+    loss_gap, grad_gap = gaps_to_one_device(model, single, loss, ref, mesh)
+    return {"loss": loss_gap, "grad_rel": grad_gap, "features": list(plan.features)}
+
+
+def gaps_to_one_device(model, single, loss, ref, mesh: Mesh) -> tuple[float, float]:
+    """After the backward of this rank's sp ``loss`` of ``model`` and of one device's ``ref``
+    of ``single``: (|mean of the sp ranks' losses - ref|, the largest gradient difference,
+    tp shards gathered, relative to the largest gradient). Also check_tp_seq_classes.py's."""
     total = loss.detach().clone()
     dist.all_reduce(total, group=mesh.group("sp"))
     ref_grads, worst, scale = dict(single.named_parameters()), 0.0, 0.0
@@ -271,8 +279,7 @@ def _padded_tp_seq(mode: str) -> dict[str, float]:
         full = unsharded(model.get_submodule(owner), attr, param.grad)
         worst = max(worst, (full - ref_grads[name].grad).abs().max().item())
         scale = max(scale, ref_grads[name].grad.abs().max().item())
-    return {"loss": abs(total.item() / 2 - ref.item()), "grad_rel": worst / scale,
-            "features": list(plan.features)}
+    return abs(total.item() / mesh.strategy.sp - ref.item()), worst / scale
 
 
 def _agreed(results: list[dict]) -> dict:

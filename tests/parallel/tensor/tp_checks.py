@@ -6,7 +6,9 @@ single-device one, gathered to the single-device layout; the test files assert o
 
 from __future__ import annotations
 
+import contextlib
 import copy
+from typing import Iterator
 
 import torch
 from torch import nn
@@ -433,6 +435,23 @@ def _max_state_diff(model_sd, ref_model, optim_sd, ref_optim) -> float:
     return worst
 
 
+@contextlib.contextmanager
+def counted(method: str) -> Iterator[list[tuple[int, ...]]]:
+    """The shapes of the tensors every ``TPGroup.<method>`` call is given inside the block."""
+    seen: list[tuple[int, ...]] = []
+    original = getattr(TPGroup, method)
+
+    def counting(self, tensor, *args, **kwargs):
+        seen.append(tuple(tensor.shape))
+        return original(self, tensor, *args, **kwargs)
+
+    setattr(TPGroup, method, counting)
+    try:
+        yield seen
+    finally:
+        setattr(TPGroup, method, original)
+
+
 def backward_all_reduces(mesh: Mesh, kind: str, layers: str = "eager") -> dict[str, int]:
     """How many all-reduces one backward of a 1D TP model issues, by what they sum.
 
@@ -451,18 +470,8 @@ def backward_all_reduces(mesh: Mesh, kind: str, layers: str = "eager") -> dict[s
         apply_tensor_parallel(plan, strategy.replace(pp=2) if layers == "ops" else strategy,
                               mesh)
     loss_value = plan.forward_loss(plan.module, batch())
-    seen: list[tuple[int, ...]] = []
-    original = TPGroup.all_reduce
-
-    def counting(self, tensor, *args, **kwargs):
-        seen.append(tuple(tensor.shape))
-        return original(self, tensor, *args, **kwargs)
-
-    TPGroup.all_reduce = counting
-    try:
+    with counted("all_reduce") as seen:
         loss_value.backward()
-    finally:
-        TPGroup.all_reduce = original
     width = model_dims(model).d_model
     n_act = sum(shape == (B, T, width) for shape in seen)
     return {"activations": n_act, "other": len(seen) - n_act,
@@ -484,18 +493,8 @@ def recomputed_block_gathers(mesh: Mesh, kind: str) -> dict[str, float]:
         apply_tensor_parallel(plan, strategy, mesh)
         apply_recompute(model, 1.0 if recompute else 0.0)
         loss_value = plan.forward_loss(plan.module, batch())
-        seen: list[int] = []
-        original = TPGroup.all_gather
-
-        def counting(self, tensor, *args, **kwargs):
-            seen.append(1)
-            return original(self, tensor, *args, **kwargs)
-
-        TPGroup.all_gather = counting
-        try:
+        with counted("all_gather") as seen:
             loss_value.backward()
-        finally:
-            TPGroup.all_gather = original
         out["recomputed" if recompute else "kept"] = len(seen)
         grads.append([local(p.grad) for p in model.parameters()])
     out["grad"] = max(_diff(a, b) for a, b in zip(*grads))
