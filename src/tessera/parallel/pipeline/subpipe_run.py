@@ -142,12 +142,13 @@ def _apply(action: str, value: torch.Tensor, segment, name: str
     if segment.block:  # a block input's gather: its column layers' re-gather is over
         forget_regather(segment.block)
     value = value.detach()
-    if action == "all_reduce":
-        buffer = value.clone(memory_format=torch.contiguous_format)
-        work = group.all_reduce_start(buffer)
-        return None, _Pending(name, Started(work, lambda: buffer))
-    start = group.all_gather_start if action == "all_gather" else group.reduce_scatter_start
-    return None, _Pending(name, start(value, dim=1))
+    if action == "all_reduce":  # in place, so on a copy
+        started = group.all_reduce_start(value.clone(memory_format=torch.contiguous_format))
+    elif action == "all_gather":
+        started = group.all_gather_start(value, dim=1)
+    else:
+        started = group.reduce_scatter_start(value, dim=1)
+    return None, _Pending(name, started)
 
 
 class _Run:

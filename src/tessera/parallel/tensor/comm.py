@@ -78,13 +78,14 @@ class TPGroup:
             dist.all_reduce(tensor, op=op, group=self.group)
         return tensor
 
-    def all_reduce_start(self, tensor: torch.Tensor):
+    def all_reduce_start(self, tensor: torch.Tensor) -> "Started":
         """Start an in-place sum of ``tensor`` (gloo runs it on its own thread, NCCL on its
-        own stream); returns the work to ``wait()`` on, or None when the group is one rank."""
+        own stream); its ``wait()`` returns ``tensor`` summed."""
         if self.size == 1:
-            return None
+            return Started(None, lambda: tensor)
         self._count("all_reduce", tensor)
-        return dist.all_reduce(tensor, group=self.group, async_op=True)
+        return Started(dist.all_reduce(tensor, group=self.group, async_op=True),
+                       lambda: tensor)
 
     def all_gather_start(self, tensor: torch.Tensor, dim: int) -> "Started":
         """Start :meth:`all_gather` (gloo on its own thread, NCCL on its own stream)."""
@@ -108,23 +109,11 @@ class TPGroup:
 
     def all_gather(self, tensor: torch.Tensor, dim: int) -> torch.Tensor:
         """Concatenate every rank's ``tensor`` along ``dim`` (rank order)."""
-        if self.size == 1:
-            return tensor
-        tensor = tensor.contiguous()
-        self._count("all_gather", tensor)
-        parts = [torch.empty_like(tensor) for _ in range(self.size)]
-        dist.all_gather(parts, tensor, group=self.group)
-        return torch.cat(parts, dim=dim)
+        return self.all_gather_start(tensor, dim).wait()
 
     def reduce_scatter(self, tensor: torch.Tensor, dim: int) -> torch.Tensor:
         """Sum over ranks, then keep this rank's chunk of ``dim``."""
-        if self.size == 1:
-            return tensor
-        flat = torch.stack(tensor.chunk(self.size, dim=dim))  # (size, *part): one copy
-        self._count("reduce_scatter", tensor)
-        out = torch.empty_like(flat[0])
-        reduce_scatter_flat(out, flat, self.group)
-        return out
+        return self.reduce_scatter_start(tensor, dim).wait()
 
     def broadcast(self, tensor: torch.Tensor, src: int) -> torch.Tensor:
         """In-place broadcast from the group's rank ``src``; returns ``tensor``."""
